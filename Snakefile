@@ -1,0 +1,22 @@
+# Training-throughput probes: where did a fine-tuning step's time go?
+# Chain: mask -> padding -> bucket_sweep -> profile -> report (the default target).
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+
+
+rule all:
+    input:
+        "results/report/playbook-evidence.md",
+    default_target: True
+
+
+include: "workflow/rules/assets.smk"
+include: "workflow/rules/mask.smk"
+include: "workflow/rules/padding.smk"
+include: "workflow/rules/bucket.smk"
+include: "workflow/rules/profile.smk"
+include: "workflow/rules/report.smk"

@@ -1,0 +1,48 @@
+"""Config checks that JSON schema cannot express, and path helpers shared by the rules."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# Paths that rules of the workflow materialise; they need not exist at parse time.
+DEFAULT_MODEL_DIR = "resources/model/gemma-3-270m"
+DEFAULT_DATA_FILE = "resources/data/chitchat.parquet"
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and what to do."""
+
+
+def model_file(config: dict[str, Any], name: str) -> str:
+    """Path of a file in the model directory (`config.json` may come from model.config_path)."""
+    if name == "config.json" and config["model"].get("config_path"):
+        return str(config["model"]["config_path"])
+    return str(Path(config["model"]["path"]) / name)
+
+
+def check_config_paths(config: dict[str, Any], workdir: Path | None = None) -> None:
+    """Fail before any job runs if a user-given path does not exist."""
+    base = workdir or Path.cwd()
+    model_path = config["model"]["path"]
+    if model_path != DEFAULT_MODEL_DIR and not (base / model_path).is_dir():
+        raise ConfigError(
+            f"config key model.path: directory '{model_path}' does not exist; "
+            "point it at a local Hugging Face model directory (config.json, tokenizer files, "
+            f"safetensors) or use the embedded default '{DEFAULT_MODEL_DIR}'."
+        )
+    for key in ("config_path", "chat_template"):
+        value = config["model"].get(key)
+        if value and not (base / value).is_file():
+            raise ConfigError(f"config key model.{key}: file '{value}' does not exist.")
+    for index, entry in enumerate(config["data"]["files"]):
+        path = entry["path"]
+        if path != DEFAULT_DATA_FILE and not (base / path).is_file():
+            raise ConfigError(
+                f"config key data.files[{index}].path: file '{path}' does not exist; "
+                "give a .jsonl or .parquet file of messages, conversations or text."
+            )
+        if not path.endswith((".jsonl", ".parquet")):
+            raise ConfigError(
+                f"config key data.files[{index}].path: '{path}' is neither .jsonl nor .parquet."
+            )

@@ -1,0 +1,22 @@
+rule mask:
+    input:
+        model_config=model_config_json(),
+    output:
+        layers=report(
+            "results/mask/layers.parquet",
+            category="Mask gate",
+            caption="../report/mask.rst",
+        ),
+        gate="results/mask/gate.json",
+        control="results/mask/control.json",
+    params:
+        mask=config["mask"],
+        training=config["training"],
+    log:
+        "logs/mask.log",
+    benchmark:
+        "benchmarks/mask.tsv"
+    conda:
+        "../envs/probes.yaml"
+    script:
+        "../../scripts/step0_mask.py"
