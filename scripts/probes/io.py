@@ -22,7 +22,14 @@ import pyarrow.parquet as pq
 
 PROVENANCE_KEY = b"probes.provenance"
 VERSIONED_PACKAGES = (
-    "torch", "transformers", "tokenizers", "peft", "snakemake", "pandas", "pyarrow", "jinja2",
+    "torch",
+    "transformers",
+    "tokenizers",
+    "peft",
+    "snakemake",
+    "pandas",
+    "pyarrow",
+    "jinja2",
 )
 
 
@@ -45,8 +52,12 @@ def package_versions() -> dict[str, str]:
 def git_commit(repo: Path | None = None) -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=repo or Path.cwd(),
-            capture_output=True, text=True, timeout=5, check=True,
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=repo or Path.cwd(),
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
         )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):

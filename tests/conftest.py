@@ -1,0 +1,101 @@
+"""Shared fixtures: a tiny random-init Gemma 3 with a real tokenizer file and chat template, and
+small data files. Everything is built in code, so the suite needs no network and no weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHAT_TEMPLATE = REPO / "config" / "chat_templates" / "gemma.jinja"
+CANARY = "CANARY-7f3a9c-DO-NOT-LEAK"
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+WORDS = (
+    "hello how are you today i am fine thanks what is your favorite food pizza pasta "
+    "the a of to and in is it that for on with as at by from model user system"
+).split()
+
+
+def build_tiny_tokenizer(directory: Path) -> None:
+    """A word-level fast tokenizer with Gemma's special tokens and the shipped chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS + sorted(set(WORDS)))}
+    for char in "abcdefghijklmnopqrstuvwxyz0123456789-.,?!'\n":
+        vocab.setdefault(char, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"],
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE.read_text()
+    tokenizer.save_pretrained(directory)
+
+
+def build_tiny_gemma(directory: Path, vocab_size: int, sliding_window: int = 16) -> None:
+    """A 4-layer Gemma 3 (3 sliding : 1 full) with tiny hidden sizes, random init, bf16 on disk."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A complete local HF model directory: config.json, tokenizer files, safetensors."""
+    from transformers import AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-gemma3")
+    build_tiny_tokenizer(directory)
+    vocab_size = len(AutoTokenizer.from_pretrained(directory))
+    build_tiny_gemma(directory, vocab_size=vocab_size)
+    return directory
+
+
+def chat_rows(n_rows: int, text: str = "hello how are you today") -> list[dict]:
+    """Chat rows of varied length; `text` may carry a canary."""
+    rows = []
+    for index in range(n_rows):
+        turns = []
+        for turn in range(1 + index % 4):
+            turns.append({"role": "user", "content": f"{text} {'i am fine ' * (index % 7)}"})
+            turns.append({"role": "assistant", "content": f"{text} pizza {'pasta ' * turn}"})
+        rows.append({"messages": turns, "source": f"src{index % 3}"})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def chat_jsonl(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
