@@ -211,7 +211,7 @@ while ((SECONDS < deadline)); do
 done
 case "$state" in
 idle | mixed | allocated)
-    log "node $NODE is $state: $cpus CPUs, ${real_mb} MB, gres gpu:1 (fake, /dev/null); partition $PARTITION"
+    log "node $NODE is $state: $(grep -o "^NodeName=$NODE .*" "$CONF_DIR/slurm.conf" | cut -d' ' -f3-5); partition $PARTITION"
     ;;
 *)
     sinfo -R >&2 || true
