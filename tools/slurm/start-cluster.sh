@@ -40,6 +40,14 @@ alive() {
     [[ -r "/proc/$pid/comm" ]] && [[ "$(cat "/proc/$pid/comm")" == "$name" ]]
 }
 
+# Pids running a program, from /proc (no procps needed).
+pids_of() {
+    local comm
+    for comm in /proc/[0-9]*/comm; do
+        if [[ "$(cat "$comm" 2>/dev/null)" == "$1" ]]; then basename "$(dirname "$comm")"; fi
+    done | tr '\n' ' ' | sed 's/ $//'
+}
+
 node_state() {
     sinfo --noheader --nodes="$NODE" --format=%T 2>/dev/null | head -n 1 | tr -d '[:space:]*~#'
 }
@@ -173,9 +181,9 @@ start_daemon() {
             return
         fi
     fi
-    if pgrep -x "$name" >/dev/null; then
-        die "a $name not started by this script is running (pid $(pgrep -x "$name" | head -n 1)); stop it first"
-    fi
+    local other
+    other="$(pids_of "$name")"
+    [[ -z "$other" ]] || die "a $name not started by this script is running (pid $other); stop it first"
     setsid "$@" </dev/null >>"$STATE/log/$name.out" 2>&1 &
     echo $! >"$PIDS/$name.pid"
     sleep 0.5
