@@ -4,8 +4,6 @@ Run by `snakemake report`, or standalone:
     python scripts/render_report.py --results results --out results/report/playbook-evidence.md
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import shutil
@@ -118,7 +116,7 @@ if "snakemake" in globals():
             smk.input.template,
             smk.output.markdown,
             smk.output.figures,
-            dict(smk.config),
+            {**smk.config, "report": dict(smk.params.report)},
             smk.log[0] if smk.log else None,
         )
     )

@@ -213,49 +213,53 @@ def control(name: str, passed: bool = True) -> dict:
     }
 
 
-def write_results(
-    root: Path,
+def write_stage(
+    stage: str,
+    paths: dict[str, Path],
     profile: str = "gpu",  # gpu | cpu | not_run
     failed: tuple[str, ...] = (),
-) -> dict[str, Path]:
-    """Write every stage output the report reads under root/ (the workflow's results layout)."""
-    paths = rep.default_input_paths(root)
+) -> None:
+    """Write one stage's outputs (keys as in probes.report.INPUT_FILES) the way the stage would."""
     meta = run_metadata({"fixture": True})
-    lengths = padding_lengths()
-    write_parquet(mask_layers(), paths["mask_layers"], meta)
-    write_json(
-        {"passed": True, "counts": {"fast_path_layers_at_training_shape": 1, "n_layers": 6}},
-        paths["mask_gate"],
-    )
-    write_parquet(lengths, paths["padding_lengths"], meta)
-    for name, frame in padding_tables(lengths).items():
-        write_parquet(frame, paths[f"padding_{name}"], meta)
-    write_parquet(bucket_sweep(), paths["bucket_sweep"], meta)
-    write_json(
-        {"bucket_size": 4, "reason": "smallest size within 90% of the best gain"},
-        paths["bucket_recommendation"],
-    )
-    for stage in ("mask", "padding", "bucket"):
-        write_json(control(f"{stage}_control", stage not in failed), paths[f"{stage}_control"])
-    if profile == "not_run":
+    if stage == "mask":
+        write_parquet(mask_layers(), paths["mask_layers"], meta)
+        gate = {"passed": True, "counts": {"fast_path_layers_at_training_shape": 1, "n_layers": 6}}
+        write_json(gate, paths["mask_gate"])
+    elif stage == "padding":
+        lengths = padding_lengths()
+        write_parquet(lengths, paths["padding_lengths"], meta)
+        for name, frame in padding_tables(lengths).items():
+            write_parquet(frame, paths[f"padding_{name}"], meta)
+    elif stage == "bucket":
+        write_parquet(bucket_sweep(), paths["bucket_sweep"], meta)
+        rec = {"bucket_size": 4, "reason": "smallest size within 90% of the best gain"}
+        write_json(rec, paths["bucket_recommendation"])
+    elif profile == "not_run":
         for name in ("scaling", "fit", "padding_penalty", "ce", "kernels"):
             write_parquet(pd.DataFrame(), paths[f"profile_{name}"], meta)
         note = {"status": "not_run", "reason": NOT_RUN_REASON}
         write_json(note, paths["profile_provenance"])
         write_json({**note, "name": "fit_control"}, paths["profile_control"])
+        return
     else:
         for name, frame in profile_tables().items():
             write_parquet(frame, paths[f"profile_{name}"], meta)
-        write_json(
-            {
-                "device": "cpu" if profile == "cpu" else "cuda:0 NVIDIA H200",
-                "cpu_only": profile == "cpu",
-                "harness": "probes.harness",
-                "slurm": {"job_id": "1234"},
-            },
-            paths["profile_provenance"],
-        )
-        write_json(control("fit_control", "profile" not in failed), paths["profile_control"])
+        provenance = {
+            "device": "cpu" if profile == "cpu" else "cuda:0 NVIDIA H200",
+            "cpu_only": profile == "cpu",
+            "harness": "probes.harness",
+            "slurm": {"job_id": "1234"},
+        }
+        write_json(provenance, paths["profile_provenance"])
+    name = "fit_control" if stage == "profile" else f"{stage}_control"
+    write_json(control(name, stage not in failed), paths[f"{stage}_control"])
+
+
+def write_results(root: Path, **kwargs) -> dict[str, Path]:
+    """Write every stage output the report reads under root/ (the workflow's results layout)."""
+    paths = rep.default_input_paths(root)
+    for stage in rep.STAGES:
+        write_stage(stage, paths, **kwargs)
     return paths
 
 

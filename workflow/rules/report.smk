@@ -29,6 +29,7 @@ rule report:
             directory("results/report/figures"),
             patterns=["{name}.png"],
             category="Report",
+            labels={"figure": "{name}"},
             caption="../report/figures.rst",
         ),
     log:
@@ -37,5 +38,7 @@ rule report:
         "benchmarks/report.tsv"
     conda:
         "../envs/probes.yaml"
+    params:
+        report=config["report"],
     script:
         "../../scripts/render_report.py"
