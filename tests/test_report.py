@@ -62,18 +62,23 @@ def mask_layers() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def padding_lengths(n: int = 240) -> pd.DataFrame:
+def padding_lengths(n: int = 240, n_sources: int = 3) -> pd.DataFrame:
+    """probes.tokenize.LENGTH_COLUMNS, every status, plus a planted text column."""
     rng = np.random.default_rng(0)
-    sources = np.array(["chitchat", "support", "code"])[rng.integers(0, 3, n)]
-    tokens = np.minimum(np.exp(rng.normal(6.0, 1.0, n)).astype(int) + 20, 4096)
-    status = np.where(tokens >= 4096, "TRUNCATED", "OK").astype(object)
+    names = np.array(["chitchat", "support", "code"] + [f"topic-{i}" for i in range(n_sources)])
+    sources = names[:n_sources][rng.integers(0, n_sources, n)]
+    full = np.exp(rng.normal(6.0, 1.0, n)).astype(int) + 20
+    status = np.where(full > 4096, "TRUNCATED", "OK").astype(object)
     status[:3] = "EMPTY"
     status[3:6] = "ERROR"
-    tokens = np.where(np.isin(status, ["EMPTY", "ERROR"]), 0, tokens)
+    bad = np.isin(status, ["EMPTY", "ERROR"])
+    full = np.where(bad, 0, full)
+    tokens = np.minimum(full, 4096)
     reason = np.array([""] * n, dtype=object)
     reason[:3] = "no_content"
     reason[3:5] = "invalid_json"
     reason[5] = f"parse failed near '{CANARY}'"  # must be hidden: not a code
+    reason[status == "TRUNCATED"] = "longer_than_max_seq_len"
     return pd.DataFrame(
         {
             "example_id": [f"{i:016x}" for i in range(n)],
@@ -83,72 +88,135 @@ def padding_lengths(n: int = 240) -> pd.DataFrame:
             "status": status,
             "reason": reason,
             "n_tokens": tokens,
-            "n_tokens_full": tokens + np.where(status == "TRUNCATED", 900, 0),
+            "n_tokens_full": full,
             "n_loss_tokens": tokens // 2,
             "n_turns": 4,
-            "n_truncated_tokens": np.where(status == "TRUNCATED", 900, 0),
+            "n_truncated_tokens": full - tokens,
             "text": CANARY,  # a column the report must never render
         }
     )
 
 
 def padding_tables(lengths: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    trains = lengths[lengths["status"].isin(["OK", "TRUNCATED"])]
+    """summary / distribution / ce_chunks in probes.padding's long formats."""
+    usable = lengths[lengths["status"].isin(["OK", "TRUNCATED"])]
+    summary = []
+    waste = {
+        "pad_to_max_seq_len": (0.91, 0.99, 0.0),
+        "dataset_order": (0.44, 0.63, 0.0),
+        "random": (0.42, 0.61, 0.01),
+        "sorted": (0.02, 0.03, 0.0),
+    }
+    for strategy, (token, attention, std) in waste.items():
+        for metric, value in (("token_waste", token), ("attention_waste", attention)):
+            summary.append(
+                {"section": "waste", "strategy": strategy, "metric": metric, "value": value}
+                | {"std": std, "expected": value, "n_seeds": 8 if std else 1}
+            )
+    for status in ("OK", "EMPTY", "ERROR", "TRUNCATED"):
+        count = float((lengths["status"] == status).sum())
+        summary.append({"section": "status", "status": status, "metric": "count", "value": count})
+    lost = float(lengths["n_truncated_tokens"].sum())
+    summary.append(
+        {"section": "status", "status": "TRUNCATED", "metric": "tokens_lost", "value": lost}
+    )
+    reasons = lengths[lengths["reason"] != ""].groupby(["status", "reason"]).size()
+    for (status, reason), count in reasons.items():
+        summary.append(
+            {"section": "reason", "status": status, "reason": reason, "metric": "count"}
+            | {"value": float(count)}
+        )
+    summary = pd.DataFrame(summary)
+    for column in ("strategy", "status", "reason"):
+        summary[column] = summary[column].fillna("")
+
     dist = []
-    for source, group in [("all", trains), *trains.groupby("source")]:
-        t = group["n_tokens"]
-        dist.append(
+    edges = np.geomspace(1, 4097, 21)
+    groups = [
+        ("overall", "(all)", usable),
+        *(("source", k, g) for k, g in usable.groupby("source")),
+    ]
+    for scope, source, group in groups:
+        t = group["n_tokens"].to_numpy()
+        base = {"scope": scope, "source": source, "measure": "n_tokens"}
+        stats = {"count": len(t), "tokens": t.sum(), "p50": np.percentile(t, 50)}
+        stats |= {"p90": np.percentile(t, 90), "p99": np.percentile(t, 99), "max": t.max()}
+        for statistic, value in stats.items():
+            dist.append(base | {"kind": "stat", "statistic": statistic, "value": float(value)})
+        hist, _ = np.histogram(t, bins=edges)
+        for i, count in enumerate(hist):
+            dist.append(
+                base
+                | {"kind": "bin", "statistic": "bin", "bin_index": i, "value": float(count)}
+                | {"bin_lo": edges[i], "bin_hi": edges[i + 1]}
+            )
+    vocab, hidden = 262144, 640
+    ce = []
+    for shape, seq_len in (("max_seq_len", 4096), ("p50", 450), ("p99", 3000)):
+        tokens = 2 * seq_len
+        chunk = min(819, tokens)
+        ce.append(
             {
-                "source": source,
-                "n_examples": len(t),
-                "total_tokens": int(t.sum()),
-                "p50": t.quantile(0.5),
-                "p90": t.quantile(0.9),
-                "p99": t.quantile(0.99),
-                "max": t.max(),
+                "shape": shape,
+                "seq_len": seq_len,
+                "tokens": tokens,
+                "vocab_source": "tokenizer",
+                "vocab_size": vocab,
+                "hidden_size": hidden,
+                "logits_bf16_bytes": tokens * vocab * 2,
+                "logits_fp32_bytes": tokens * vocab * 4,
+                "stock_loss_bytes": tokens * vocab * 10,
+                "budget_gib": 2.0,
+                "stock_fits_budget": tokens * vocab * 10 <= 2 * 2**30,
+                "chunk_tokens": chunk,
+                "n_chunks": -(-tokens // chunk),
+                "liger_chunk_tokens": 32,
             }
         )
-    summary = pd.DataFrame(
-        {
-            "strategy": ["random", "pad_to_max", "pad_to_longest"],
-            "token_waste": [0.42, 0.91, 0.80],
-            "attention_waste": [0.61, 0.99, 0.95],
-            "token_waste_std": [0.01, 0.0, 0.0],
-            "attention_waste_std": [0.02, 0.0, 0.0],
-        }
-    )
-    ce = pd.DataFrame(
-        {
-            "shape": ["training", "p50", "p99"],
-            "n_tokens": [8192, 900, 6000],
-            "logits_bf16_bytes": [8192 * 262144 * 2, 900 * 262144 * 2, 6000 * 262144 * 2],
-            "logits_fp32_bytes": [8192 * 262144 * 4, 900 * 262144 * 4, 6000 * 262144 * 4],
-            "stock_loss_bytes": [8192 * 262144 * 12, 900 * 262144 * 12, 6000 * 262144 * 12],
-            "max_chunk_tokens": [2048, 2048, 2048],
-            "liger_chunk_tokens": [64, 8, 64],
-        }
-    )
-    return {"summary": summary, "distribution": pd.DataFrame(dist), "ce_chunks": ce}
+    return {"summary": summary, "distribution": pd.DataFrame(dist), "ce_chunks": pd.DataFrame(ce)}
 
 
 def bucket_sweep() -> pd.DataFrame:
+    """probes.bucket.sweep_bucket_sizes' columns: random, length_grouped, global_sort, packing."""
     rows = []
     sizes = [1, 2, 4, 8, 16, 60]
     for seed in range(3):
         jitter = 0.002 * seed
-        rows.append(("random", 1, seed, 0.58 + jitter, 0.39, 120, 1.0, 1.0, 0.0))
         for i, m in enumerate(sizes):
+            strategy = "random" if m == 1 else "global_sort" if m == 60 else "length_grouped"
             token = 0.58 + 0.07 * i + jitter
-            rows.append(
-                ("length_grouped", m, seed, token, 0.39 + 0.1 * i, 120, 1 - 0.1 * i, 1 - 0.12 * i)
-                + (0.15 * i,)
-            )
-        rows.append(("packing", np.nan, seed, 0.97, 0.9, 40, 1.0, 1.0, 0.0))
-    columns = list(rep.TABLES["bucket_sweep"].required)
-    return pd.DataFrame(rows, columns=columns)
+            diversity = (1 - 0.1 * i, 1 - 0.12 * i, 1 - 0.05 * i, 1 - 0.06 * i)
+            rows.append((strategy, m, seed, token, 0.39 + 0.1 * i, 120, *diversity, 0.15 * i))
+        rows.append(("packing_ffd", None, seed, 0.97, 0.5, 40, 1.0, 1.0, 1.0, 1.0, 0.0))
+    frame = pd.DataFrame(rows, columns=list(rep.TABLES["bucket_sweep"].required))
+    frame["bucket_size_batches"] = frame["bucket_size_batches"].astype("Int64")
+    random = frame.loc[frame["strategy"] == "random", "token_efficiency"].mean()
+    frame["padded_tokens_saved_vs_random"] = 1 - random / frame["token_efficiency"]
+    frame["top_kernels_like_list"] = [[CANARY]] * len(frame)  # never rendered
+    return frame
+
+
+def bucket_recommendation() -> dict:
+    return {
+        "status": "ok",
+        "thresholds": {
+            "gain_share": 0.9,
+            "min_diversity_share": 0.8,
+            "gain_metric": "tokens",
+            "diversity_level": "step",
+        },
+        "recommended": {
+            "bucket_size_batches": 4,
+            "bucket_size_examples": 8,
+            "how_to_use": "get_length_grouped_indices(lengths, batch_size=2, mega_batch_mult=4)",
+            "hf_trainer_equivalent": "not expressible in HF Trainer(group_by_length)",
+        },
+        "attention_note": "attention efficiency is what a dense kernel computes",
+    }
 
 
 def profile_tables() -> dict[str, pd.DataFrame]:
+    """probes.profile_stage's tables (scaling with term shares, fit row, penalty, ce, kernels)."""
     lengths = [1024, 2048, 4096, 8192]
     rows = []
     for t in lengths:
@@ -158,40 +226,59 @@ def profile_tables() -> dict[str, pd.DataFrame]:
             {
                 "seq_len": t,
                 "batch": BATCH,
+                "tokens": BATCH * t,
                 "status": "OOM" if oom else "OK",
                 "time_s": np.nan if oom else time_s,
                 "time_std_s": np.nan if oom else 0.002,
                 "peak_mem_bytes": np.nan if oom else 1.2e9 * t / 1024,
-                "quadratic_share": np.nan if oom else FIT["a"] * t * t / time_s,
                 "mfu": np.nan if oom else 0.31,
+                "quadratic_share": np.nan if oom else FIT["a"] * t * t / time_s,
+                "linear_share": np.nan if oom else FIT["b"] * t / time_s,
+                "fixed_share": np.nan if oom else FIT["c"] / time_s,
+                "error": "" if not oom else "CUDA out of memory",
             }
         )
-    fit = pd.DataFrame([{**FIT, "n_points": 3, "condition_number": 1.7e3}])
+    fit = pd.DataFrame(
+        [
+            {**FIT, "n_points": 3, "method": "exact", "condition_number": 17.0}
+            | {"residual_rms_s": np.nan, "max_rel_residual": np.nan, "r_squared": np.nan}
+            | {"message": "exact through 3 points; not fitted: 8192:OOM"}
+        ]
+    )
     penalty = pd.DataFrame(
         [
             {
+                "variant": variant,
+                "status": "OK",
                 "padded_time_s": 0.61,
-                "unpadded_time_s": 0.40,
-                "measured_penalty": 0.525,
+                "unpadded_time_s": unpadded,
+                "measured_penalty": 0.61 / unpadded - 1,
                 "predicted_penalty": 0.48,
+                "example_ids": ["0000000000000001", "0000000000000002"],
             }
+            for variant, unpadded in (("one_by_one", 0.40), ("packed", 0.42))
         ]
     )
     ce = pd.DataFrame(
         {
-            "variant": ["chunked", "unchunked"],
-            "time_s": [0.081, 0.074],
-            "step_share": [0.21, 0.19],
-            "peak_mem_bytes": [2.1e9, 9.4e9],
+            "variant": ["train_step", "chunked", "unchunked"],
+            "status": ["OK", "OK", "OOM"],
+            "time_s": [0.39, 0.081, np.nan],
+            "step_share": [1.0, 0.21, np.nan],
+            "chunk_tokens": [np.nan, 1024, np.nan],
+            "peak_mem_bytes": [np.nan, 2.1e9, np.nan],
         }
     )
     kernels = pd.DataFrame(
         {
             "category": ["GEMM", "attention", "elementwise", "GEMM"],
+            "device_type": ["CUDA", "CUDA", "CUDA", "CPU"],  # the ATen twin must be dropped
             "device_time_s": [0.31, 0.12, 0.05, 0.31],
             "share": [0.646, 0.25, 0.104, 0.646],
-            "n_kernels": [120, 36, 400, 120],
-            "device_type": ["CUDA", "CUDA", "CUDA", "CPU"],  # the ATen twin must be dropped
+            "share_of_wall": [0.55, 0.21, 0.09, 0.55],
+            "n_kernels": [12, 3, 40, 12],
+            "n_calls": [120, 36, 400, 120],
+            "top_kernels": [["sm90_xmma_gemm"], ["flash_fwd"], ["elementwise"], ["aten::mm"]],
         }
     )
     return {
@@ -203,14 +290,21 @@ def profile_tables() -> dict[str, pd.DataFrame]:
     }
 
 
-def control(name: str, passed: bool = True) -> dict:
-    return {
+def control(name: str, passed: bool = True, checks: int = 0) -> dict:
+    entry = {
         "name": name,
         "description": f"{name} recovers a known answer",
         "expected": {"value": 1.0},
         "observed": {"value": 1.0 if passed else 0.5},
         "passed": passed,
     }
+    if checks:
+        entry["checks"] = [
+            {"name": f"check {i}", "expected": i, "observed": i, "passed": True}
+            for i in range(checks)
+        ]
+        entry["checks"][-1]["passed"] = passed
+    return entry
 
 
 def write_stage(
@@ -232,27 +326,29 @@ def write_stage(
             write_parquet(frame, paths[f"padding_{name}"], meta)
     elif stage == "bucket":
         write_parquet(bucket_sweep(), paths["bucket_sweep"], meta)
-        rec = {"bucket_size": 4, "reason": "smallest size within 90% of the best gain"}
-        write_json(rec, paths["bucket_recommendation"])
+        write_json(bucket_recommendation(), paths["bucket_recommendation"])
     elif profile == "not_run":
         for name in ("scaling", "fit", "padding_penalty", "ce", "kernels"):
             write_parquet(pd.DataFrame(), paths[f"profile_{name}"], meta)
         note = {"status": "not_run", "reason": NOT_RUN_REASON}
         write_json(note, paths["profile_provenance"])
-        write_json({**note, "name": "fit_control"}, paths["profile_control"])
+        write_json({**note, "name": "profile_controls"}, paths["profile_control"])
         return
     else:
         for name, frame in profile_tables().items():
             write_parquet(frame, paths[f"profile_{name}"], meta)
         provenance = {
-            "device": "cpu" if profile == "cpu" else "cuda:0 NVIDIA H200",
+            "device": {"type": "cpu", "name": "x86_64"}
+            if profile == "cpu"
+            else {"type": "cuda", "name": "NVIDIA H200", "capability": "9.0"},
             "cpu_only": profile == "cpu",
-            "harness": "probes.harness",
-            "slurm": {"job_id": "1234"},
+            "harness": {"spec": "probes.reference_harness", "functions": {}},
+            "slurm": {"job_id": "1234", "gpus": None},
         }
         write_json(provenance, paths["profile_provenance"])
-    name = "fit_control" if stage == "profile" else f"{stage}_control"
-    write_json(control(name, stage not in failed), paths[f"{stage}_control"])
+    name = "profile_controls" if stage == "profile" else f"{stage}_control"
+    checks = {"padding": 3, "profile": 2}.get(stage, 0)
+    write_json(control(name, stage not in failed, checks), paths[f"{stage}_control"])
 
 
 def write_results(root: Path, **kwargs) -> dict[str, Path]:
@@ -321,11 +417,16 @@ def test_numbers_carry_units(rendered):
     scaling = section(markdown, "Scaling")
     assert "| 1,024 tokens | 2 | OK | 154 ms |" in scaling  # 2e-9·1024² + 1e-4·1024 + 0.05 s
     assert "| 1.12 GiB |" in scaling  # 1.2e9 bytes
-    assert "condition number 1.7e+03" in scaling
-    assert re.search(r"\d+\.\d% \|", section(markdown, "Padding"))
+    assert "condition number 17 (column-scaled" in scaling
+    assert "residual RMS" not in scaling  # an exact fit has none
+    assert "| random | 42.0% | 1.0% | 61.0% | 1.0% |" in section(markdown, "Padding")
     ce = section(markdown, "Cross-entropy")
-    assert "| training | 8,192 tokens | 4.00 GiB | 8.00 GiB | 24.00 GiB | 2,048 tokens |" in ce
-    assert "| chunked | 81 ms | 21.0% | 1.96 GiB |" in ce
+    assert (
+        "| max_seq_len (4,096) | 8,192 tokens | 262,144 (tokenizer) | 4.00 GiB | 8.00 GiB "
+        "| 20.00 GiB | 819 tokens | 11 | 32 tokens |"
+    ) in ce
+    assert "| chunked | OK | 81 ms | 21.0% | 1,024 tokens | 1.96 GiB |" in ce
+    assert "| unchunked | OOM | — | — | — | — |" in ce
     assert not re.search(r"\b(nan|NaN|None|inf)\b", markdown)  # python reprs, not numbers
 
 
@@ -334,11 +435,11 @@ def test_summary_ranks_recommendations_with_fitted_savings(rendered):
     lines = [line for line in summary.splitlines() if re.match(r"^\| \d ", line)]
     assert [line.split("|")[2].strip() for line in lines] == [
         "**Pad each batch to its longest member, not to max_seq_len**",
-        "**Pack whole examples into max_seq_len rows**",
-        "**Group batches by length, buckets of 4 micro-batches**",
-        "**Chunk the cross-entropy at ≤ 2,048 tokens per chunk**",
+        "**Pack whole examples into max_seq_len rows (packing_ffd)**",
+        "**Group batches by length: buckets of 4 micro-batches**",
+        "**Chunk the cross-entropy: 819 tokens a chunk**",
     ]
-    assert "measured on cuda:0 NVIDIA H200" in summary
+    assert "measured on NVIDIA H200" in summary
     assert "memory, not time" in lines[-1]
     assert re.search(r"\| \d+\.\d% \| random batches", lines[1])
 
@@ -347,6 +448,7 @@ def test_kernel_table_sums_device_rows_only(rendered):
     kernels = section(rendered[0], "Kernels")
     assert kernels.count("| GEMM |") == 1  # the CPU twin of the GEMM row is dropped
     assert "| **total** | 480 ms | 100.0% |" in kernels
+    assert "1 other row(s) left out" in kernels
     assert "double-counts" in kernels
 
 
@@ -360,9 +462,11 @@ def test_mask_section_counts_fast_path_per_scenario(rendered):
 
 def test_padding_counts_every_bucket(rendered):
     padding = section(rendered[0], "Padding")
-    assert "3 EMPTY, 3 ERROR" in padding
+    assert "230 OK, 4 TRUNCATED, 3 EMPTY, 3 ERROR" in padding
     assert "EMPTY `no_content` ×3" in padding
     assert "ERROR `other_reason` ×1" in padding  # a reason that is not a code is hidden
+    assert "lost to truncation" in padding
+    assert re.search(r"^\| \*\*all\*\* \| 234 \| 144,610 \|", padding, re.M)
 
 
 def test_controls_and_provenance(rendered):
@@ -371,9 +475,11 @@ def test_controls_and_provenance(rendered):
     for stage in rep.STAGES:
         assert re.search(rf"^\| {stage} \| .* \| passed \|$", controls, re.M)
     provenance = section(markdown, "Provenance")
-    for what in ("config hash", "git commit", "command line", "transformers", "cuda:0 NVIDIA H200"):
+    for what in ("config hash", "git commit", "command line", "transformers", "NVIDIA H200"):
         assert what in provenance
-    assert "job_id=1234" in provenance
+    assert "job_id=1234" in provenance and "gpus" not in provenance
+    assert "probes.reference_harness" in provenance
+    assert "| | ↳ check 2 | | 2 | 2 | passed |" in controls
     assert "different configs" not in provenance
 
 
@@ -390,7 +496,7 @@ def test_profile_not_run_renders_not_run(rendered_not_run):
     for title in ("Scaling", "Kernels"):
         assert f"**Not run.** {NOT_RUN_REASON}" in section(markdown, title)
     assert f"Wall clock: **Not run.** {NOT_RUN_REASON}" in section(markdown, "Cross-entropy")
-    assert re.search(r"^\| profile \| fit_control \| .* \| not run \|$", markdown, re.M)
+    assert re.search(r"^\| profile \| profile_controls \| .* \| not run \|$", markdown, re.M)
     summary = section(markdown, "Summary")
     assert "The profile did not run" in summary
     assert re.search(r"\d+\.\d% \(linear\) to \d+\.\d% \(quadratic\)", summary)
@@ -415,6 +521,31 @@ def test_failed_control_is_shouted(tmp_path):
     assert "| **FAILED** |" in section(markdown, "Controls")
 
 
+def test_failed_check_inside_a_control_is_shown(tmp_path):
+    markdown, _ = render(tmp_path, failed=("padding",))
+    controls = section(markdown, "Controls")
+    assert "| 2 of 3 pass | **FAILED** |" in controls
+    assert "| | ↳ check 2 | | 2 | 2 | **FAILED** |" in controls
+
+
+def test_many_sources_show_top_n_and_other(tmp_path):
+    from probes import figures
+
+    lengths = padding_lengths(n=600, n_sources=30)
+    distribution = padding_tables(lengths)["distribution"]
+    drawn = figures.length_histogram(distribution, 30, tmp_path / "lengths.png", top_n=5, dpi=30)
+    assert len(drawn) == 6 and drawn[-1] == "other (25 sources)"
+    rows, more = rep.distribution_rows(distribution, top_sources=5)
+    assert rows[0]["scope"] == "overall" and len(rows) == 6 and more == 25
+    padding = rep.padding_section(
+        {"padding_lengths": lengths, "padding_summary": padding_tables(lengths)["summary"]}
+        | {"padding_distribution": distribution},
+        {},
+        top_sources=5,
+    )
+    assert len(padding["status_by_source"]) == 5 and padding["more_sources"] == 25
+
+
 # ------------------------------------------------------------------------------------------
 # Loading: a renamed column fails clearly
 # ------------------------------------------------------------------------------------------
@@ -435,8 +566,8 @@ def test_missing_column_fails_naming_file_and_column(tmp_path, name):
 
 def test_missing_json_key_and_bad_json_fail_clearly(tmp_path):
     paths = write_results(tmp_path)
-    write_json({"reason": "x"}, paths["bucket_recommendation"])
-    match = r"recommendation.json: key\(s\) \['bucket_size'"
+    write_json({"status": "ok", "thresholds": {}}, paths["bucket_recommendation"])
+    match = r"recommendation.json: key\(s\) \['recommended'\]"
     with pytest.raises(rep.ReportInputError, match=match):
         rep.load_inputs(paths)
     paths["bucket_recommendation"].write_text("{not json")
@@ -447,9 +578,8 @@ def test_missing_json_key_and_bad_json_fail_clearly(tmp_path):
 def test_control_without_its_keys_fails(tmp_path):
     paths = write_results(tmp_path)
     write_json({"name": "c", "passed": True}, paths["mask_control"])
-    inputs = rep.load_inputs(paths)
-    with pytest.raises(rep.ReportInputError, match=r"mask/control.json: key\(s\)"):
-        rep.controls_section(inputs["json"], inputs["not_run"])
+    with pytest.raises(rep.ReportInputError, match=r"mask/control.json: key\(s\) \['descr"):
+        rep.load_inputs(paths)
 
 
 def test_failed_render_leaves_no_output(tmp_path):
@@ -535,12 +665,14 @@ def test_fit_with_fewer_than_three_points_is_not_used(tmp_path):
     assert all(r["saving"] is None for r in recs)
 
 
-def test_sweep_means_average_over_seeds():
+def test_sweep_means_average_over_seeds_random_first_packing_last():
     means = rep.sweep_means(bucket_sweep())
-    random = means[means["strategy"] == "random"].iloc[0]
+    assert means["strategy"].iloc[0] == "random" and means["strategy"].iloc[-1] == "packing_ffd"
+    random = means.iloc[0]
     assert random["token_efficiency"] == pytest.approx(0.582)
     assert random["n_seeds"] == 3
-    assert math.isnan(means[means["strategy"] == "packing"].iloc[0]["bucket_size"])
+    assert math.isnan(means.iloc[-1]["bucket_size_batches"])
+    assert "top_kernels_like_list" not in means  # only contract columns travel on
 
 
 # ------------------------------------------------------------------------------------------
@@ -570,13 +702,13 @@ def test_script_help_and_standalone_render(tmp_path):
 
 def test_script_bad_input_exits_nonzero_with_message(tmp_path):
     paths = write_results(tmp_path / "results")
-    frame = pd.read_parquet(paths["bucket_sweep"]).drop(columns=["entropy_rel"])
+    frame = pd.read_parquet(paths["bucket_sweep"]).drop(columns=["order_length_spearman"])
     write_parquet(frame, paths["bucket_sweep"], {})
     done = subprocess.run(
         [sys.executable, SCRIPT, "--results", tmp_path / "results"], capture_output=True, text=True
     )
     assert done.returncode == 2
-    assert "sweep.parquet: column(s) ['entropy_rel'] missing" in done.stderr
+    assert "sweep.parquet: column(s) ['order_length_spearman'] missing" in done.stderr
     assert not (tmp_path / "results/report/playbook-evidence.md").exists()
 
 

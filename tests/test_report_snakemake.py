@@ -80,20 +80,17 @@ def snakemake(work: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("profile", ["gpu", "not_run"])
-def test_report_rule_and_snakemake_report(tmp_path, profile):
-    work = make_workdir(tmp_path, profile)
+def test_report_rule_and_snakemake_report(tmp_path):
+    from probes.report import linked_figures
+
+    work = make_workdir(tmp_path, profile="gpu")
     snakemake(work, "--cores", "1", "report")
     markdown = (work / "results/report/playbook-evidence.md").read_text()
     figures = sorted(p.name for p in (work / "results/report/figures").glob("*.png"))
-    expected = ["bucket.png", "lengths.png"]
-    if profile == "gpu":
-        expected = ["bucket.png", "kernels.png", "lengths.png", "scaling.png"]
-    else:
-        assert "**Not run.**" in markdown
+    expected = ["bucket.png", "kernels.png", "lengths.png", "scaling.png"]
     assert figures == expected
-    for link in __import__("probes.report").report.linked_figures(markdown):
-        assert (work / "results/report" / link).is_file()
+    assert sorted(Path(link).name for link in linked_figures(markdown)) == expected
+    assert "rendered results/report/playbook-evidence.md" in (work / "logs/report.log").read_text()
 
     snakemake(work, "--report", "report.zip")
     with zipfile.ZipFile(work / "report.zip") as archive:

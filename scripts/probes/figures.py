@@ -16,7 +16,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from probes.report import OK_STATUSES, label  # noqa: E402
+from probes.report import (  # noqa: E402
+    OK_STATUSES,
+    OTHER_SOURCES,
+    device_rows,
+    diversity,
+    diversity_prefix,
+    label,
+    sweep_means,
+)
 
 DPI = 110
 SIZE = (7.0, 4.2)
@@ -30,39 +38,47 @@ def _save(fig: plt.Figure, path: str | Path, dpi: int) -> None:
     plt.close(fig)
 
 
-def top_sources(sources: pd.Series, top_n: int) -> pd.Series:
-    """Source labels with all but the `top_n` most frequent merged into "other (k sources)"."""
-    counts = sources.value_counts()
-    if len(counts) <= top_n:
-        return sources.astype(str)
-    keep = set(counts.index[:top_n])
-    other = f"other ({len(counts) - top_n} sources)"
-    return sources.where(sources.isin(keep), other).astype(str)
+def length_histogram(
+    distribution: pd.DataFrame, n_sources: int, path: str | Path, top_n: int = 8, dpi: int = DPI
+) -> list[str]:
+    """Tokens per example per source, from the padding stage's own histogram bins (log axes).
 
-
-def length_histogram(lengths: pd.DataFrame, path: str | Path, top_n: int = 8, dpi: int = DPI):
-    """Tokenized length per source (examples that train), log-spaced bins, log axes."""
-    trains = lengths[lengths["status"].isin(OK_STATUSES) & (lengths["n_tokens"] > 0)]
+    The `top_n` largest sources are drawn one by one; the rest (and the stage's pooled "(other)")
+    are summed into one "other (k sources)" line, so the plot stays readable with many sources.
+    Returns the legend labels.
+    """
+    rows = distribution[
+        (distribution["measure"] == "n_tokens") & (distribution["scope"] == "source")
+    ]
+    bins = rows[rows["kind"] == "bin"].sort_values("bin_lo")
+    counts = rows[(rows["kind"] == "stat") & (rows["statistic"] == "count")]
+    counts = counts.set_index("source")["value"]
+    named = [s for s in counts.sort_values(ascending=False).index if s != OTHER_SOURCES]
+    keep = named[:top_n]
     fig, ax = plt.subplots(figsize=SIZE)
-    if trains.empty:
+    if bins.empty:
         ax.text(0.5, 0.5, "no examples with tokens", ha="center", va="center")
         _save(fig, path, dpi)
-        return
-    tokens = trains["n_tokens"].to_numpy(dtype="float64")
-    low, high = max(1.0, tokens.min()), max(tokens.max(), 2.0)
-    bins = np.geomspace(low, high * 1.0001, 40)
-    grouped = top_sources(trains["source"], top_n)
-    order = grouped.value_counts().index
-    for name in order:
-        values = tokens[(grouped == name).to_numpy()]
-        ax.hist(values, bins=bins, histtype="step", linewidth=1.4, label=f"{label(name, 30)}")
+        return []
+    edges = np.r_[bins.drop_duplicates("bin_lo")["bin_lo"].to_numpy(), bins["bin_hi"].max()]
+    lines = [(label(name, 30), bins[bins["source"] == name]) for name in keep]
+    rest = bins[~bins["source"].isin(keep)]
+    if not rest.empty:
+        lines.append((f"other ({max(n_sources - len(keep), 1)} sources)", rest))
+    for name, group in lines:
+        values = group.groupby("bin_lo")["value"].sum().reindex(edges[:-1], fill_value=0.0)
+        ax.stairs(values.to_numpy(), edges, linewidth=1.4, label=name)
     ax.set_xscale("log")
-    ax.set_yscale("log")
+    ax.set_yscale("log", nonpositive="mask")
+    filled = bins.loc[bins["value"] > 0]
+    if not filled.empty:  # the stage's bins start at 1 token: show only the populated range
+        ax.set_xlim(filled["bin_lo"].min() / 1.2, filled["bin_hi"].max() * 1.2)
     ax.set_xlabel("tokens per example (log)")
     ax.set_ylabel("examples (log)")
-    ax.set_title("Tokenized length per source")
+    ax.set_title("Tokenized length per source (OK and TRUNCATED examples)")
     ax.legend(fontsize=7, loc="upper right", frameon=False)
     _save(fig, path, dpi)
+    return [name for name, _ in lines]
 
 
 def scaling_curve(scaling: pd.DataFrame, fit: dict | None, path: str | Path, dpi: int = DPI):
@@ -94,39 +110,45 @@ def scaling_curve(scaling: pd.DataFrame, fit: dict | None, path: str | Path, dpi
 
 
 def bucket_tradeoff(
-    means: pd.DataFrame, recommended_size: float | None, path: str | Path, dpi: int = DPI
+    means: pd.DataFrame,
+    recommended_size: float | None,
+    level: str,
+    path: str | Path,
+    dpi: int = DPI,
 ):
-    """Efficiency against source diversity (relative to random) over the bucket-size sweep."""
+    """Efficiency against source diversity (relative to random) over the bucket-size sweep.
+
+    `means` holds a `diversity` column (the bucket stage's measure at `level`).
+    """
     fig, ax = plt.subplots(figsize=SIZE)
-    grouped = means[means["strategy"] == "length_grouped"].sort_values("bucket_size")
+    sweep = means[means["bucket_size_batches"].notna()].sort_values("bucket_size_batches")
     for column, style, name in (
         ("token_efficiency", "o-", "token efficiency"),
         ("attention_efficiency", "s--", "attention efficiency"),
     ):
-        ax.plot(grouped["entropy_rel"], grouped[column], style, markersize=4, label=name)
-    for _, row in grouped.iterrows():
+        ax.plot(sweep["diversity"], sweep[column], style, markersize=4, label=name)
+    for _, row in sweep.iterrows():
         ax.annotate(
-            f"{row['bucket_size']:g}",
-            (row["entropy_rel"], row["token_efficiency"]),
+            f"{row['bucket_size_batches']:g}",
+            (row["diversity"], row["token_efficiency"]),
             textcoords="offset points",
             xytext=(3, 4),
             fontsize=7,
         )
-    for strategy, marker in (("random", "D"), ("packing", "*")):
-        rows = means[means["strategy"] == strategy]
-        if not rows.empty:
-            ax.plot(
-                rows["entropy_rel"],
-                rows["token_efficiency"],
-                marker,
-                markersize=10,
-                linestyle="none",
-                label=f"{strategy} (token)",
-            )
-    if recommended_size is not None:
-        chosen = grouped[grouped["bucket_size"] == recommended_size]
+    packing = means[means["strategy"].str.startswith("packing")]
+    for i, (_, row) in enumerate(packing.iterrows()):
         ax.plot(
-            chosen["entropy_rel"],
+            row["diversity"],
+            row["token_efficiency"],
+            "*P"[i % 2],
+            markersize=11,
+            linestyle="none",
+            label=f"{row['strategy']} (token)",
+        )
+    if recommended_size is not None:
+        chosen = sweep[sweep["bucket_size_batches"] == recommended_size]
+        ax.plot(
+            chosen["diversity"],
             chosen["token_efficiency"],
             "o",
             markersize=14,
@@ -134,7 +156,7 @@ def bucket_tradeoff(
             color="k",
             label=f"recommended ({recommended_size:g} micro-batches/bucket)",
         )
-    ax.set_xlabel("source diversity per batch (entropy, relative to random)")
+    ax.set_xlabel(f"source diversity per {level} (relative to random)")
     ax.set_ylabel("efficiency (real / padded)")
     ax.set_title("Bucket-size sweep: efficiency vs diversity (labels: bucket size)")
     ax.set_ylim(0, 1.05)
@@ -164,23 +186,30 @@ def draw_all(
     inputs: dict, directory: str | Path, top_n: int = 8, dpi: int = DPI
 ) -> dict[str, str | None]:
     """Draw every figure whose stage ran into `directory`; {name: file name or None (not run)}."""
-    from probes.report import device_rows, sweep_means
-
     tables, jsons, not_run = inputs["tables"], inputs["json"], inputs["not_run"]
     directory = Path(directory)
     drawn: dict[str, str | None] = dict.fromkeys(FIGURES)
     if "padding" not in not_run:
-        length_histogram(tables["padding_lengths"], directory / "lengths.png", top_n, dpi)
+        lengths = tables["padding_lengths"]
+        n_sources = lengths.loc[lengths["status"].isin(OK_STATUSES), "source"].nunique()
+        length_histogram(
+            tables["padding_distribution"], n_sources, directory / "lengths.png", top_n, dpi
+        )
         drawn["lengths"] = "lengths.png"
     if "profile" not in not_run and not tables["profile_scaling"].empty:
         fit = tables["profile_fit"]
-        fit_row = fit.iloc[0].to_dict() if not fit.empty and fit.iloc[0]["n_points"] >= 3 else None
+        usable = not fit.empty and (fit.iloc[0]["n_points"] or 0) >= 3
+        fit_row = fit.iloc[0].to_dict() if usable else None
         scaling_curve(tables["profile_scaling"], fit_row, directory / "scaling.png", dpi)
         drawn["scaling"] = "scaling.png"
     if "bucket" not in not_run and not tables["bucket_sweep"].empty:
-        size = jsons["bucket_recommendation"].get("bucket_size")
+        rec = jsons["bucket_recommendation"]
+        size = (rec.get("recommended") or {}).get("bucket_size_batches")
+        prefix = diversity_prefix(rec)
         means = sweep_means(tables["bucket_sweep"])
-        bucket_tradeoff(means, size, directory / "bucket.png", dpi)
+        means["diversity"] = diversity(means, prefix)
+        level = "micro-batch" if prefix == "micro" else "optimizer step"
+        bucket_tradeoff(means, size, level, directory / "bucket.png", dpi)
         drawn["bucket"] = "bucket.png"
     if "profile" not in not_run and not tables["profile_kernels"].empty:
         cpu_only = bool(jsons["profile_provenance"].get("cpu_only"))

@@ -28,7 +28,10 @@ NOT_RUN = "not_run"
 OK_STATUSES = ("OK", "TRUNCATED")  # the examples that train; EMPTY and ERROR never do
 ALL_STATUSES = ("OK", "TRUNCATED", "EMPTY", "ERROR")
 MISSING = "—"  # what a missing or non-finite number renders as
-STRATEGY_ORDER = ("random", "length_grouped", "packing")
+STRATEGY_ORDER = ("random", "length_grouped", "global_sort", "packing")
+TRAINING_SHAPE = "max_seq_len"  # the ce_chunks row sized at the training shape
+OTHER_SOURCES = "(other)"  # the padding stage pools sources beyond its limit under this label
+DISTRIBUTION_STATS = ("count", "tokens", "p50", "p90", "p99", "max")
 
 
 class ReportInputError(ValueError):
@@ -37,7 +40,8 @@ class ReportInputError(ValueError):
 
 # ----------------------------------------------------------------------------------------------
 # The contract: which columns the report reads from which table. A missing column fails loudly
-# here (naming file, columns and section) instead of rendering garbage.
+# here (naming file, columns and section) instead of rendering garbage. Column names follow the
+# stages' own code (probes.padding / probes.bucket / probes.profile_stage; mask: issue 3).
 # ----------------------------------------------------------------------------------------------
 
 
@@ -70,96 +74,113 @@ TABLES: dict[str, TableSpec] = {
             "excluded_by",
         ),
     ),
+    # one row per example, every status (probes.tokenize.LENGTH_COLUMNS)
     "padding_lengths": TableSpec(
         "padding",
         "Padding",
         ("example_id", "source", "status", "reason", "n_tokens", "n_loss_tokens"),
         ("n_truncated_tokens", "n_tokens_full", "n_turns"),
     ),
-    # waste per batching strategy (random: mean over seeds, with spread)
+    # long format: section waste (strategy x metric), status (status x metric), reason
     "padding_summary": TableSpec(
         "padding",
         "Padding",
-        ("strategy", "token_waste", "attention_waste"),
-        ("token_waste_std", "attention_waste_std", "n_seeds"),
+        ("section", "strategy", "status", "reason", "metric", "value", "std"),
+        ("expected", "n_seeds", "n_batches", "micro_batch_size", "max_seq_len"),
     ),
+    # long format: scope/source/measure, kind stat (statistic) or bin (bin_lo, bin_hi)
     "padding_distribution": TableSpec(
         "padding",
         "Padding",
-        ("source", "n_examples", "total_tokens", "p50", "p90", "p99", "max"),
+        ("scope", "source", "measure", "kind", "statistic", "bin_lo", "bin_hi", "value"),
     ),
     "padding_ce_chunks": TableSpec(
         "padding",
         "Cross-entropy",
         (
             "shape",
-            "n_tokens",
+            "seq_len",
+            "tokens",
+            "vocab_source",
+            "vocab_size",
+            "hidden_size",
             "logits_bf16_bytes",
             "logits_fp32_bytes",
             "stock_loss_bytes",
-            "max_chunk_tokens",
+            "chunk_tokens",
+            "n_chunks",
             "liger_chunk_tokens",
         ),
-        ("vocab_size", "hidden_size", "fits_budget"),
+        ("budget_gib", "stock_fits_budget", "chunk_bytes", "liger_n_chunks", "liger_fits_budget"),
     ),
     "bucket_sweep": TableSpec(
         "bucket",
         "Bucketing",
         (
             "strategy",
-            "bucket_size",
+            "bucket_size_batches",
             "seed",
             "token_efficiency",
             "attention_efficiency",
             "n_micro_batches",
-            "distinct_sources_rel",
-            "entropy_rel",
-            "order_length_corr",
+            "micro_distinct_sources_rel_random",
+            "micro_source_entropy_rel_random",
+            "step_distinct_sources_rel_random",
+            "step_source_entropy_rel_random",
+            "order_length_spearman",
         ),
+        ("n_steps", "is_hf_trainer_default", "padded_tokens_saved_vs_random"),
     ),
     "profile_scaling": TableSpec(
         "profile",
         "Scaling",
         ("seq_len", "batch", "status", "time_s", "peak_mem_bytes", "quadratic_share", "mfu"),
-        ("time_std_s", "residual_s", "tokens_per_s"),
+        ("time_std_s", "tokens_per_s", "linear_share", "fixed_share", "residual_s"),
     ),
     "profile_fit": TableSpec(
         "profile",
         "Scaling",
-        ("a", "b", "c", "n_points", "condition_number"),
-        ("residual_rms_s", "max_rel_residual"),
+        ("a", "b", "c", "n_points", "method", "condition_number"),
+        ("residual_rms_s", "max_rel_residual", "r_squared", "message"),
     ),
     "profile_padding_penalty": TableSpec(
         "profile",
         "Scaling",
-        ("padded_time_s", "unpadded_time_s", "measured_penalty", "predicted_penalty"),
-        ("batch", "longest", "n_real_tokens"),
+        (
+            "variant",
+            "status",
+            "padded_time_s",
+            "unpadded_time_s",
+            "measured_penalty",
+            "predicted_penalty",
+        ),
+        ("batch", "longest", "n_real_tokens", "padding_waste"),
     ),
     "profile_ce": TableSpec(
         "profile",
         "Cross-entropy",
-        ("variant", "time_s", "step_share"),
-        ("peak_mem_bytes", "chunk_tokens", "status"),
+        ("variant", "status", "time_s", "step_share"),
+        ("chunk_tokens", "peak_mem_bytes", "seq_len", "batch", "loss_tokens"),
     ),
     "profile_kernels": TableSpec(
         "profile",
         "Kernels",
-        ("category", "device_time_s", "share"),
-        ("n_kernels", "device_type"),
+        ("category", "device_type", "device_time_s", "share"),
+        ("share_of_wall", "n_kernels", "n_calls"),
     ),
 }
 
-# JSON outputs: the keys the report reads (a not-run stage may carry only status + reason).
+CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
+# JSON outputs and the keys the report reads (a not-run stage may carry only status + reason).
 JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mask_gate": ("mask", ("passed", "counts")),
-    "bucket_recommendation": ("bucket", ("bucket_size",)),
+    "bucket_recommendation": ("bucket", ("status", "recommended", "thresholds")),
     "profile_provenance": ("profile", ("device", "cpu_only", "harness")),
-    "mask_control": ("mask", ()),
-    "padding_control": ("padding", ()),
-    "bucket_control": ("bucket", ()),
-    "profile_control": ("profile", ()),
+    "mask_control": ("mask", CONTROL_KEYS),
+    "padding_control": ("padding", CONTROL_KEYS),
+    "bucket_control": ("bucket", CONTROL_KEYS),
+    "profile_control": ("profile", CONTROL_KEYS),
 }
-CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
 STAGES = ("mask", "padding", "bucket", "profile")
 
 # Where each input lives under results/ (the same names as the rule's inputs).
@@ -237,7 +258,7 @@ def fmt_bytes(value: Any) -> str:
 def fmt_pct(value: Any, digits: int = 1) -> str:
     """A fraction as a percentage: 0.1234 -> 12.3%."""
     x = _finite(value)
-    return MISSING if x is None else f"{x * 100:.{digits}f}%"
+    return MISSING if x is None else f"{x * 100 + 0.0:.{digits}f}%".replace("-0.0%", "0.0%")
 
 
 def fmt_count(value: Any) -> str:
@@ -422,7 +443,8 @@ def workload_time(
       Σ a·T_j² = (a/B)·Σ B·T_j² = (a/B)·ΣL² / attention_efficiency
       Σ b·T_j  = (b/B)·Σ B·T_j  = (b/B)·ΣL  / token_efficiency
       Σ c      = c · n_micro_batches
-    because the efficiencies are real over padded (squared) token slots.
+    because the efficiencies are real over padded (squared) token slots. The profile's
+    predicted padding penalty uses the same per-row reading of a and b.
     """
     return (
         fit.a / fit.batch * sum_len_sq / attention_efficiency
@@ -445,7 +467,7 @@ def expected_saving(
     sum_len: float,
     sum_len_sq: float,
 ) -> dict[str, float | None]:
-    """Fraction of step time saved moving from `baseline` to `candidate` batching.
+    """Fraction of training time saved moving from `baseline` to `candidate` batching.
 
     With a fit: one number. Without one: the linear-cost and quadratic-cost limits (a step
     dominated by per-token work saves what token efficiency gains; one dominated by attention
@@ -455,16 +477,9 @@ def expected_saving(
     quadratic = 1 - baseline.attention / candidate.attention
     saving = None
     if fit is not None:
-        before = workload_time(
-            fit, sum_len, sum_len_sq, baseline.token, baseline.attention, baseline.n_micro_batches
-        )
-        after = workload_time(
-            fit,
-            sum_len,
-            sum_len_sq,
-            candidate.token,
-            candidate.attention,
-            candidate.n_micro_batches,
+        before, after = (
+            workload_time(fit, sum_len, sum_len_sq, e.token, e.attention, e.n_micro_batches)
+            for e in (baseline, candidate)
         )
         saving = 1 - after / before if before > 0 else None
     return {"saving": saving, "linear_limit": linear, "quadratic_limit": quadratic}
@@ -475,15 +490,14 @@ def usable_fit(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) -
     if "profile" in not_run or tables["profile_fit"].empty:
         return None
     row = tables["profile_fit"].iloc[0]
-    if (_finite(row["n_points"]) or 0) < 3:
-        return None
     coeffs = [_finite(row[k]) for k in ("a", "b", "c")]
-    if any(v is None for v in coeffs):
+    if (_finite(row["n_points"]) or 0) < 3 or any(v is None for v in coeffs):
         return None
-    ok = tables["profile_scaling"]
-    ok = ok[ok["status"] == "OK"]
-    batch = int(ok["batch"].iloc[0]) if not ok.empty else 1
-    return StepFit(*coeffs, batch=batch)  # type: ignore[arg-type]
+    scaling = tables["profile_scaling"]
+    ok = scaling[scaling["status"] == "OK"]
+    if ok.empty:
+        return None
+    return StepFit(*coeffs, batch=int(ok["batch"].iloc[0]))  # type: ignore[arg-type]
 
 
 def training_lengths(lengths: pd.DataFrame) -> pd.Series:
@@ -491,32 +505,46 @@ def training_lengths(lengths: pd.DataFrame) -> pd.Series:
     return lengths.loc[lengths["status"].isin(OK_STATUSES), "n_tokens"].astype("float64")
 
 
+def strategy_rank(strategy: str) -> int:
+    """Random first (the baseline), the sweep, global sort, then packing and anything else."""
+    for rank, prefix in enumerate(STRATEGY_ORDER):
+        if str(strategy).startswith(prefix):
+            return rank
+    return len(STRATEGY_ORDER)
+
+
 def sweep_means(sweep: pd.DataFrame) -> pd.DataFrame:
-    """Mean and spread over seeds for each strategy × bucket size (bucket_size NaN kept)."""
+    """Mean over seeds for each strategy × bucket size (packing: bucket size NA), with spread."""
     if sweep.empty:
         return sweep
-    metrics = [
-        "token_efficiency",
-        "attention_efficiency",
-        "n_micro_batches",
-        "distinct_sources_rel",
-        "entropy_rel",
-        "order_length_corr",
-    ]
-    keys = sweep[["strategy", "bucket_size"]].astype({"bucket_size": "float64"})
-    frame = pd.concat([keys, sweep[[*metrics, "seed"]]], axis=1)
-    grouped = frame.groupby(["strategy", "bucket_size"], dropna=False, sort=False)
+    keys = ["strategy", "bucket_size_batches"]
+    metrics = [c for c in _columns("bucket_sweep") if c in sweep.columns and c not in keys]
+    metrics = [c for c in metrics if c != "seed" and pd.api.types.is_numeric_dtype(sweep[c])]
+    frame = sweep.assign(bucket_size_batches=sweep["bucket_size_batches"].astype("float64"))
+    grouped = frame.groupby(keys, dropna=False, sort=False)
     means = grouped[metrics].mean()
     spread = grouped[["token_efficiency", "attention_efficiency"]].std(ddof=0).fillna(0.0)
     means["token_efficiency_std"] = spread["token_efficiency"]
     means["attention_efficiency_std"] = spread["attention_efficiency"]
     means["n_seeds"] = grouped["seed"].nunique()
     out = means.reset_index()
-    # random first (the baseline), then the sweep by size, then packing and anything else
-    order = {name: i for i, name in enumerate(STRATEGY_ORDER)}
-    out["_order"] = out["strategy"].map(order).fillna(len(order))
-    out = out.sort_values(["_order", "strategy", "bucket_size"], na_position="last")
-    return out.drop(columns="_order").reset_index(drop=True)
+    out["_rank"] = out["strategy"].map(strategy_rank)
+    out = out.sort_values(["_rank", "bucket_size_batches", "strategy"], na_position="last")
+    return out.drop(columns="_rank").reset_index(drop=True)
+
+
+def diversity_prefix(recommendation: Mapping[str, Any]) -> str:
+    """The diversity level the bucket stage recommended at: micro-batch or optimizer step."""
+    level = (recommendation.get("thresholds") or {}).get("diversity_level", "step")
+    return "micro" if level == "micro_batch" else "step"
+
+
+def diversity(means: pd.DataFrame, prefix: str) -> pd.Series:
+    """The lower of distinct sources and source entropy, relative to random (as the bucket stage
+    judges diversity for its recommendation)."""
+    return means[
+        [f"{prefix}_distinct_sources_rel_random", f"{prefix}_source_entropy_rel_random"]
+    ].min(axis=1)
 
 
 def _efficiency(row: Mapping[str, Any]) -> Efficiency:
@@ -527,11 +555,18 @@ def _efficiency(row: Mapping[str, Any]) -> Efficiency:
     )
 
 
-def _baseline_row(means: pd.DataFrame) -> Mapping[str, Any] | None:
-    random = means[means["strategy"] == "random"]
-    if random.empty:  # length-grouped with one batch per bucket is random batching
-        random = means[(means["strategy"] == "length_grouped") & (means["bucket_size"] == 1)]
-    return None if random.empty else random.iloc[0].to_dict()
+def waste_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """Waste rows of summary.parquet pivoted to one row per strategy: value and std per metric."""
+    waste = summary[summary["section"] == "waste"]
+    wide = waste.pivot_table(
+        index="strategy", columns="metric", values=["value", "std"], aggfunc="first", sort=False
+    )
+    wide.columns = [f"{metric}_{stat}" for stat, metric in wide.columns]
+    return wide.reset_index()
+
+
+def _no_saving() -> dict[str, None]:
+    return {"saving": None, "linear_limit": None, "quadratic_limit": None}
 
 
 def recommendations(
@@ -540,10 +575,10 @@ def recommendations(
     not_run: Mapping[str, str],
     limit: int = 4,
 ) -> list[dict[str, Any]]:
-    """The top changes, each with its expected step-time saving and what the number rests on.
+    """The top changes, each with its expected saving of training time and what it rests on.
 
     Sorted by expected saving (the fitted saving, else the midpoint of its limits); a change whose
-    saving is not a step time (CE chunking frees memory) comes after those that save time.
+    saving is not time (CE chunking frees memory) comes after those that save time.
     """
     fit = usable_fit(tables, not_run)
     recs: list[dict[str, Any]] = []
@@ -556,97 +591,104 @@ def recommendations(
 
     if "bucket" not in not_run and not tables["bucket_sweep"].empty and len(lengths):
         means = sweep_means(tables["bucket_sweep"])
-        base = _baseline_row(means)
         rec = jsons["bucket_recommendation"]
-        size = _finite(rec.get("bucket_size"))
-        if base is not None and size is not None:
-            chosen = means[(means["strategy"] == "length_grouped") & (means["bucket_size"] == size)]
-            if not chosen.empty:
-                row = chosen.iloc[0].to_dict()
-                saving = expected_saving(
-                    _efficiency(base), _efficiency(row), fit, sum_len, sum_len_sq
-                )
-                recs.append(
-                    {
-                        "kind": "time",
-                        "title": f"Group batches by length, buckets of {size:g} micro-batches",
-                        "detail": (
-                            f"token efficiency {fmt_pct(base['token_efficiency'])} → "
-                            f"{fmt_pct(row['token_efficiency'])}, source diversity "
-                            f"{fmt_pct(row['entropy_rel'], 0)} of random"
-                        ),
-                        "baseline": "random batches",
-                        **saving,
-                    }
-                )
-        packed = means[means["strategy"] == "packing"]
-        if base is not None and not packed.empty:
-            row = packed.iloc[0].to_dict()
-            saving = expected_saving(_efficiency(base), _efficiency(row), fit, sum_len, sum_len_sq)
+        prefix = diversity_prefix(rec)
+        means["diversity"] = diversity(means, prefix)
+        random = means[means["strategy"] == "random"]
+        size = _finite((rec.get("recommended") or {}).get("bucket_size_batches"))
+        chosen = means[means["bucket_size_batches"] == size]
+        if not random.empty and size is not None and size > 1 and not chosen.empty:
+            base, row = random.iloc[0], chosen.iloc[0]
             recs.append(
                 {
                     "kind": "time",
-                    "title": "Pack whole examples into max_seq_len rows",
+                    "title": f"Group batches by length: buckets of {size:g} micro-batches",
+                    "detail": (
+                        f"token efficiency {fmt_pct(base['token_efficiency'])} → "
+                        f"{fmt_pct(row['token_efficiency'])}; source diversity per "
+                        f"{'micro-batch' if prefix == 'micro' else 'optimizer step'} "
+                        f"{fmt_pct(row['diversity'], 0)} of random"
+                    ),
+                    "baseline": "random batches",
+                    **expected_saving(
+                        _efficiency(base), _efficiency(row), fit, sum_len, sum_len_sq
+                    ),
+                }
+            )
+        packed = means[means["strategy"].str.startswith("packing")]
+        if not random.empty and not packed.empty:
+            base = random.iloc[0]
+            row = packed.sort_values("token_efficiency", ascending=False).iloc[0]
+            recs.append(
+                {
+                    "kind": "time",
+                    "title": f"Pack whole examples into max_seq_len rows ({row['strategy']})",
                     "detail": (
                         f"token efficiency {fmt_pct(row['token_efficiency'])}, "
                         f"{fmt_count(row['n_micro_batches'])} micro-batches instead of "
-                        f"{fmt_count(base['n_micro_batches'])}; needs a collator and attention "
-                        "that keep documents apart (see the mask gate)"
+                        f"{fmt_count(base['n_micro_batches'])}; attention counted dense (a varlen "
+                        "kernel would do better); needs attention that keeps documents apart "
+                        "(see the mask gate)"
                     ),
                     "baseline": "random batches",
-                    **saving,
+                    **expected_saving(
+                        _efficiency(base), _efficiency(row), fit, sum_len, sum_len_sq
+                    ),
                 }
             )
 
     if "padding" not in not_run and len(lengths):
-        summary = tables["padding_summary"].set_index("strategy")
-        if {"pad_to_max", "random"} <= set(summary.index):
+        waste = waste_table(tables["padding_summary"]).set_index("strategy")
+        needed = {"token_waste_value", "attention_waste_value"}
+        if {"pad_to_max_seq_len", "random"} <= set(waste.index) and needed <= set(waste.columns):
             n_batches = math.ceil(len(lengths) / (fit.batch if fit else 1))
 
             def eff(name: str) -> Efficiency:
                 return Efficiency(
-                    1 - float(summary.loc[name, "token_waste"]),
-                    1 - float(summary.loc[name, "attention_waste"]),
+                    1 - float(waste.loc[name, "token_waste_value"]),
+                    1 - float(waste.loc[name, "attention_waste_value"]),
                     n_batches,
                 )
 
-            saving = expected_saving(eff("pad_to_max"), eff("random"), fit, sum_len, sum_len_sq)
             recs.append(
                 {
                     "kind": "time",
                     "title": "Pad each batch to its longest member, not to max_seq_len",
                     "detail": (
-                        f"token waste {fmt_pct(summary.loc['pad_to_max', 'token_waste'])} → "
-                        f"{fmt_pct(summary.loc['random', 'token_waste'])}; applies only if "
+                        "token waste "
+                        f"{fmt_pct(waste.loc['pad_to_max_seq_len', 'token_waste_value'])} → "
+                        f"{fmt_pct(waste.loc['random', 'token_waste_value'])}; applies only if "
                         "you pad to max_seq_len today"
                     ),
                     "baseline": "pad to max_seq_len",
-                    **saving,
+                    **expected_saving(
+                        eff("pad_to_max_seq_len"), eff("random"), fit, sum_len, sum_len_sq
+                    ),
                 }
             )
 
     if "padding" not in not_run and not tables["padding_ce_chunks"].empty:
         chunks = tables["padding_ce_chunks"]
-        train = chunks[chunks["shape"] == "training"]
+        train = chunks[chunks["shape"] == TRAINING_SHAPE]
         row = (train if not train.empty else chunks).iloc[0]
-        recs.append(
-            {
-                "kind": "memory",
-                "title": (
-                    f"Chunk the cross-entropy at ≤ {fmt_tokens(row['max_chunk_tokens'])} per chunk"
-                ),
-                "detail": (
-                    f"the stock loss path holds ~{fmt_bytes(row['stock_loss_bytes'])} of logits "
-                    f"at the {label(row['shape'])} shape; Liger's heuristic picks "
-                    f"{fmt_tokens(row['liger_chunk_tokens'])}"
-                ),
-                "baseline": "unchunked loss",
-                "saving": None,
-                "linear_limit": None,
-                "quadratic_limit": None,
-                "memory_saving_bytes": _finite(row["stock_loss_bytes"]),
-            }
-        )
+        fits = bool(row.get("stock_fits_budget", False))
+        if not fits:
+            recs.append(
+                {
+                    "kind": "memory",
+                    "title": f"Chunk the cross-entropy: {fmt_tokens(row['chunk_tokens'])} a chunk",
+                    "detail": (
+                        f"at {fmt_count(row['tokens'])} tokens × {fmt_count(row['vocab_size'])} "
+                        f"vocabulary the stock loss path holds {fmt_bytes(row['stock_loss_bytes'])}"
+                        f"; {fmt_count(row['n_chunks'])} chunks stay within the budget; Liger's "
+                        "heuristic "
+                        f"picks {fmt_tokens(row['liger_chunk_tokens'])}"
+                    ),
+                    "baseline": "unchunked loss",
+                    "memory_bytes": _finite(row["stock_loss_bytes"]),
+                    **_no_saving(),
+                }
+            )
 
     def rank(rec: dict[str, Any]) -> tuple[int, float]:
         if rec["saving"] is not None:
@@ -664,12 +706,20 @@ def recommendations(
 # ----------------------------------------------------------------------------------------------
 
 
+def _columns(name: str) -> tuple[str, ...]:
+    return TABLES[name].required + TABLES[name].optional
+
+
 def _records(frame: pd.DataFrame, columns: Sequence[str]) -> list[dict[str, Any]]:
+    """Only the named columns (never anything else a stage wrote); absent optional ones → None."""
     present = [c for c in columns if c in frame.columns]
     rows = frame[present].to_dict(orient="records")
-    for row in rows:  # optional columns a stage did not write render as "—"
+    for row in rows:
         for column in columns:
-            row.setdefault(column, None)
+            value = row.setdefault(column, None)
+            # NaN/NA means "not measured": None, so the template's `is not none` tests hold
+            if value is pd.NA or (isinstance(value, float) and not math.isfinite(value)):
+                row[column] = None
     return rows
 
 
@@ -677,30 +727,51 @@ def _not_run(reason: str) -> dict[str, Any]:
     return {"status": NOT_RUN, "reason": reason}
 
 
-def _columns(name: str) -> tuple[str, ...]:
-    return TABLES[name].required + TABLES[name].optional
+def _device_name(device: Any) -> str:
+    if isinstance(device, Mapping):
+        return str(device.get("name") or device.get("type") or "unknown")
+    return str(device) if device else "unknown"
 
 
-def scaling_section(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str], jsons):
+def scaling_section(
+    tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str], jsons: Mapping[str, Any]
+) -> dict[str, Any]:
     if "profile" in not_run:
         return _not_run(not_run["profile"])
     provenance = jsons["profile_provenance"]
     scaling = tables["profile_scaling"].sort_values("seq_len")
     fit = tables["profile_fit"]
-    fit_row = _records(fit, _columns("profile_fit"))[0] if not fit.empty else None
-    n_ok = int((scaling["status"] == "OK").sum())
+    ok = scaling["status"] == "OK"
     return {
         "status": "ok",
         "cpu_only": bool(provenance.get("cpu_only")),
-        "device": str(provenance.get("device", "unknown")),
+        "device": _device_name(provenance.get("device")),
         "points": _records(scaling, _columns("profile_scaling")),
-        "n_ok": n_ok,
-        "n_oom": int((scaling["status"] == "OOM").sum()),
-        "fit": fit_row,
+        "n_ok": int(ok.sum()),
+        "n_failed": int((~ok).sum()),
+        "fit": _records(fit, _columns("profile_fit"))[0] if not fit.empty else None,
         "fit_usable": usable_fit(tables, not_run) is not None,
-        "max_fitted_len": _finite(scaling.loc[scaling["status"] == "OK", "seq_len"].max()),
+        "max_fitted_len": _finite(scaling.loc[ok, "seq_len"].max()),
         "penalty": _records(tables["profile_padding_penalty"], _columns("profile_padding_penalty")),
     }
+
+
+def distribution_rows(distribution: pd.DataFrame, top_sources: int) -> tuple[list[dict], int]:
+    """Per-source statistics of tokens per example: overall first, then the largest sources."""
+    stats = distribution[(distribution["kind"] == "stat") & (distribution["measure"] == "n_tokens")]
+    wide = stats.pivot_table(
+        index=["scope", "source"], columns="statistic", values="value", aggfunc="first", sort=False
+    ).reset_index()
+    for column in DISTRIBUTION_STATS:
+        if column not in wide.columns:
+            wide[column] = None
+    wide["_overall"] = wide["scope"] != "overall"
+    wide["_other"] = wide["source"] == OTHER_SOURCES
+    wide = wide.sort_values(["_overall", "_other", "count"], ascending=[True, True, False])
+    shown = wide.head(top_sources + 1)
+    return shown[["scope", "source", *DISTRIBUTION_STATS]].to_dict(orient="records"), max(
+        0, len(wide) - len(shown)
+    )
 
 
 def padding_section(
@@ -708,39 +779,35 @@ def padding_section(
 ) -> dict[str, Any]:
     if "padding" in not_run:
         return _not_run(not_run["padding"])
-    lengths = tables["padding_lengths"]
-    counts = lengths.groupby("status").size().reindex(list(ALL_STATUSES), fill_value=0)
+    lengths, summary = tables["padding_lengths"], tables["padding_summary"]
     unknown = sorted(set(lengths["status"]) - set(ALL_STATUSES))
     if unknown:
         raise ReportInputError(
             f"padding lengths: unknown status value(s) {unknown}; expected {list(ALL_STATUSES)}."
         )
-    by_source = (
-        lengths.groupby(["source", "status"]).size().unstack(fill_value=0)
-        if not lengths.empty
-        else pd.DataFrame(columns=list(ALL_STATUSES))
-    )
+    status_rows = summary[summary["section"] == "status"]
+    counts = status_rows[status_rows["metric"] == "count"].set_index("status")["value"]
+    lost = status_rows[status_rows["metric"].isin(["tokens_lost", "loss_tokens_lost"])]
+    by_source = lengths.groupby(["source", "status"]).size().unstack(fill_value=0)
     by_source = by_source.reindex(columns=list(ALL_STATUSES), fill_value=0)
     by_source["total"] = by_source.sum(axis=1)
     by_source = by_source.sort_values("total", ascending=False)
-    problems = lengths[lengths["status"].isin(["EMPTY", "ERROR"])]
+    reasons = summary[summary["section"] == "reason"].assign(
+        code=lambda f: f["reason"].map(reason_code)
+    )
     reasons = (
-        problems.assign(code=problems["reason"].map(reason_code))
-        .groupby(["status", "code"])
-        .size()
-        .reset_index(name="n")
-        .sort_values("n", ascending=False)
+        reasons.groupby(["status", "code"], sort=False)["value"]
+        .sum()
+        .reset_index()
+        .sort_values("value", ascending=False)
         .head(10)
-        .to_dict(orient="records")
     )
-    dist = tables["padding_distribution"].sort_values("n_examples", ascending=False)
+    distribution, more = distribution_rows(tables["padding_distribution"], top_sources)
     trains = lengths["status"].isin(OK_STATUSES)
-    truncated = (
-        float(lengths["n_truncated_tokens"].sum()) if "n_truncated_tokens" in lengths else None
-    )
     return {
         "status": "ok",
-        "counts": {k: int(v) for k, v in counts.items()},
+        "counts": {s: int(counts.get(s, 0)) for s in ALL_STATUSES},
+        "lost": {r["metric"]: r["value"] for r in lost.to_dict(orient="records")},
         "n_examples": len(lengths),
         "n_sources": int(lengths["source"].nunique()),
         "status_by_source": [
@@ -748,25 +815,25 @@ def padding_section(
             for src, row in by_source.head(top_sources).iterrows()
         ],
         "more_sources": max(0, len(by_source) - top_sources),
-        "reasons": reasons,
-        "distribution": _records(dist.head(top_sources + 1), _columns("padding_distribution")),
-        "more_distribution_rows": max(0, len(dist) - top_sources - 1),
-        "waste": _records(tables["padding_summary"], _columns("padding_summary")),
+        "reasons": reasons.to_dict(orient="records"),
+        "distribution": distribution,
+        "more_distribution_rows": more,
+        "waste": waste_table(summary).to_dict(orient="records"),
         "train_tokens": float(lengths.loc[trains, "n_tokens"].sum()),
         "loss_tokens": float(lengths.loc[trains, "n_loss_tokens"].sum()),
-        "truncated_tokens": truncated,
     }
 
 
 def ce_section(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) -> dict[str, Any]:
-    chunks = (
-        _not_run(not_run["padding"])
-        if "padding" in not_run
-        else {
+    if "padding" in not_run:
+        chunks = _not_run(not_run["padding"])
+    else:
+        frame = tables["padding_ce_chunks"]
+        chunks = {
             "status": "ok",
-            "rows": _records(tables["padding_ce_chunks"], _columns("padding_ce_chunks")),
+            "rows": _records(frame, _columns("padding_ce_chunks")),
+            "budget_gib": _finite(frame["budget_gib"].iloc[0]) if "budget_gib" in frame else None,
         }
-    )
     wall = (
         _not_run(not_run["profile"])
         if "profile" in not_run
@@ -775,50 +842,73 @@ def ce_section(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) -
     return {"status": "ok", "chunks": chunks, "wall": wall}
 
 
+def device_rows(kernels: pd.DataFrame, cpu_only: bool) -> pd.DataFrame:
+    """Device kernel rows only: the ATen op and the kernel it launched carry the same time."""
+    wanted = "CPU" if cpu_only else "CUDA"
+    return kernels[kernels["device_type"].astype(str).str.upper() == wanted]
+
+
 def kernels_section(
     tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str], jsons: Mapping[str, Any]
 ) -> dict[str, Any]:
     if "profile" in not_run:
         return _not_run(not_run["profile"])
     cpu_only = bool(jsons["profile_provenance"].get("cpu_only"))
-    kernels = device_rows(tables["profile_kernels"], cpu_only).sort_values("share", ascending=False)
+    kernels = device_rows(tables["profile_kernels"], cpu_only)
+    kernels = kernels.sort_values("device_time_s", ascending=False)
     return {
         "status": "ok",
         "cpu_only": cpu_only,
         "rows": _records(kernels, _columns("profile_kernels")),
         "total_s": float(kernels["device_time_s"].sum()),
         "share_sum": float(kernels["share"].sum()),
+        "dropped_rows": len(tables["profile_kernels"]) - len(kernels),
     }
-
-
-def device_rows(kernels: pd.DataFrame, cpu_only: bool) -> pd.DataFrame:
-    """Device kernel rows only: the ATen op and the kernel it launched carry the same time."""
-    if "device_type" not in kernels.columns:
-        return kernels
-    wanted = "CPU" if cpu_only else "CUDA"
-    return kernels[kernels["device_type"].astype(str).str.upper() == wanted]
 
 
 def bucket_section(
     tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str], jsons: Mapping[str, Any]
 ) -> dict[str, Any]:
+    if "bucket" not in not_run and tables["bucket_sweep"].empty:
+        raise ReportInputError("bucket sweep.parquet has no rows; rerun the bucket_sweep rule.")
     if "bucket" in not_run:
         return _not_run(not_run["bucket"])
-    means = sweep_means(tables["bucket_sweep"])
     rec = jsons["bucket_recommendation"]
-    known = ("bucket_size", "reason", "min_gain_share", "min_diversity_share", "strategy")
+    prefix = diversity_prefix(rec)
+    means = sweep_means(tables["bucket_sweep"])
+    means["diversity"] = diversity(means, prefix)
+    recommended = rec.get("recommended") or {}
+    thresholds = rec.get("thresholds") or {}
     return {
         "status": "ok",
         "rows": means.to_dict(orient="records"),
         "n_seeds": int(tables["bucket_sweep"]["seed"].nunique()),
-        "recommendation": {k: rec.get(k) for k in known},
-        "packing": means[means["strategy"] == "packing"].to_dict(orient="records"),
+        "level": "micro-batch" if prefix == "micro" else "optimizer step",
+        "result": str(rec.get("status", "")),
+        "bucket_size": _finite(recommended.get("bucket_size_batches")),
+        "bucket_size_examples": _finite(recommended.get("bucket_size_examples")),
+        "how_to_use": recommended.get("how_to_use"),
+        "hf_trainer_equivalent": recommended.get("hf_trainer_equivalent"),
+        "gain_share": _finite(thresholds.get("gain_share")),
+        "min_diversity_share": _finite(thresholds.get("min_diversity_share")),
+        "gain_metric": thresholds.get("gain_metric"),
+        "attention_note": rec.get("attention_note"),
+        "packing": means[means["strategy"].str.startswith("packing")].to_dict(orient="records"),
     }
 
 
 def fast_path(frame: pd.DataFrame) -> pd.Series:
     """A layer keeps SDPA's is_causal fast path: no explicit mask, is_causal set."""
     return (~frame["mask_present"].astype(bool)) & frame["is_causal"].astype(bool)
+
+
+def _band(values: pd.Series) -> str:
+    """The band of a group of layers: one value, a range, or "none" (no mask: is_causal)."""
+    finite = pd.to_numeric(values, errors="coerce").dropna()
+    if finite.empty:
+        return "none"
+    low, high = int(finite.min()), int(finite.max())
+    return f"{low:,}" if low == high else f"{low:,}–{high:,}"
 
 
 def mask_section(
@@ -842,10 +932,9 @@ def mask_section(
             .reset_index()
             .to_dict(orient="records")
         )
-        backends = group.groupby("backend").size().sort_values(ascending=False)
-        excluded = (
-            group["excluded_by"].dropna().astype(str).map(reason_code).replace("", pd.NA).dropna()
-        )
+        backends = group["backend"].astype(str).map(reason_code).value_counts()
+        excluded = group["excluded_by"].dropna().astype(str)
+        excluded = excluded[excluded != ""].map(reason_code).value_counts()
         scenarios.append(
             {
                 "scenario": name,
@@ -856,10 +945,8 @@ def mask_section(
                 "n_layers": len(group),
                 "n_fast": int(group["fast_path"].sum()),
                 "bands": bands,
-                "backends": ", ".join(f"{cell(k)} ×{v}" for k, v in backends.items()),
-                "excluded_by": ", ".join(
-                    f"{k} ×{v}" for k, v in excluded.value_counts().head(4).items()
-                ),
+                "backends": ", ".join(f"{k} ×{v}" for k, v in backends.items()),
+                "excluded_by": ", ".join(f"{k} ×{v}" for k, v in excluded.head(4).items()),
             }
         )
     gate = jsons["mask_gate"]
@@ -872,48 +959,51 @@ def mask_section(
     }
 
 
-def _band(values: pd.Series) -> str:
-    """The band of a group of layers: one value, a range, or "none" (no mask: is_causal)."""
-    finite = pd.to_numeric(values, errors="coerce").dropna()
-    if finite.empty:
-        return "none"
-    low, high = int(finite.min()), int(finite.max())
-    return f"{low:,}" if low == high else f"{low:,}–{high:,}"
-
-
 def controls_section(jsons: Mapping[str, Any], not_run: Mapping[str, str]) -> list[dict]:
-    """Every probe's positive control and its result, one row each (a stage may list several)."""
+    """Every probe's positive control and its result; a control made of checks lists each."""
     rows = []
     for stage in STAGES:
-        obj = jsons[f"{stage}_control"]
-        entries = obj if isinstance(obj, list) else [obj]
-        for entry in entries:
-            # a stage that did not run may still write a control with passed: null
-            reason = not_run_reason(entry)
-            if reason is None and stage in not_run and entry.get("passed") is None:
-                reason = not_run[stage]
-            if reason:
-                rows.append(
-                    {"stage": stage, "name": entry.get("name", MISSING), "result": "not run"}
-                    | {"description": reason, "expected": None, "observed": None}
-                )
-                continue
-            missing = [k for k in CONTROL_KEYS if k not in entry]
-            if missing:
-                raise ReportInputError(
-                    f"results/{stage}/control.json: key(s) {missing} missing; every control "
-                    f"needs {list(CONTROL_KEYS)}."
-                )
+        entry = jsons[f"{stage}_control"]
+        # a stage that did not run may still write a control with passed: null
+        reason = not_run_reason(entry)
+        if reason is None and stage in not_run and entry.get("passed") is None:
+            reason = not_run[stage]
+        if reason:
             rows.append(
                 {
                     "stage": stage,
-                    "name": entry["name"],
-                    "description": entry["description"],
-                    "expected": entry["expected"],
-                    "observed": entry["observed"],
-                    "result": "passed" if entry["passed"] is True else "FAILED",
+                    "name": entry.get("name", MISSING),
+                    "description": reason,
+                    "expected": None,
+                    "observed": None,
+                    "result": "not run",
+                    "checks": [],
                 }
             )
+            continue
+        checks = [
+            {
+                "name": check.get("name", MISSING),
+                "expected": check.get("expected"),
+                "observed": check.get("observed"),
+                "result": "passed" if check.get("passed") is True else "FAILED",
+            }
+            for check in entry.get("checks") or []
+            if isinstance(check, Mapping)
+        ]
+        n_passed = sum(c["result"] == "passed" for c in checks)
+        rows.append(
+            {
+                "stage": stage,
+                "name": entry["name"],
+                "description": entry["description"],
+                # a control made of many checks: the counts here, each check on its own row
+                "expected": f"{len(checks)} checks pass" if checks else entry["expected"],
+                "observed": f"{n_passed} of {len(checks)} pass" if checks else entry["observed"],
+                "result": "passed" if entry["passed"] is True else "FAILED",
+                "checks": checks,
+            }
+        )
     return rows
 
 
@@ -948,17 +1038,22 @@ def provenance_section(
         }
     )
     profile = jsons["profile_provenance"]
-    slurm = profile.get("slurm") if isinstance(profile, Mapping) else None
+    harness = profile.get("harness")
+    slurm = profile.get("slurm")
     return {
         "report": dict(report_meta),
         "versions": versions,
         "stages": stages,
         "config_hashes_agree": len(hashes) <= 1,
         "versions_differ": differing,
-        "device": profile.get("device", MISSING) if isinstance(profile, Mapping) else MISSING,
-        "cpu_only": bool(profile.get("cpu_only")) if isinstance(profile, Mapping) else None,
-        "harness": profile.get("harness", MISSING) if isinstance(profile, Mapping) else MISSING,
-        "slurm": {str(k): v for k, v in slurm.items()} if isinstance(slurm, Mapping) else None,
+        "device": _device_name(profile.get("device")) if "profile" not in not_run else MISSING,
+        "cpu_only": bool(profile.get("cpu_only")),
+        "harness": harness.get("spec", MISSING) if isinstance(harness, Mapping) else harness,
+        "slurm": (
+            {str(k): v for k, v in slurm.items() if v is not None}
+            if isinstance(slurm, Mapping)
+            else None
+        ),
     }
 
 
@@ -979,7 +1074,7 @@ def summary_section(
         )
     elif scaling.get("cpu_only"):
         fit_note = (
-            "The scaling fit came from the CPU, at lengths up to "
+            "**The scaling fit came from the CPU**, at lengths up to "
             f"{fmt_tokens(scaling.get('max_fitted_len'))}: its a/b/c do not transfer to a GPU, "
             "so the savings below are indicative only. Rerun the profile on the training GPU."
         )
@@ -988,12 +1083,11 @@ def summary_section(
             f"Savings combine the scaling fit measured on {scaling.get('device')} with the "
             "padding/bucket efficiencies."
         )
-    lengths = inputs["tables"]["padding_lengths"]
     extrapolated = None
-    if scaling.get("status") == "ok" and "padding" not in not_run and len(lengths):
-        p99 = float(training_lengths(lengths).quantile(0.99)) if len(lengths) else None
-        top = scaling.get("max_fitted_len")
-        if p99 and top and p99 > top:
+    lengths = training_lengths(tables["padding_lengths"]) if "padding" not in not_run else None
+    if scaling.get("status") == "ok" and lengths is not None and len(lengths):
+        p99, top = float(lengths.quantile(0.99)), scaling.get("max_fitted_len")
+        if top and p99 > top:
             extrapolated = {"p99": p99, "max_fitted_len": top}
     failed = [c for c in controls_section(jsons, not_run) if c["result"] == "FAILED"]
     return {
