@@ -37,12 +37,15 @@ if "profile_raw" in outputs:
     outputs["profile_raw"].write_text("raw key_averages() table\\n")
 write_stage("{stage}", outputs, profile={profile!r})
 """
+# complete: with --directory elsewhere the Snakefile's configfile (config/config.yaml) is not found
 CONFIG = """\
 model:
   path: model
 data:
   files:
     - path: data.jsonl
+training:
+  micro_batch_size: 2
 report:
   figure_dpi: 40
 """
@@ -50,21 +53,23 @@ WORKFLOW_RST_LINE = 'report: "workflow/report/workflow.rst"'
 
 
 def make_workdir(tmp_path: Path, profile: str) -> Path:
-    """A copy of the workflow whose stage scripts are stubs; the report script is the real one."""
-    work = tmp_path / "wf"
-    work.mkdir()
+    """A copy of the workflow whose stage scripts are stubs (the report script is the real one),
+    and a separate run directory, as `snakemake --snakefile ... --directory ...` uses them."""
+    source = tmp_path / "wf"
+    source.mkdir()
     for item in ("Snakefile", "workflow", "config"):
-        source = REPO / item
-        copy = shutil.copytree if source.is_dir() else shutil.copy
-        copy(source, work / item)
-    shutil.copytree(REPO / "scripts", work / "scripts", ignore=shutil.ignore_patterns("step*"))
+        original = REPO / item
+        copy = shutil.copytree if original.is_dir() else shutil.copy
+        copy(original, source / item)
+    shutil.copytree(REPO / "scripts", source / "scripts", ignore=shutil.ignore_patterns("step*"))
     for stage, script in STAGE_SCRIPTS.items():
         text = STUB.format(stage=stage, tests=str(REPO / "tests"), profile=profile)
-        (work / "scripts" / script).write_text(text)
-    snakefile = work / "Snakefile"
+        (source / "scripts" / script).write_text(text)
+    snakefile = source / "Snakefile"
     if WORKFLOW_RST_LINE not in snakefile.read_text():  # the lead adds it to the real Snakefile
         snakefile.write_text(snakefile.read_text() + f"\n{WORKFLOW_RST_LINE}\n")
-    (work / "model").mkdir()
+    work = tmp_path / "run"
+    (work / "model").mkdir(parents=True)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (work / "model" / name).write_text("{}")
     (work / "data.jsonl").write_text('{"text": "x"}\n')
@@ -73,7 +78,9 @@ def make_workdir(tmp_path: Path, profile: str) -> Path:
 
 
 def snakemake(work: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "snakemake", *args, "--configfile", "test.yaml"]
+    snakefile = work.parent / "wf" / "Snakefile"
+    command = [sys.executable, "-m", "snakemake", *args, "--snakefile", str(snakefile)]
+    command += ["--directory", str(work), "--configfile", str(work / "test.yaml")]
     done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done

@@ -18,7 +18,8 @@ rule report:
         profile_kernels="results/profile/kernels.parquet",
         profile_provenance="results/profile/provenance.json",
         profile_control="results/profile/control.json",
-        template="workflow/templates/playbook-evidence.md.j2",
+        # from the workflow source, not the working directory (--directory elsewhere)
+        template=workflow.source_path("../templates/playbook-evidence.md.j2"),
     output:
         markdown=report(
             "results/report/playbook-evidence.md",
