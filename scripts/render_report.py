@@ -48,6 +48,10 @@ def render_report(
     inputs = load_inputs(paths)
     figures_out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{figures_out.name}.", dir=figures_out.parent))
+    # mkdtemp creates 0700; the figures directory should be as readable as any the user makes
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)
     try:
         drawn = figs.draw_all(
             inputs, staging, options["histogram_top_sources"], options["figure_dpi"]

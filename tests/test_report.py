@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -56,7 +57,10 @@ def mask_layers() -> pd.DataFrame:
                     "band_lower": (511 if sliding else seq_len - 1) if masked else np.nan,
                     "band_upper": 0 if masked else np.nan,
                     "backend": "efficient" if masked else "flash",
-                    "excluded_by": "mask_present" if masked else None,
+                    "excluded_by": "flash: attn_mask present; cudnn: attn_mask present"
+                    if masked
+                    else None,
+                    "violation": None,
                 }
             )
     return pd.DataFrame(rows)
@@ -317,7 +321,12 @@ def write_stage(
     meta = run_metadata({"fixture": True})
     if stage == "mask":
         write_parquet(mask_layers(), paths["mask_layers"], meta)
-        gate = {"passed": True, "counts": {"fast_path_layers_at_training_shape": 1, "n_layers": 6}}
+        gate = {
+            "passed": True,
+            "violations_total": 0,
+            "violations": [],
+            "headline": "1 of 6 decoder layers keep SDPA's is_causal fast path at 2x4096",
+        }
         write_json(gate, paths["mask_gate"])
     elif stage == "padding":
         lengths = padding_lengths()
@@ -412,6 +421,13 @@ def test_every_linked_figure_exists(rendered):
         assert figure.is_file() and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_figures_directory_is_as_readable_as_any_other(rendered):
+    _, out = rendered
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out.parent / "figures").stat().st_mode & 0o777 == 0o777 & ~umask
+
+
 def test_numbers_carry_units(rendered):
     markdown, _ = rendered
     scaling = section(markdown, "Scaling")
@@ -454,10 +470,23 @@ def test_kernel_table_sums_device_rows_only(rendered):
 
 def test_mask_section_counts_fast_path_per_scenario(rendered):
     mask = section(rendered[0], "Mask gate")
-    assert "| training | 2 × 4,096 | none | no | 1 of 6 |" in mask
-    assert "| short | 2 × 256 | none | no | 6 of 6 | flash ×6 | — |" in mask
+    assert "Gate: **passed**: 1 of 6 decoder layers keep SDPA's is_causal fast path" in mask
+    assert (
+        "| training | 2 × 4,096 | none | no | 1 of 6 | 0 | efficient ×5, flash ×1 "
+        "| flash: attn_mask present ×5; cudnn: attn_mask present ×5 |"
+    ) in mask
+    assert "| short | 2 × 256 | none | no | 6 of 6 | 0 | flash ×6 | — |" in mask
     assert "| training | sliding_attention | 5 | 0 | 511 | 0 |" in mask
     assert "| short | full_attention | 1 | 1 | none | none |" in mask
+
+
+def test_mask_violations_are_listed():
+    layers = mask_layers()
+    layers.loc[2, "violation"] = "training layer 2: band 600 != window 512"
+    gate = {"passed": False, "violations_total": 1, "violations": [layers.loc[2, "violation"]]}
+    mask = rep.mask_section({"mask_layers": layers}, {}, {"mask_gate": gate})
+    assert not mask["passed"] and mask["violations"] == [layers.loc[2, "violation"]]
+    assert [s["n_violations"] for s in mask["scenarios"]] == [1, 0, 0, 0]
 
 
 def test_padding_counts_every_bucket(rendered):

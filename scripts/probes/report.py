@@ -73,6 +73,7 @@ TABLES: dict[str, TableSpec] = {
             "backend",
             "excluded_by",
         ),
+        ("fast_path", "violation", "band_source"),
     ),
     # one row per example, every status (probes.tokenize.LENGTH_COLUMNS)
     "padding_lengths": TableSpec(
@@ -173,7 +174,7 @@ TABLES: dict[str, TableSpec] = {
 CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
 # JSON outputs and the keys the report reads (a not-run stage may carry only status + reason).
 JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "mask_gate": ("mask", ("passed", "counts")),
+    "mask_gate": ("mask", ("passed",)),
     "bucket_recommendation": ("bucket", ("status", "recommended", "thresholds")),
     "profile_provenance": ("profile", ("device", "cpu_only", "harness")),
     "mask_control": ("mask", CONTROL_KEYS),
@@ -911,13 +912,37 @@ def _band(values: pd.Series) -> str:
     return f"{low:,}" if low == high else f"{low:,}–{high:,}"
 
 
+def stage_text(value: Any, limit: int = 100) -> str:
+    """A message a stage generated (rules, violations): printable, short, safe in a cell."""
+    return label(value, limit)
+
+
+def excluded_counts(excluded_by: pd.Series) -> str:
+    """ "flash: reason; cudnn: reason" per layer, counted per distinct part over the layers."""
+    parts = [
+        part.strip()
+        for text in excluded_by.dropna().astype(str)
+        for part in text.split(";")
+        if part.strip()
+    ]
+    counts = pd.Series(parts, dtype="object").value_counts()
+    return "; ".join(f"{stage_text(k, 60)} ×{v}" for k, v in counts.head(4).items())
+
+
 def mask_section(
     tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str], jsons: Mapping[str, Any]
 ) -> dict[str, Any]:
     if "mask" in not_run:
         return _not_run(not_run["mask"])
     layers = tables["mask_layers"].copy()
-    layers["fast_path"] = fast_path(layers)
+    # the stage's own fast_path column when it wrote one; the same definition otherwise
+    if "fast_path" not in layers.columns:
+        layers["fast_path"] = fast_path(layers)
+    layers["fast_path"] = layers["fast_path"].fillna(False).astype(bool)
+    violation = (
+        layers["violation"] if "violation" in layers.columns else pd.Series(index=layers.index)
+    )
+    layers["has_violation"] = violation.notna() & (violation.astype(str) != "")
     scenarios = []
     for name, group in layers.groupby("scenario", sort=False):
         first = group.iloc[0]
@@ -932,9 +957,7 @@ def mask_section(
             .reset_index()
             .to_dict(orient="records")
         )
-        backends = group["backend"].astype(str).map(reason_code).value_counts()
-        excluded = group["excluded_by"].dropna().astype(str)
-        excluded = excluded[excluded != ""].map(reason_code).value_counts()
+        backends = group["backend"].dropna().astype(str).map(reason_code).value_counts()
         scenarios.append(
             {
                 "scenario": name,
@@ -944,17 +967,20 @@ def mask_section(
                 "packed": bool(first["packed"]),
                 "n_layers": len(group),
                 "n_fast": int(group["fast_path"].sum()),
+                "n_violations": int(group["has_violation"].sum()),
                 "bands": bands,
                 "backends": ", ".join(f"{k} ×{v}" for k, v in backends.items()),
-                "excluded_by": ", ".join(f"{k} ×{v}" for k, v in excluded.head(4).items()),
+                "excluded_by": excluded_counts(group["excluded_by"]),
             }
         )
     gate = jsons["mask_gate"]
-    counts = gate.get("counts") or {}
+    violations = gate.get("violations") or []
     return {
         "status": "ok",
         "passed": bool(gate.get("passed")),
-        "counts": {str(k): v for k, v in counts.items() if isinstance(v, int | float | str | bool)},
+        "headline": gate.get("headline"),
+        "violations_total": _finite(gate.get("violations_total")) or len(violations),
+        "violations": [stage_text(v, 160) for v in violations[:5]],
         "scenarios": scenarios,
     }
 
