@@ -527,7 +527,7 @@ def test_profile_not_run_renders_not_run(rendered_not_run):
     assert f"Wall clock: **Not run.** {NOT_RUN_REASON}" in section(markdown, "Cross-entropy")
     assert re.search(r"^\| profile \| profile_controls \| .* \| not run \|$", markdown, re.M)
     summary = section(markdown, "Summary")
-    assert "The profile did not run" in summary
+    assert f"No time model: the profile did not run ({NOT_RUN_REASON})" in summary
     assert re.search(r"\d+\.\d% \(linear\) to \d+\.\d% \(quadratic\)", summary)
     assert sorted(Path(link).name for link in rep.linked_figures(markdown)) == [
         "bucket.png",
@@ -682,6 +682,32 @@ def test_expected_saving_lies_between_its_limits():
     assert result["saving"] == pytest.approx(1 - t_after / t_before)
     assert 0 < result["saving"] < result["quadratic_limit"]
     assert rep.expected_saving(before, after, None, s1, s2)["saving"] is None
+
+
+def test_fit_with_a_negative_coefficient_prices_nothing(tmp_path):
+    paths = write_results(tmp_path)
+    fit = pd.read_parquet(paths["profile_fit"]).assign(b=-0.4)
+    write_parquet(fit, paths["profile_fit"], {})
+    inputs = rep.load_inputs(paths)
+    assert "negative coefficient (b = -0.4)" in rep.fit_problem(inputs["tables"], {})
+    assert rep.usable_fit(inputs["tables"], {}) is None
+
+
+def test_examples_without_loss_tokens_are_a_recommendation(tmp_path):
+    paths = write_results(tmp_path)
+    lengths = pd.read_parquet(paths["padding_lengths"])
+    idle = lengths.index[lengths["status"] == "OK"][:46]  # 46 of 234 examples that train
+    lengths.loc[idle, "n_loss_tokens"] = 0
+    write_parquet(lengths, paths["padding_lengths"], {})
+    inputs = rep.load_inputs(paths)
+    recs = rep.recommendations(inputs["tables"], inputs["json"], {}, limit=10)
+    drop = next(r for r in recs if r["title"].startswith("Drop the 46 examples"))
+    assert "19.7% of the examples that train" in drop["detail"]
+    kept = lengths.drop(index=idle)
+    kept = kept.loc[kept["status"].isin(rep.OK_STATUSES), "n_tokens"]
+    every = lengths.loc[lengths["status"].isin(rep.OK_STATUSES), "n_tokens"]
+    assert drop["linear_limit"] == pytest.approx(1 - kept.sum() / every.sum())
+    assert 0 < drop["saving"] < 1
 
 
 def test_fit_with_fewer_than_three_points_is_not_used(tmp_path):

@@ -29,6 +29,7 @@ OK_STATUSES = ("OK", "TRUNCATED")  # the examples that train; EMPTY and ERROR ne
 ALL_STATUSES = ("OK", "TRUNCATED", "EMPTY", "ERROR")
 MISSING = "—"  # what a missing or non-finite number renders as
 STRATEGY_ORDER = ("random", "length_grouped", "global_sort", "packing")
+MIN_IDLE_SHARE = 0.01  # examples without a loss token worth a recommendation from this share
 TRAINING_SHAPE = "max_seq_len"  # the ce_chunks row sized at the training shape
 OTHER_SOURCES = "(other)"  # the padding stage pools sources beyond its limit under this label
 DISTRIBUTION_STATS = ("count", "tokens", "p50", "p90", "p99", "max")
@@ -269,9 +270,11 @@ def fmt_count(value: Any) -> str:
 
 
 def fmt_tokens(value: Any) -> str:
-    """A token count with its unit: 4,096 tokens."""
+    """A token count with its unit: 4,096 tokens (1 token)."""
     x = _finite(value)
-    return MISSING if x is None else f"{round(x):,} tokens"
+    if x is None:
+        return MISSING
+    return f"{round(x):,} token" + ("" if round(x) == 1 else "s")
 
 
 def fmt_ratio(value: Any) -> str:
@@ -486,19 +489,35 @@ def expected_saving(
     return {"saving": saving, "linear_limit": linear, "quadratic_limit": quadratic}
 
 
+def fit_problem(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) -> str | None:
+    """Why the scaling fit cannot price the savings, or None when it can."""
+    if "profile" in not_run:
+        return f"the profile did not run ({not_run['profile']})"
+    scaling, fit = tables["profile_scaling"], tables["profile_fit"]
+    if fit.empty or (scaling["status"] == "OK").sum() == 0:
+        return "the profile has no measured scaling point"
+    row = fit.iloc[0]
+    coeffs = {k: _finite(row[k]) for k in ("a", "b", "c")}
+    if (_finite(row["n_points"]) or 0) < 3 or None in coeffs.values():
+        return "the scaling fit has fewer than 3 usable points (three terms need three)"
+    negative = [f"{k} = {fmt_number(v)}" for k, v in coeffs.items() if v is not None and v < 0]
+    if negative:
+        # a cost that shrinks with length: noise (a busy CPU, too few repeats), not a model
+        return (
+            f"the scaling fit has a negative coefficient ({', '.join(negative)}): it is not a "
+            "cost that grows with length at the measured lengths"
+        )
+    return None
+
+
 def usable_fit(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) -> StepFit | None:
-    """The scaling fit if the profile ran and fitted ≥ 3 points; else None."""
-    if "profile" in not_run or tables["profile_fit"].empty:
+    """The scaling fit when it can price savings (see fit_problem); else None."""
+    if fit_problem(tables, not_run) is not None:
         return None
     row = tables["profile_fit"].iloc[0]
-    coeffs = [_finite(row[k]) for k in ("a", "b", "c")]
-    if (_finite(row["n_points"]) or 0) < 3 or any(v is None for v in coeffs):
-        return None
     scaling = tables["profile_scaling"]
-    ok = scaling[scaling["status"] == "OK"]
-    if ok.empty:
-        return None
-    return StepFit(*coeffs, batch=int(ok["batch"].iloc[0]))  # type: ignore[arg-type]
+    batch = int(scaling.loc[scaling["status"] == "OK", "batch"].iloc[0])
+    return StepFit(float(row["a"]), float(row["b"]), float(row["c"]), batch=batch)
 
 
 def training_lengths(lengths: pd.DataFrame) -> pd.Series:
@@ -566,6 +585,30 @@ def waste_table(summary: pd.DataFrame) -> pd.DataFrame:
     return wide.reset_index()
 
 
+def subset_saving(
+    fit: StepFit | None, before: pd.Series, after: pd.Series, efficiency: Efficiency
+) -> dict[str, float | None]:
+    """Fraction of training time saved by training on `after` instead of `before` (lengths),
+    batched the same way (same efficiencies, micro-batches in proportion to examples)."""
+    s1, s2 = float(before.sum()), float((before**2).sum())
+    k1, k2 = float(after.sum()), float((after**2).sum())
+    saving = None
+    if fit is not None:
+        per_example = efficiency.n_micro_batches / max(len(before), 1)
+        full = workload_time(
+            fit, s1, s2, efficiency.token, efficiency.attention, len(before) * per_example
+        )
+        part = workload_time(
+            fit, k1, k2, efficiency.token, efficiency.attention, len(after) * per_example
+        )
+        saving = 1 - part / full if full > 0 else None
+    return {
+        "saving": saving,
+        "linear_limit": 1 - k1 / s1 if s1 else None,
+        "quadratic_limit": 1 - k2 / s2 if s2 else None,
+    }
+
+
 def _no_saving() -> dict[str, None]:
     return {"saving": None, "linear_limit": None, "quadratic_limit": None}
 
@@ -578,8 +621,8 @@ def recommendations(
 ) -> list[dict[str, Any]]:
     """The top changes, each with its expected saving of training time and what it rests on.
 
-    Sorted by expected saving (the fitted saving, else the midpoint of its limits); a change whose
-    saving is not time (CE chunking frees memory) comes after those that save time.
+    The `limit` best by expected saving (the fitted saving, else the midpoint of its limits),
+    then changes that save memory rather than time (CE chunking).
     """
     fit = usable_fit(tables, not_run)
     recs: list[dict[str, Any]] = []
@@ -668,6 +711,34 @@ def recommendations(
                 }
             )
 
+    if "padding" not in not_run and len(lengths):
+        trains = tables["padding_lengths"]
+        trains = trains[trains["status"].isin(OK_STATUSES)]
+        idle = (trains["n_loss_tokens"] == 0).to_numpy()
+        waste = waste_table(tables["padding_summary"]).set_index("strategy")
+        if idle.mean() >= MIN_IDLE_SHARE and "random" in waste.index:
+            random = Efficiency(
+                1 - float(waste.loc["random", "token_waste_value"]),
+                1 - float(waste.loc["random", "attention_waste_value"]),
+                math.ceil(len(trains) / (fit.batch if fit else 1)),
+            )
+            tokens = trains["n_tokens"].astype("float64")
+            recs.append(
+                {
+                    "kind": "time",
+                    "title": (
+                        f"Drop the {fmt_count(idle.sum())} examples that carry no loss token"
+                    ),
+                    "detail": (
+                        f"{fmt_pct(idle.mean())} of the examples that train, "
+                        f"{fmt_pct(tokens[idle].sum() / tokens.sum())} of their tokens: they cost "
+                        "compute and teach nothing (check training.loss_on and truncation)"
+                    ),
+                    "baseline": "every OK/TRUNCATED example",
+                    **subset_saving(fit, tokens, tokens[~idle], random),
+                }
+            )
+
     if "padding" not in not_run and not tables["padding_ce_chunks"].empty:
         chunks = tables["padding_ce_chunks"]
         train = chunks[chunks["shape"] == TRAINING_SHAPE]
@@ -686,19 +757,20 @@ def recommendations(
                         f"picks {fmt_tokens(row['liger_chunk_tokens'])}"
                     ),
                     "baseline": "unchunked loss",
-                    "memory_bytes": _finite(row["stock_loss_bytes"]),
+                    "memory_before": _finite(row["stock_loss_bytes"]),
+                    "memory_after": _finite(row.get("chunk_bytes")),
                     **_no_saving(),
                 }
             )
 
-    def rank(rec: dict[str, Any]) -> tuple[int, float]:
+    def rank(rec: dict[str, Any]) -> float:
         if rec["saving"] is not None:
-            return (0, -rec["saving"])
-        if rec["linear_limit"] is not None:
-            return (0, -(rec["linear_limit"] + rec["quadratic_limit"]) / 2)
-        return (1, 0.0)
+            return -rec["saving"]
+        return -(rec["linear_limit"] + rec["quadratic_limit"]) / 2
 
-    return sorted(recs, key=rank)[:limit]
+    # the `limit` best time savings, then what saves memory rather than time
+    timed = sorted((r for r in recs if r["kind"] == "time"), key=rank)[:limit]
+    return timed + [r for r in recs if r["kind"] != "time"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -752,6 +824,7 @@ def scaling_section(
         "n_failed": int((~ok).sum()),
         "fit": _records(fit, _columns("profile_fit"))[0] if not fit.empty else None,
         "fit_usable": usable_fit(tables, not_run) is not None,
+        "fit_problem": fit_problem(tables, not_run),
         "max_fitted_len": _finite(scaling.loc[ok, "seq_len"].max()),
         "penalty": _records(tables["profile_padding_penalty"], _columns("profile_padding_penalty")),
     }
@@ -926,7 +999,7 @@ def excluded_counts(excluded_by: pd.Series) -> str:
         if part.strip()
     ]
     counts = pd.Series(parts, dtype="object").value_counts()
-    return "; ".join(f"{stage_text(k, 60)} ×{v}" for k, v in counts.head(4).items())
+    return "; ".join(f"{stage_text(k, 90)} ×{v}" for k, v in counts.head(4).items())
 
 
 def mask_section(
@@ -1088,15 +1161,12 @@ def summary_section(
 ) -> dict[str, Any]:
     tables, jsons, not_run = inputs["tables"], inputs["json"], inputs["not_run"]
     recs = recommendations(tables, jsons, not_run, limit=limit)
-    if "profile" in not_run:
+    problem = fit_problem(tables, not_run)
+    if problem:
         fit_note = (
-            f"The profile did not run ({not_run['profile']}): savings are given as the range "
-            "between a step whose cost is linear and one whose cost is quadratic in length."
-        )
-    elif not scaling.get("fit_usable"):
-        fit_note = (
-            "The scaling fit has fewer than 3 usable points: savings are given as the range "
-            "between a linear-cost and a quadratic-cost step."
+            f"No time model: {problem}. Savings are given as the range between a step whose "
+            "cost is linear in length (token efficiency) and one whose cost is quadratic "
+            "(attention efficiency)."
         )
     elif scaling.get("cpu_only"):
         fit_note = (
@@ -1111,7 +1181,7 @@ def summary_section(
         )
     extrapolated = None
     lengths = training_lengths(tables["padding_lengths"]) if "padding" not in not_run else None
-    if scaling.get("status") == "ok" and lengths is not None and len(lengths):
+    if not problem and lengths is not None and len(lengths):
         p99, top = float(lengths.quantile(0.99)), scaling.get("max_fitted_len")
         if top and p99 > top:
             extrapolated = {"p99": p99, "max_fitted_len": top}
@@ -1119,9 +1189,9 @@ def summary_section(
     return {
         "recommendations": recs,
         "fit_note": fit_note,
+        "priced": problem is None,
         "extrapolated": extrapolated,
         "not_run": dict(not_run),
-        "mask_passed": mask.get("passed") if mask.get("status") == "ok" else None,
         "failed_controls": failed,
     }
 
