@@ -17,6 +17,7 @@ from probes import report as rep
 from probes.io import read_json, run_metadata, write_json, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # render_report, the entry script
 TEMPLATE = REPO / "workflow" / "templates" / "playbook-evidence.md.j2"
 SCRIPT = REPO / "scripts" / "render_report.py"
 CANARY = "CANARY-7f3a9c-DO-NOT-LEAK"
@@ -708,6 +709,23 @@ def test_examples_without_loss_tokens_are_a_recommendation(tmp_path):
     every = lengths.loc[lengths["status"].isin(rep.OK_STATUSES), "n_tokens"]
     assert drop["linear_limit"] == pytest.approx(1 - kept.sum() / every.sum())
     assert 0 < drop["saving"] < 1
+
+
+def test_insufficient_fit_renders_no_fit(tmp_path):
+    from render_report import render_report
+
+    paths = write_results(tmp_path / "results")
+    fit = pd.read_parquet(paths["profile_fit"])
+    fit = fit.assign(a=np.nan, b=np.nan, c=np.nan, n_points=2, method="insufficient_points")
+    fit["message"] = "only 2 distinct length(s) with a measured time"
+    write_parquet(fit, paths["profile_fit"], {})
+    out = tmp_path / "results/report/playbook-evidence.md"
+    render_report(paths, TEMPLATE, out, out.parent / "figures", {"report": {"figure_dpi": 30}})
+    scaling = section(out.read_text(), "Scaling")
+    assert "**No fit:** fewer than 3 usable points" in scaling
+    assert "only 2 distinct length(s)" in scaling
+    assert "**Not used to price the savings:** the scaling fit has fewer than 3" in scaling
+    assert "(linear) to" in section(out.read_text(), "Summary")
 
 
 def test_fit_with_fewer_than_three_points_is_not_used(tmp_path):

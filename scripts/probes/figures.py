@@ -22,6 +22,7 @@ from probes.report import (  # noqa: E402
     device_rows,
     diversity,
     diversity_prefix,
+    fit_problem,
     label,
     sweep_means,
 )
@@ -62,13 +63,14 @@ def length_histogram(
         _save(fig, path, dpi)
         return []
     edges = np.r_[bins.drop_duplicates("bin_lo")["bin_lo"].to_numpy(), bins["bin_hi"].max()]
-    lines = [(label(name, 30), bins[bins["source"] == name]) for name in keep]
+    lines = [(label(name, 30), bins[bins["source"] == name], {}) for name in keep]
     rest = bins[~bins["source"].isin(keep)]
-    if not rest.empty:
-        lines.append((f"other ({max(n_sources - len(keep), 1)} sources)", rest))
-    for name, group in lines:
+    if not rest.empty:  # grey and dashed: a pool, not a source
+        style = {"color": "0.5", "linestyle": "--"}
+        lines.append((f"other ({max(n_sources - len(keep), 1)} sources)", rest, style))
+    for name, group, style in lines:
         values = group.groupby("bin_lo")["value"].sum().reindex(edges[:-1], fill_value=0.0)
-        ax.stairs(values.to_numpy(), edges, linewidth=1.4, label=name)
+        ax.stairs(values.to_numpy(), edges, linewidth=1.4, label=name, **style)
     ax.set_xscale("log")
     ax.set_yscale("log", nonpositive="mask")
     filled = bins.loc[bins["value"] > 0]
@@ -79,11 +81,18 @@ def length_histogram(
     ax.set_title("Tokenized length per source (OK and TRUNCATED examples)")
     ax.legend(fontsize=7, loc="upper right", frameon=False)
     _save(fig, path, dpi)
-    return [name for name, _ in lines]
+    return [name for name, _, _ in lines]
 
 
-def scaling_curve(scaling: pd.DataFrame, fit: dict | None, path: str | Path, dpi: int = DPI):
-    """Measured step time per length, OOM points marked, and the fitted a·T² + b·T + c."""
+def scaling_curve(
+    scaling: pd.DataFrame,
+    fit: dict | None,
+    path: str | Path,
+    dpi: int = DPI,
+    problem: str | None = None,
+):
+    """Measured step time per length, OOM points marked, and the fitted a·T² + b·T + c;
+    `problem` (why the fit cannot price anything) goes under the title."""
     fig, ax = plt.subplots(figsize=SIZE)
     ok = scaling[scaling["status"] == "OK"]
     oom = scaling[scaling["status"] == "OOM"]
@@ -104,6 +113,10 @@ def scaling_curve(scaling: pd.DataFrame, fit: dict | None, path: str | Path, dpi
     ax.set_xlabel("sequence length T (tokens)")
     ax.set_ylabel("step time per micro-batch (s)")
     ax.set_title("Step time vs sequence length")
+    if problem:
+        ax.text(
+            0.5, 0.97, problem, transform=ax.transAxes, ha="center", va="top", fontsize=7, wrap=True
+        )
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8, frameon=False)
@@ -201,7 +214,8 @@ def draw_all(
         fit = tables["profile_fit"]
         usable = not fit.empty and (fit.iloc[0]["n_points"] or 0) >= 3
         fit_row = fit.iloc[0].to_dict() if usable else None
-        scaling_curve(tables["profile_scaling"], fit_row, directory / "scaling.png", dpi)
+        problem = fit_problem(tables, not_run)
+        scaling_curve(tables["profile_scaling"], fit_row, directory / "scaling.png", dpi, problem)
         drawn["scaling"] = "scaling.png"
     if "bucket" not in not_run and not tables["bucket_sweep"].empty:
         rec = jsons["bucket_recommendation"]
