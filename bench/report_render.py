@@ -29,6 +29,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import test_report as fixtures  # the same builders the unit tests render from
+
     from probes import report
     from probes.io import run_metadata, write_parquet
 

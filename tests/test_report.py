@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+
 from probes import report as rep
 from probes.io import read_json, run_metadata, write_json, write_parquet
 
