@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from probes import sdpa_backend as sb
 
 

@@ -2,6 +2,7 @@
 
 import numpy as np
 import torch
+
 from probes import mask_band
 
 

@@ -1,7 +1,10 @@
 """The mask gate on tiny real architectures built from config dicts (meta device, no weights)."""
 
+from pathlib import Path
+
 import pandas as pd
 import pytest
+
 from probes import mask
 
 BASE = {
@@ -214,7 +217,8 @@ def test_layers_table_has_the_stable_columns():
 def test_shipped_gemma3_27b_config_traces_its_real_layer_pattern():
     from probes.mask_trace import read_config_json
 
-    config = read_config_json("config/models/gemma-3-27b-it/config.json")
+    repo = Path(__file__).resolve().parents[1]
+    config = read_config_json(repo / "config" / "models" / "gemma-3-27b-it" / "config.json")
     table, gate = run(
         config, training={"micro_batch_size": 1, "max_seq_len": 1100}, scenarios=["train"]
     )

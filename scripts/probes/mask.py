@@ -301,7 +301,6 @@ def model_window(specs: list[LayerSpec]) -> int | None:
 @dataclass
 class GateSettings:
     target: sdpa_backend.Target
-    window_override: int | None = None
     confirm: bool = False
     confirm_target: sdpa_backend.Target | None = None
     max_mask_gib: float = 8.0
@@ -552,11 +551,7 @@ def evaluate(
     scenarios, notes = build_scenarios(
         mask_cfg, training_cfg, model_window(specs), probe.accepts_token_type_ids
     )
-    settings = GateSettings(
-        target=target,
-        window_override=mask_cfg.get("expected_sliding_window"),
-        max_mask_gib=float(mask_cfg["max_mask_gib"]),
-    )
+    settings = GateSettings(target=target, max_mask_gib=float(mask_cfg["max_mask_gib"]))
     confirm_note = "not requested (mask.confirm_on_cuda: false)"
     if mask_cfg.get("confirm_on_cuda"):
         if sdpa_backend.cuda_available():
