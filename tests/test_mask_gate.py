@@ -230,3 +230,42 @@ def test_shipped_gemma3_27b_config_traces_its_real_layer_pattern():
     assert train["head_dim"].eq(128).all()
     assert rows(table, "train", "sliding_attention")["keys_max"].eq(1024).all()
     assert gate["headline"].startswith("10 of 62")
+
+
+def test_gemma4_moe_global_layers_have_head_dim_512_and_lose_flash():
+    config = {
+        **BASE,
+        "model_type": "gemma4_text",
+        "sliding_window": WINDOW,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+        "enable_moe_block": True,
+        "num_experts": 4,
+        "top_k_experts": 2,
+        "moe_intermediate_size": 16,
+        "global_head_dim": 512,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": 64,
+    }
+    table, gate = run(config, scenarios=["train"])
+    assert gate["passed"], gate["violations"]
+    full = rows(table, "train", "full_attention")
+    assert full["head_dim"].eq(512).all() and full["fast_path"].all()
+    assert full["backend"].eq("efficient").all()
+    assert full["excluded_by"].eq("flash: head_dim 512 > 256").all()
+    assert rows(table, "train", "sliding_attention")["head_dim"].eq(16).all()
+
+
+def test_meta_replay_does_not_change_the_recorded_calls(monkeypatch):
+    from probes import mask_trace
+
+    inputs = mask.Scenario("packed", "", mask.packed_doc_ids([10, 6, 8])).inputs()
+
+    def calls():
+        probe = mask_trace.build_probe_model(GEMMA3)
+        records = mask_trace.trace_attention(probe, inputs)
+        return [(r.layer_idx, r.call, None if r.mask is None else r.mask.tolist()) for r in records]
+
+    with_replay = calls()
+    monkeypatch.setattr(mask_trace, "memoise_decoder_submodules", lambda layers: None)
+    monkeypatch.setattr(mask_trace, "MEMOISED_HELPERS", ())
+    assert calls() == with_replay and len(with_replay) == 4
