@@ -269,3 +269,15 @@ def test_meta_replay_does_not_change_the_recorded_calls(monkeypatch):
     monkeypatch.setattr(mask_trace, "memoise_decoder_submodules", lambda layers: None)
     monkeypatch.setattr(mask_trace, "MEMOISED_HELPERS", ())
     assert calls() == with_replay and len(with_replay) == 4
+
+
+def test_a_layer_without_an_attention_call_fails_the_gate(monkeypatch):
+    traced = mask.trace_attention
+    monkeypatch.setattr(
+        mask, "trace_attention", lambda probe, inputs: traced(probe, inputs)[1:]
+    )  # layer 0's call goes missing
+    _, gate = run(LLAMA, scenarios=["train"])
+    assert not gate["passed"]
+    assert gate["violations"] == [
+        "layer 0 (full_attention) in scenario 'train': no attention call recorded"
+    ]

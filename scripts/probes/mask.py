@@ -386,14 +386,25 @@ def run_scenario(
             "attention_calls": len(layer_records),
         }
         if not layer_records:
+            # a full or sliding layer that never called attention means the trace is broken
+            missing = f"layer {layer_idx} ({spec.layer_type}) in scenario '{scenario.name}': "
             row.update(
-                backend="none", band_ok=None, violation=None, fast_path=False, mask_present=None
+                backend="none",
+                fast_path=False,
+                band_ok=False if spec.checkable else None,
+                violation=missing + "no attention call recorded" if spec.checkable else None,
             )
             rows.append(row)
             continue
         record = layer_records[-1]
         call = record.call
         mask = record.mask
+        if mask is not None and tuple(mask.shape[-2:]) != (scenario.seq_len, scenario.seq_len):
+            raise GateError(
+                f"layer {layer_idx} in scenario '{scenario.name}': mask shape "
+                f"{tuple(mask.shape)} is not (..., {scenario.seq_len}, {scenario.seq_len}); "
+                "the gate only measures square training masks"
+            )
         row.update(
             attn_implementation=record.implementation,
             module_sliding_window=record.module_sliding_window,
