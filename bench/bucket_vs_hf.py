@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
 import numpy as np  # noqa: E402
+
 from probes import bucket  # noqa: E402
 
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from probes import bucket
 
 REPO = Path(__file__).resolve().parent.parent
