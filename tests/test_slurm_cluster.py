@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+
 from conftest import chat_rows, write_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
