@@ -5,8 +5,6 @@ Run by `snakemake profile`, or standalone (no Snakemake needed), e.g. on a GPU n
         --lengths results/padding/lengths.parquet --out-dir results/profile --device cuda
 """
 
-from __future__ import annotations
-
 import argparse
 import sys
 from pathlib import Path

@@ -117,3 +117,8 @@ def test_cpu_rows_use_self_cpu_time_and_skip_markers():
     assert sum(r.self_time_us for r in summed) == pytest.approx(70.0)
     assert "CPU-ONLY" in raw_table_header("cpu", 1, 128, 2, 0.5)
     assert "SUM ONLY the kernel rows" in raw_table_header("cuda", 3, 4096, 2, 1.0)
+
+
+def test_an_empty_kernel_table_fails_the_control():
+    # a profiler without CUPTI lists no kernel rows: 0 <= wall must not pass as "no double count"
+    assert double_count_check(0.0, 1.0, None, tolerance=0.01)["passed"] is False

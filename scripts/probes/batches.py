@@ -71,10 +71,16 @@ class PaddingPick:
 
 
 def pick_padding_batch(
-    train: pd.DataFrame, batch_size: int, max_len: int, seed: int, draws: int = 256
+    train: pd.DataFrame,
+    batch_size: int,
+    max_len: int,
+    seed: int,
+    draws: int = 256,
+    waste_quantile: float = 0.5,
 ) -> PaddingPick:
-    """A typical random micro-batch: of `draws` seeded random batches whose longest member fits
-    `max_len`, the one with the median padding waste (what an unbucketed loader hands out)."""
+    """A random micro-batch as an unbucketed loader hands it out: of `draws` seeded random
+    batches whose longest member fits `max_len`, the one at `waste_quantile` of padding waste
+    (0.5: a typical batch; 0.9: a bad one)."""
     eligible = train[train["n_tokens"] <= max_len].reset_index(drop=True)
     if len(eligible) < batch_size:
         raise LengthsError(
@@ -89,16 +95,18 @@ def pick_padding_batch(
     batch_lengths = lengths[picks]
     waste = 1.0 - batch_lengths.sum(axis=1) / (batch_size * batch_lengths.max(axis=1))
     order = np.argsort(waste, kind="stable")
-    chosen = picks[order[len(order) // 2]]
+    at = order[int(round(waste_quantile * (len(order) - 1)))]
+    chosen = picks[at]
     rows = eligible.iloc[chosen]
     share = len(eligible) / len(train)
     return PaddingPick(
         example_ids=[str(v) for v in rows["example_id"]],
         n_tokens=[int(v) for v in rows["n_tokens"]],
         n_loss_tokens=[int(v) for v in rows["n_loss_tokens"]],
-        padding_waste=float(waste[order[len(order) // 2]]),
+        padding_waste=float(waste[at]),
         method=(
-            f"median padding waste of {draws} seeded random batches (seed {seed}) drawn from the "
+            f"padding-waste quantile {waste_quantile:g} of {draws} seeded random batches "
+            f"(seed {seed}) drawn from the "
             f"{len(eligible)} examples ({share:.1%}) with <= {max_len} tokens"
         ),
     )

@@ -161,13 +161,15 @@ def double_count_check(
     kernel_sum_s: float, wall_s: float, naive_sum_s: float | None, tolerance: float
 ) -> dict[str, Any]:
     """The positive control for double counting: the summed rows must fit in the wall time."""
-    passed = kernel_sum_s <= wall_s * (1.0 + tolerance)
+    # an empty table (no kernel rows: profiler without CUPTI) would pass trivially; it fails
+    passed = 0 < kernel_sum_s <= wall_s * (1.0 + tolerance)
     naive_ratio = naive_sum_s / kernel_sum_s if naive_sum_s and kernel_sum_s > 0 else None
     return {
         "name": "kernel_sum_within_wall_time",
         "description": (
             "the summed kernel rows (device_type CUDA; on CPU the ops' self CPU time) must not "
-            "exceed the profiled wall time; summing ATen op rows as well would count GPU time twice"
+            "exceed the profiled wall time (and must not be empty); summing ATen op rows as well "
+            "would count GPU time twice"
         ),
         "expected": {"kernel_sum_s_max": wall_s * (1.0 + tolerance), "tolerance": tolerance},
         "observed": {

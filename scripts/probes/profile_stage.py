@@ -147,6 +147,8 @@ def load_model(model_path: str | Path, settings: Settings, attn_implementation: 
     model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     if settings.device.type != "cuda":
         model.to(settings.device)
+    if model.dtype != settings.dtype:  # transformers < 4.56 names the argument torch_dtype
+        model.to(settings.dtype)
     model.config.use_cache = False
     return model
 
@@ -507,16 +509,17 @@ def run_kernel_profile(
     kernel_sum_s = float(table["device_time_s"].sum())
     naive_s = kn.aten_device_time_us(averages) / 1e6 if settings.device.type == "cuda" else None
     check = kn.double_count_check(kernel_sum_s, wall_s, naive_s, tolerance)
+    basis = (
+        "self device time of CUDA kernel rows"
+        if settings.device.type == "cuda"
+        else "self CPU time of op rows (CPU-only run: no device kernels)"
+    )
     table["seq_len"] = length
     table["batch"] = settings.micro_batch
     table["steps"] = settings.kernel_steps
     table["wall_s"] = wall_s
     table["kernel_sum_s"] = kernel_sum_s
-    table["time_basis"] = (
-        "self device time of CUDA kernel rows"
-        if settings.device.type == "cuda"
-        else "self CPU time of op rows (CPU-only run: no device kernels)"
-    )
+    table["time_basis"] = basis
     sort_key = "self_cpu_time_total"
     if settings.device.type == "cuda":  # older torch names it self_cuda_time_total
         sort_key = (
@@ -533,7 +536,7 @@ def run_kernel_profile(
         for r in sorted(summed, key=lambda r: -r.self_time_us)
     )
     raw += (
-        f"\n=== the {len(summed)} summed rows ({table['time_basis'].iloc[0]}), "
+        f"\n=== the {len(summed)} summed rows ({basis}), "
         f"sum {kernel_sum_s:.4f} s of wall {wall_s:.4f} s ===\n{kernel_list}\n"
     )
     release_memory(settings.device)
@@ -798,6 +801,7 @@ def run_profile(
             int(ok["seq_len"].max()),
             settings.seed,
             profile["padding_draws"],
+            profile["padding_waste_quantile"],
         )
         penalty = run_padding_penalty(runner, settings, pick, fit, vocab_size, pad_id)
     except bt.LengthsError as error:

@@ -38,8 +38,19 @@ class Timing:
         return statistics.pstdev(self.times_s) if len(self.times_s) > 1 else float("nan")
 
 
+# torch.OutOfMemoryError since 2.5; torch.cuda.OutOfMemoryError before (and as an alias after)
+OOM_TYPES = tuple(
+    t
+    for t in (
+        getattr(torch, "OutOfMemoryError", None),
+        getattr(torch.cuda, "OutOfMemoryError", None),
+    )
+    if t is not None
+)
+
+
 def is_out_of_memory(error: BaseException) -> bool:
-    if isinstance(error, torch.OutOfMemoryError):
+    if OOM_TYPES and isinstance(error, OOM_TYPES):
         return True
     text = str(error).lower()
     return isinstance(error, RuntimeError) and (
