@@ -18,7 +18,8 @@ rule report:
         profile_kernels="results/profile/kernels.parquet",
         profile_provenance="results/profile/provenance.json",
         profile_control="results/profile/control.json",
-        template="workflow/templates/playbook-evidence.md.j2",
+        # from the workflow source, not the working directory (--directory elsewhere)
+        template=workflow.source_path("../templates/playbook-evidence.md.j2"),
     output:
         markdown=report(
             "results/report/playbook-evidence.md",
@@ -29,6 +30,7 @@ rule report:
             directory("results/report/figures"),
             patterns=["{name}.png"],
             category="Report",
+            labels={"figure": "{name}"},
             caption="../report/figures.rst",
         ),
     log:
@@ -37,5 +39,7 @@ rule report:
         "benchmarks/report.tsv"
     conda:
         "../envs/probes.yaml"
+    params:
+        report=config["report"],
     script:
         "../../scripts/render_report.py"

@@ -1,0 +1,234 @@
+"""The report's figures: PNGs drawn from the stage tables with matplotlib's Agg backend.
+
+Each function draws one figure from a table and writes it to `path`. Labels are source names,
+column names and numbers only; no text from the data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display on a cluster node, and the fastest backend to import
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from probes.report import (  # noqa: E402
+    OK_STATUSES,
+    OTHER_SOURCES,
+    device_rows,
+    diversity,
+    diversity_prefix,
+    fit_problem,
+    label,
+    sweep_means,
+)
+
+DPI = 110
+SIZE = (7.0, 4.2)
+
+
+def _save(fig: plt.Figure, path: str | Path, dpi: int, left: float = 0.1) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    # fixed margins: tight_layout costs half of the figures' time and the 5 s render budget
+    fig.subplots_adjust(left=left, right=0.97, bottom=0.12, top=0.92)
+    # no embedded date, so the same inputs give the same bytes
+    fig.savefig(path, dpi=dpi, metadata={"Software": None})
+    plt.close(fig)
+
+
+def length_histogram(
+    distribution: pd.DataFrame, n_sources: int, path: str | Path, top_n: int = 8, dpi: int = DPI
+) -> list[str]:
+    """Tokens per example per source, from the padding stage's own histogram bins (log axes).
+
+    The `top_n` largest sources are drawn one by one; the rest (and the stage's pooled "(other)")
+    are summed into one "other (k sources)" line, so the plot stays readable with many sources.
+    Returns the legend labels.
+    """
+    rows = distribution[
+        (distribution["measure"] == "n_tokens") & (distribution["scope"] == "source")
+    ]
+    bins = rows[rows["kind"] == "bin"].sort_values("bin_lo")
+    counts = rows[(rows["kind"] == "stat") & (rows["statistic"] == "count")]
+    counts = counts.set_index("source")["value"]
+    named = [s for s in counts.sort_values(ascending=False).index if s != OTHER_SOURCES]
+    keep = named[:top_n]
+    fig, ax = plt.subplots(figsize=SIZE)
+    if bins.empty:
+        ax.text(0.5, 0.5, "no examples with tokens", ha="center", va="center")
+        _save(fig, path, dpi)
+        return []
+    edges = np.r_[bins.drop_duplicates("bin_lo")["bin_lo"].to_numpy(), bins["bin_hi"].max()]
+    lines = [(label(name, 30), bins[bins["source"] == name], {}) for name in keep]
+    rest = bins[~bins["source"].isin(keep)]
+    if not rest.empty:  # grey and dashed: a pool, not a source
+        style = {"color": "0.5", "linestyle": "--"}
+        lines.append((f"other ({max(n_sources - len(keep), 1)} sources)", rest, style))
+    for name, group, style in lines:
+        values = group.groupby("bin_lo")["value"].sum().reindex(edges[:-1], fill_value=0.0)
+        ax.stairs(values.to_numpy(), edges, linewidth=1.4, label=name, **style)
+    ax.set_xscale("log")
+    ax.set_yscale("log", nonpositive="mask")
+    filled = bins.loc[bins["value"] > 0]
+    if not filled.empty:  # the stage's bins start at 1 token: show only the populated range
+        ax.set_xlim(filled["bin_lo"].min() / 1.2, filled["bin_hi"].max() * 1.2)
+    ax.set_xlabel("tokens per example (log)")
+    ax.set_ylabel("examples (log)")
+    ax.set_title("Tokenized length per source (OK and TRUNCATED examples)")
+    ax.legend(fontsize=7, loc="upper right", frameon=False)
+    _save(fig, path, dpi)
+    return [name for name, _, _ in lines]
+
+
+def scaling_curve(
+    scaling: pd.DataFrame,
+    fit: dict | None,
+    path: str | Path,
+    dpi: int = DPI,
+    problem: str | None = None,
+):
+    """Measured step time per length, OOM points marked, and the fitted a·T² + b·T + c;
+    `problem` (why the fit cannot price anything) goes under the title."""
+    fig, ax = plt.subplots(figsize=SIZE)
+    ok = scaling[scaling["status"] == "OK"]
+    oom = scaling[scaling["status"] == "OOM"]
+    ax.plot(ok["seq_len"], ok["time_s"], "o", color="C0", label="measured")
+    top = float(scaling["seq_len"].max()) if not scaling.empty else 1.0
+    if fit is not None:
+        t = np.linspace(0, top * 1.05, 200)
+        a, b, c = (float(fit[k]) for k in ("a", "b", "c"))
+        ax.plot(t, a * t**2 + b * t + c, "-", color="C1", label="fit a·T² + b·T + c")
+        ax.plot(t, a * t**2, "--", color="C2", linewidth=1, label="quadratic term a·T²")
+    if not oom.empty:  # drawn where the fit says the step would have taken, else at the top
+        if fit is not None:
+            t_oom = oom["seq_len"].to_numpy(dtype="float64")
+            y = a * t_oom**2 + b * t_oom + c
+        else:
+            y = [float(ok["time_s"].max()) if not ok.empty else 1.0] * len(oom)
+        ax.plot(oom["seq_len"], y, "x", color="C3", markersize=9, label="out of memory")
+    ax.set_xlabel("sequence length T (tokens)")
+    ax.set_ylabel("step time per micro-batch (s)")
+    ax.set_title("Step time vs sequence length")
+    if problem:
+        ax.text(
+            0.5, 0.97, problem, transform=ax.transAxes, ha="center", va="top", fontsize=7, wrap=True
+        )
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, frameon=False)
+    _save(fig, path, dpi)
+
+
+def bucket_tradeoff(
+    means: pd.DataFrame,
+    recommended_size: float | None,
+    level: str,
+    path: str | Path,
+    dpi: int = DPI,
+):
+    """Efficiency against source diversity (relative to random) over the bucket-size sweep.
+
+    `means` holds a `diversity` column (the bucket stage's measure at `level`).
+    """
+    fig, ax = plt.subplots(figsize=SIZE)
+    sweep = means[means["bucket_size_batches"].notna()].sort_values("bucket_size_batches")
+    for column, style, name in (
+        ("token_efficiency", "o-", "token efficiency"),
+        ("attention_efficiency", "s--", "attention efficiency"),
+    ):
+        ax.plot(sweep["diversity"], sweep[column], style, markersize=4, label=name)
+    for _, row in sweep.iterrows():
+        ax.annotate(
+            f"{row['bucket_size_batches']:g}",
+            (row["diversity"], row["token_efficiency"]),
+            textcoords="offset points",
+            xytext=(3, 4),
+            fontsize=7,
+        )
+    packing = means[means["strategy"].str.startswith("packing")]
+    for i, (_, row) in enumerate(packing.iterrows()):
+        ax.plot(
+            row["diversity"],
+            row["token_efficiency"],
+            "*P"[i % 2],
+            markersize=11,
+            linestyle="none",
+            label=f"{row['strategy']} (token)",
+        )
+    if recommended_size is not None:
+        chosen = sweep[sweep["bucket_size_batches"] == recommended_size]
+        ax.plot(
+            chosen["diversity"],
+            chosen["token_efficiency"],
+            "o",
+            markersize=14,
+            markerfacecolor="none",
+            color="k",
+            label=f"recommended ({recommended_size:g} micro-batches/bucket)",
+        )
+    ax.set_xlabel(f"source diversity per {level} (relative to random)")
+    ax.set_ylabel("efficiency (real / padded)")
+    ax.set_title("Bucket-size sweep: efficiency vs diversity (labels: bucket size)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(fontsize=7, frameon=False, loc="lower left")
+    _save(fig, path, dpi)
+
+
+def kernel_shares(kernels: pd.DataFrame, path: str | Path, cpu_only: bool, dpi: int = DPI):
+    """Share of summed device kernel time per category (device rows only)."""
+    rows = kernels.sort_values("share")
+    fig, ax = plt.subplots(figsize=SIZE)
+    ax.barh(rows["category"].astype(str), rows["share"] * 100, color="C0")
+    for y, share in enumerate(rows["share"]):
+        ax.text(share * 100, y, f" {share * 100:.1f}%", va="center", fontsize=8)
+    what = "CPU self time of leaf ops (CPU-only run)" if cpu_only else "CUDA kernel time"
+    ax.set_xlabel(f"share of {what} (%)")
+    ax.set_title("Where the step's time went, by kernel category")
+    top = float(rows["share"].max()) * 100 if not rows.empty else 100.0
+    ax.set_xlim(0, min(100.0, top * 1.25) if top > 0 else 100.0)
+    _save(fig, path, dpi, left=0.24)
+
+
+FIGURES = ("lengths", "scaling", "bucket", "kernels")
+
+
+def draw_all(
+    inputs: dict, directory: str | Path, top_n: int = 8, dpi: int = DPI
+) -> dict[str, str | None]:
+    """Draw every figure whose stage ran into `directory`; {name: file name or None (not run)}."""
+    tables, jsons, not_run = inputs["tables"], inputs["json"], inputs["not_run"]
+    directory = Path(directory)
+    drawn: dict[str, str | None] = dict.fromkeys(FIGURES)
+    if "padding" not in not_run:
+        lengths = tables["padding_lengths"]
+        n_sources = lengths.loc[lengths["status"].isin(OK_STATUSES), "source"].nunique()
+        length_histogram(
+            tables["padding_distribution"], n_sources, directory / "lengths.png", top_n, dpi
+        )
+        drawn["lengths"] = "lengths.png"
+    if "profile" not in not_run and not tables["profile_scaling"].empty:
+        fit = tables["profile_fit"]
+        usable = not fit.empty and (fit.iloc[0]["n_points"] or 0) >= 3
+        fit_row = fit.iloc[0].to_dict() if usable else None
+        problem = fit_problem(tables, not_run)
+        scaling_curve(tables["profile_scaling"], fit_row, directory / "scaling.png", dpi, problem)
+        drawn["scaling"] = "scaling.png"
+    if "bucket" not in not_run and not tables["bucket_sweep"].empty:
+        rec = jsons["bucket_recommendation"]
+        size = (rec.get("recommended") or {}).get("bucket_size_batches")
+        prefix = diversity_prefix(rec)
+        means = sweep_means(tables["bucket_sweep"])
+        means["diversity"] = diversity(means, prefix)
+        level = "micro-batch" if prefix == "micro" else "optimizer step"
+        bucket_tradeoff(means, size, level, directory / "bucket.png", dpi)
+        drawn["bucket"] = "bucket.png"
+    if "profile" not in not_run and not tables["profile_kernels"].empty:
+        cpu_only = bool(jsons["profile_provenance"].get("cpu_only"))
+        kernels = device_rows(tables["profile_kernels"], cpu_only)
+        kernel_shares(kernels, directory / "kernels.png", cpu_only, dpi)
+        drawn["kernels"] = "kernels.png"
+    return drawn

@@ -1,0 +1,366 @@
+"""Which SDPA backend a recorded attention call gets on a target GPU, and why the faster ones don't.
+
+The prediction encodes the CUDA filters of torch's ``select_sdp_backend``
+(aten/src/ATen/native/transformers/cuda/sdp_utils.cpp and sdp_utils_cpp.h, torch 2.10+ on CUDA,
+not ROCm): each backend is tried in priority order and the first whose filters all pass wins. It
+works from shapes, strides, dtype and mask presence only, so it runs on a machine with no GPU.
+On a CUDA machine :func:`confirm_with_torch` asks torch itself (``torch._fused_sdp_choice`` and the
+``torch.backends.cuda.can_use_*`` checks) and the gate reports where the two disagree.
+
+Not modelled (assumed favourable): runtime-disabled backends, deterministic mode, storage-offset
+alignment for the efficient kernel, nested tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FLASH = "flash"
+EFFICIENT = "efficient"
+CUDNN = "cudnn"
+MATH = "math"
+EAGER = "eager"  # the model does not go through SDPA at all (e.g. Gemma 2's softcapping)
+
+HALF_DTYPES = ("float16", "bfloat16")
+DEFAULT_ORDER = (FLASH, EFFICIENT, MATH, CUDNN)
+CUDNN_FIRST_ORDER = (CUDNN, FLASH, EFFICIENT, MATH)
+RULES_SOURCE = "torch sdp_utils.cpp (CUDA, torch>=2.10): select_sdp_backend filters"
+
+
+@dataclass(frozen=True)
+class SdpaCall:
+    """The arguments of one call into scaled_dot_product_attention, without tensor data."""
+
+    q_shape: tuple[int, ...]
+    k_shape: tuple[int, ...]
+    v_shape: tuple[int, ...]
+    q_stride: tuple[int, ...]
+    k_stride: tuple[int, ...]
+    v_stride: tuple[int, ...]
+    dtype: str
+    is_causal: bool
+    enable_gqa: bool
+    dropout_p: float = 0.0
+    mask_shape: tuple[int, ...] | None = None
+    mask_dtype: str | None = None
+    mask_last_stride: int | None = None
+
+    @property
+    def mask_present(self) -> bool:
+        return self.mask_shape is not None
+
+    @property
+    def head_dim_qk(self) -> int:
+        return self.q_shape[-1]
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.v_shape[-1]
+
+
+@dataclass(frozen=True)
+class Target:
+    """The GPU and software the prediction is for."""
+
+    compute_capability: tuple[int, int] = (9, 0)
+    cudnn_version: int | None = None  # e.g. 91002 for cuDNN 9.10.2; None = unknown
+    prefer_cudnn: bool | None = None  # None: derive from cudnn_version as torch does
+    requires_grad: bool = True  # a training step: q/k/v carry gradients
+    torch_version: str = ""
+
+    @property
+    def sm(self) -> str:
+        return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
+    def priority_order(self) -> tuple[str, ...]:
+        return CUDNN_FIRST_ORDER if self.cudnn_preferred() else DEFAULT_ORDER
+
+    def cudnn_preferred(self) -> bool:
+        # torch puts cuDNN first on sm90/sm10x when cuDNN > 9.15.0 (check_prefer_cudnn_attention)
+        if self.prefer_cudnn is not None:
+            return self.prefer_cudnn
+        major = self.compute_capability[0]
+        return self.cudnn_version is not None and self.cudnn_version > 91500 and major in (9, 10)
+
+
+@dataclass
+class Prediction:
+    backend: str
+    excluded: dict[str, str] = field(
+        default_factory=dict
+    )  # faster backend -> the rule that excluded it
+
+    def excluded_by(self) -> str:
+        return "; ".join(f"{name}: {reason}" for name, reason in self.excluded.items())
+
+
+def parse_compute_capability(value: str | float | tuple[int, int]) -> tuple[int, int]:
+    """'9.0', 9.0, 'sm90', '90' or (9, 0) -> (9, 0)."""
+    if isinstance(value, tuple):
+        return int(value[0]), int(value[1])
+    text = str(value).strip().lower().removeprefix("sm_").removeprefix("sm")
+    if "." in text:
+        major, minor = text.split(".", 1)
+        return int(major), int(minor or 0)
+    if text.isdigit() and len(text) >= 2:
+        return int(text[:-1]), int(text[-1])
+    if text.isdigit():
+        return int(text), 0
+    raise ValueError(f"cannot read compute capability {value!r}; write it like '9.0' or 'sm90'")
+
+
+def _in_sm_range(cc: tuple[int, int], low: tuple[int, int], high: tuple[int, int]) -> bool:
+    return low <= cc <= high
+
+
+def _heads_ok(call: SdpaCall, supports_gqa: bool) -> str | None:
+    if not (call.q_shape[0] == call.k_shape[0] == call.v_shape[0]):
+        return "q/k/v batch sizes differ"
+    q_heads, k_heads, v_heads = call.q_shape[-3], call.k_shape[-3], call.v_shape[-3]
+    if call.enable_gqa and supports_gqa:
+        if k_heads != v_heads or q_heads % k_heads:
+            return f"GQA needs kv heads dividing q heads (q={q_heads}, k={k_heads}, v={v_heads})"
+        return None
+    if not (q_heads == k_heads == v_heads):
+        return f"num_heads differ without enable_gqa (q={q_heads}, k={k_heads})"
+    return None
+
+
+def _strides_ok(call: SdpaCall, ignore_singleton_dim: bool) -> str | None:
+    qkv_ok = call.q_stride[-1] == 1 and call.k_stride[-1] == 1 and call.v_stride[-1] == 1
+    if ignore_singleton_dim:
+        qkv_ok = qkv_ok or call.q_shape[-1] == 1
+    if not qkv_ok:
+        return "q/k/v last-dim stride != 1"
+    if call.mask_present and call.mask_last_stride not in (None, 1):
+        return "attn_mask last-dim stride != 1"
+    return None
+
+
+def _zero_len(call: SdpaCall) -> str | None:
+    if call.q_shape[-2] == 0 or call.k_shape[-2] == 0:
+        return "zero sequence length"
+    return None
+
+
+def flash_exclusion(call: SdpaCall, target: Target) -> str | None:
+    """The first flash-attention filter that fails, or None if flash can run."""
+    cc = target.compute_capability
+    if len(call.q_shape) != 4:
+        return "q/k/v not 4-D"
+    if call.mask_present:
+        return "attn_mask present (flash takes no mask, only is_causal)"
+    d_q, d_k, d_v = call.q_shape[-1], call.k_shape[-1], call.v_shape[-1]
+    if not (d_q == d_k == d_v):
+        return f"q/k/v head_dim differ ({d_q}/{d_k}/{d_v})"
+    if d_q > 256:
+        return f"head_dim {d_q} > 256"
+    if not _in_sm_range(cc, (8, 0), (12, 1)):
+        return f"{target.sm} outside flash's [sm80, sm121]"
+    sm86_89 = _in_sm_range(cc, (8, 6), (8, 9))
+    sm120_121 = _in_sm_range(cc, (12, 0), (12, 1))
+    if target.requires_grad and (sm86_89 or sm120_121):
+        supported = d_q <= 192 or (call.dropout_p == 0.0 and d_q > 224)
+        if not supported:
+            return f"training with head_dim {d_q} unsupported on {target.sm}"
+    if call.is_causal and call.q_shape[-2] != call.k_shape[-2]:
+        return "is_causal with seqlen_q != seqlen_k"
+    allowed = HALF_DTYPES if cc[0] >= 8 else ("float16",)
+    if call.dtype not in allowed:
+        return f"dtype {call.dtype} (flash needs {'/'.join(allowed)})"
+    return _heads_ok(call, supports_gqa=True) or _zero_len(call) or _strides_ok(call, True)
+
+
+def _gemm_alignment(call: SdpaCall, cc: tuple[int, int]) -> int:
+    # minimum_gemm_alignment(): 8 elements for 16-bit dtypes on tensor cores, 4 for fp32 on sm80+
+    is_half = call.dtype in HALF_DTYPES
+    use_tensor_cores = cc[0] >= 8 or (cc[0] >= 7 and is_half)
+    alignment = 4 if cc[0] >= 8 else 1
+    if use_tensor_cores:
+        alignment = max(alignment, 128 // (16 if is_half else 32))
+    return alignment
+
+
+def efficient_exclusion(call: SdpaCall, target: Target) -> str | None:
+    """The first memory-efficient-attention filter that fails, or None."""
+    cc = target.compute_capability
+    if not _in_sm_range(cc, (5, 0), (12, 1)):
+        return f"{target.sm} outside efficient's [sm50, sm121]"
+    if len(call.q_shape) != 4:
+        return "q/k/v not 4-D"
+    alignment = _gemm_alignment(call, cc)
+    d_q, d_k, d_v = call.q_shape[-1], call.k_shape[-1], call.v_shape[-1]
+    if d_q != d_k:
+        return f"q/k head_dim differ ({d_q}/{d_k})"
+    if d_q % alignment or d_v % alignment or d_q <= 0 or d_v <= 0:
+        return f"head_dim {d_q}/{d_v} not a multiple of {alignment}"
+    reason = _zero_len(call) or _strides_ok(call, False) or _heads_ok(call, supports_gqa=True)
+    if reason:
+        return reason
+    allowed = ("float16", "float32", "bfloat16") if cc[0] >= 8 else ("float16", "float32")
+    if call.dtype not in allowed:
+        return f"dtype {call.dtype} (efficient needs {'/'.join(allowed)} on {target.sm})"
+    return None
+
+
+def _mask_shape_ok(call: SdpaCall) -> bool:
+    shape = call.mask_shape
+    if shape is None:
+        return True
+    q_len, kv_len = call.q_shape[-2], call.k_shape[-2]
+    if shape[-2] not in (q_len, 1) or shape[-1] not in (kv_len, 1):
+        return False
+    if len(shape) == 2:
+        return True
+    return len(shape) == 4 and shape[0] in (1, call.q_shape[0]) and shape[1] in (1, call.q_shape[1])
+
+
+def cudnn_exclusion(call: SdpaCall, target: Target) -> str | None:
+    """The first cuDNN-attention filter that fails, or None."""
+    cc = target.compute_capability
+    version = target.cudnn_version
+    if version is not None and version < 90000:
+        return f"cuDNN {version} < 9.0"
+    if version is not None and call.dropout_p > 0 and 91100 < version < 91400:
+        return "dropout unsupported on cuDNN 9.11-9.13"
+    if len(call.q_shape) != 4:
+        return "q/k/v not 4-D"
+    allowed = HALF_DTYPES if cc[0] >= 8 else ("float16",)
+    if call.dtype not in allowed:
+        return f"dtype {call.dtype} (cuDNN needs {'/'.join(allowed)})"
+    if not _mask_shape_ok(call):
+        return f"attn_mask shape {call.mask_shape} unsupported"
+    if not _in_sm_range(cc, (8, 0), (12, 1)):
+        return f"{target.sm} outside cuDNN's [sm80, sm121]"
+    if call.dropout_p * 16.0 != int(call.dropout_p * 16.0):
+        return "dropout not a multiple of 1/16"
+    reason = _zero_len(call) or _strides_ok(call, True)
+    if reason:
+        return reason
+    q_heads, k_heads = call.q_shape[-3], call.k_shape[-3]
+    if k_heads != call.v_shape[-3] or q_heads % k_heads:
+        return f"kv heads must divide q heads (q={q_heads}, k={k_heads})"
+    if call.q_shape[0] > 65535 or q_heads > 65535:
+        return "batch or num_heads > 65535"
+    d_qk, d_v = call.head_dim_qk, call.head_dim_v
+    sm90_or_10x = cc == (9, 0) or cc[0] == 10
+    known = version is not None
+    supports_d256 = sm90_or_10x and known and version > 92200
+    limit = 128
+    if supports_d256:
+        limit = 256
+    elif sm90_or_10x and known and version >= 91100 and d_qk == 192 and d_v == 128:
+        limit = 192
+    if d_qk > limit or d_v > limit:
+        unknown = "" if known else " (cuDNN version unknown: assumed limit)"
+        return f"head_dim {max(d_qk, d_v)} > {limit}{unknown}"
+    if d_qk % 8 or d_v % 8:
+        return f"head_dim {d_qk}/{d_v} not a multiple of 8"
+    if call.k_shape[-2] == 1:
+        return "key length 1"
+    if target.requires_grad and supports_d256:
+        bprop_ok = (
+            (d_qk <= 128 and d_v <= 128) or (d_qk, d_v) == (192, 128) or (d_qk, d_v) == (256, 256)
+        )
+        if not bprop_ok:
+            return f"backward unsupported for head dims {d_qk}/{d_v}"
+    return None
+
+
+EXCLUSION_RULES = {FLASH: flash_exclusion, EFFICIENT: efficient_exclusion, CUDNN: cudnn_exclusion}
+
+
+def predict_backend(call: SdpaCall, target: Target) -> Prediction:
+    """Walk torch's priority order; the first backend whose filters pass is the one SDPA runs."""
+    excluded: dict[str, str] = {}
+    for backend in target.priority_order():
+        if backend == MATH:
+            return Prediction(MATH, excluded)
+        reason = EXCLUSION_RULES[backend](call, target)
+        if reason is None:
+            return Prediction(backend, excluded)
+        excluded[backend] = reason
+    return Prediction(MATH, excluded)
+
+
+# --- confirmation with torch's own checks (CUDA only) --------------------------------------------
+
+_TORCH_BACKEND_NAMES = {0: MATH, 1: FLASH, 2: EFFICIENT, 3: CUDNN, 4: "overrideable", -1: "error"}
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - a broken CUDA install must not break the CPU gate
+        return False
+
+
+def local_target(requires_grad: bool = True) -> Target:
+    """The Target of the CUDA device this process sees (only meaningful when CUDA is present)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return Target(
+        compute_capability=(major, minor),
+        cudnn_version=torch.backends.cudnn.version(),
+        requires_grad=requires_grad,
+        torch_version=torch.__version__,
+    )
+
+
+def _torch_tensors(call: SdpaCall, device: str, requires_grad: bool) -> tuple[Any, ...]:
+    import torch
+
+    dtype = getattr(torch, call.dtype)
+
+    def strided(shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+        tensor = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        return tensor.requires_grad_(requires_grad)
+
+    query = strided(call.q_shape, call.q_stride)
+    key = strided(call.k_shape, call.k_stride)
+    value = strided(call.v_shape, call.v_stride)
+    mask = None
+    if call.mask_present:
+        # SDPA turns a boolean mask into an additive one of the query dtype before dispatch
+        mask = torch.zeros(call.mask_shape, dtype=dtype, device=device)
+    return query, key, value, mask
+
+
+def confirm_with_torch(call: SdpaCall, device: str = "cuda", requires_grad: bool = True) -> dict:
+    """Ask torch on `device` which backend SDPA picks and which backends it can use.
+
+    Returns {"backend": name or None, "can_use": {flash, efficient, cudnn: bool}}. On a CPU device
+    every can_use_* is False (they are CUDA checks) and "backend" is torch's CPU choice; the tests
+    use that to exercise this path without a GPU.
+    """
+    import torch
+
+    query, key, value, mask = _torch_tensors(call, device, requires_grad)
+    params = torch.backends.cuda.SDPAParams(
+        query, key, value, mask, call.dropout_p, call.is_causal, call.enable_gqa
+    )
+    can_use = {
+        FLASH: bool(torch.backends.cuda.can_use_flash_attention(params, False)),
+        EFFICIENT: bool(torch.backends.cuda.can_use_efficient_attention(params, False)),
+        CUDNN: bool(torch.backends.cuda.can_use_cudnn_attention(params, False)),
+    }
+    backend = None
+    fused_choice = getattr(torch, "_fused_sdp_choice", None)
+    if fused_choice is not None:
+        choice = fused_choice(
+            query, key, value, mask, call.dropout_p, call.is_causal, enable_gqa=call.enable_gqa
+        )
+        backend = _TORCH_BACKEND_NAMES.get(int(choice), str(choice))
+    return {"backend": backend, "can_use": can_use}
+
+
+def target_as_dict(target: Target) -> dict[str, Any]:
+    out = asdict(target)
+    out["compute_capability"] = f"{target.compute_capability[0]}.{target.compute_capability[1]}"
+    out["priority_order"] = list(target.priority_order())
+    out["rules_source"] = RULES_SOURCE
+    return out

@@ -1,0 +1,154 @@
+"""The entry script: outputs, failure without partial outputs, --help, and the Snakemake rule."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "step0_mask.py"
+TINY_GEMMA3 = {
+    "model_type": "gemma3_text",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+}
+
+
+def load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step0_mask", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def tiny_config(tmp_path: Path) -> Path:
+    path = tmp_path / "model" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(TINY_GEMMA3))
+    return path
+
+
+def run_main(config_path: Path, outdir: Path, **mask_cfg) -> int:
+    script = load_script()
+    training = {"micro_batch_size": 2, "max_seq_len": 24}
+    return script.main(
+        str(config_path),
+        str(outdir / "layers.parquet"),
+        str(outdir / "gate.json"),
+        str(outdir / "control.json"),
+        mask_cfg,
+        training,
+        {"test": True},
+        str(outdir / "mask.log"),
+    )
+
+
+def test_main_writes_layers_gate_and_control(tiny_config: Path, tmp_path: Path):
+    outdir = tmp_path / "out"
+    assert run_main(tiny_config, outdir, scenarios=["train", "packed"]) == 0
+    gate = json.loads((outdir / "gate.json").read_text())
+    control = json.loads((outdir / "control.json").read_text())
+    layers = pd.read_parquet(outdir / "layers.parquet")
+    assert gate["passed"] and gate["control"]["passed"] and control["passed"]
+    assert gate["headline"] == (
+        "1 of 4 decoder layers keep SDPA's is_causal fast path at the training shape 2x24"
+    )
+    assert len(layers) == 8 and set(layers["scenario"]) == {"train", "packed"}
+    assert "provenance" in gate and gate["provenance"]["config_hash"]
+
+
+def test_main_fails_without_partial_outputs_on_a_violation(tiny_config: Path, tmp_path: Path):
+    outdir = tmp_path / "out"
+    assert run_main(tiny_config, outdir, scenarios=["train"], expected_sliding_window=9) == 1
+    assert not (outdir / "gate.json").exists() and not (outdir / "layers.parquet").exists()
+    log = (outdir / "mask.log").read_text()
+    assert "mask gate FAILED" in log and "layer 0 (sliding_attention, expected window 9)" in log
+
+
+def test_main_can_write_a_failing_gate_when_asked(tiny_config: Path, tmp_path: Path):
+    outdir = tmp_path / "out"
+    code = run_main(
+        tiny_config, outdir, scenarios=["train"], expected_sliding_window=9, fail_on_violation=False
+    )
+    assert code == 0
+    gate = json.loads((outdir / "gate.json").read_text())
+    assert gate["passed"] is False and gate["violations_total"] == 3
+
+
+def test_bad_config_json_names_the_file(tmp_path: Path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"hidden_size": 3}')
+    outdir = tmp_path / "out"
+    assert run_main(bad, outdir) == 1
+    assert "key 'model_type' missing" in (outdir / "mask.log").read_text()
+    assert not outdir.joinpath("gate.json").exists()
+
+
+def test_help_runs_standalone():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True
+    )
+    assert "--model-config" in out.stdout
+
+
+def test_example_config_validates_against_the_schema():
+    from snakemake.utils import validate
+
+    config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    example = yaml.safe_load((REPO / "config" / "mask-gemma3-27b.yaml").read_text())
+    for key, value in example.items():
+        config[key] = {**config.get(key, {}), **value}
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    assert config["mask"]["max_mask_gib"] == 8  # defaults filled in
+    assert (REPO / config["model"]["config_path"]).is_file()
+
+
+@pytest.mark.slow
+def test_snakemake_mask_rule_end_to_end(tiny_config: Path, tmp_path: Path):
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    configfile = tmp_path / "config.yaml"
+    configfile.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"path": str(tiny_config.parent)},
+                "data": {"files": [{"path": "resources/data/chitchat.parquet"}]},
+                "training": {"micro_batch_size": 2, "max_seq_len": 24},
+                "mask": {"scenarios": ["train", "right_padded", "packed"]},
+            }
+        )
+    )
+    subprocess.run(
+        [
+            "snakemake",
+            "-s",
+            str(REPO / "Snakefile"),
+            "--directory",
+            str(workdir),
+            "--cores",
+            "1",
+            "mask",
+            "--configfile",
+            str(configfile),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    gate = json.loads((workdir / "results" / "mask" / "gate.json").read_text())
+    assert gate["passed"] and len(gate["scenarios"]) == 3
+    assert (workdir / "results" / "mask" / "control.json").is_file()
