@@ -137,10 +137,11 @@ if "snakemake" in globals():
 
     sm = snakemake  # type: ignore[name-defined]  # noqa: F821
     sections = load_yaml(SCHEMA)["properties"]
+    # the whole workflow config (as the other stages hash it), its two sections default-filled
     stage = {
+        **dict(sm.config),
         "profile": fill_defaults(dict(sm.params.profile), sections["profile"]),
         "training": fill_defaults(dict(sm.params.training), sections["training"]),
-        "model": dict(sm.config.get("model", {})),
     }
     code = main(
         sm.input.lengths,

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+
 from probes.fit import fit_control, fit_step_time, term_shares
 
 

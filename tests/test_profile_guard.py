@@ -3,6 +3,7 @@
 import subprocess
 
 import pytest
+
 from probes.gpu_guard import (
     CardBusyError,
     CardState,

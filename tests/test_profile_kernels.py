@@ -3,6 +3,8 @@
 from types import SimpleNamespace
 
 import pytest
+from torch.autograd import DeviceType
+
 from probes.kernels import (
     categorise_kernel,
     category_table,
@@ -11,7 +13,6 @@ from probes.kernels import (
     rows_from_key_averages,
     summed_rows,
 )
-from torch.autograd import DeviceType
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+
 from probes.gpu_guard import CardBusyError, CardState, GpuProcess
 from probes.io import read_provenance
 from probes.profile_config import SCHEMA, fill_defaults, load_yaml

@@ -6,6 +6,8 @@ import textwrap
 import pandas as pd
 import pytest
 import torch
+from torch import nn
+
 from probes import batches as bt
 from probes.ce import chunked_linear_cross_entropy, full_logits_cross_entropy
 from probes.flops import (
@@ -17,7 +19,6 @@ from probes.flops import (
 )
 from probes.harness import HarnessError, load_harness
 from probes.profile_config import SCHEMA, fill_defaults, load_yaml
-from torch import nn
 
 # --- FLOPs ----------------------------------------------------------------------------------
 
@@ -180,8 +181,9 @@ def test_harness_errors_say_what_to_do(tmp_path):
 
 
 def test_reference_harness_targets_projections_only(tiny_model_dir):
-    from probes import reference_harness
     from transformers import AutoModelForCausalLM
+
+    from probes import reference_harness
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     targets = reference_harness.discover_target_modules(model)
