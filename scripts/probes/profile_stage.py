@@ -135,7 +135,10 @@ class StepRunner:
         self.optimizer.zero_grad(set_to_none=True)
 
     def timed(self, micro_batches, warmup: int, repeats: int) -> Timing:
-        return time_repeats(lambda: self.step(micro_batches), self.device, warmup, repeats)
+        timing = time_repeats(lambda: self.step(micro_batches), self.device, warmup, repeats)
+        if timing.status != OK:  # a step cut short may leave partial gradients behind
+            self.optimizer.zero_grad(set_to_none=True)
+        return timing
 
 
 def load_model(model_path: str | Path, settings: Settings, attn_implementation: str):
@@ -721,11 +724,14 @@ def run_profile(
         raise ProfileError(f"positive control failed: {controls[0]}")
 
     train = bt.read_training_lengths(lengths_path, settings.max_seq_len)
-    loss_share = (
-        float(profile["loss_fraction"])
-        if profile.get("loss_fraction") is not None
-        else bt.loss_fraction(train)
-    )
+    # which tokens carry loss (training.loss_on): the padding stage counted them per example
+    if profile.get("loss_fraction") is not None:
+        loss_share, loss_source = float(profile["loss_fraction"]), "config profile.loss_fraction"
+    elif training.get("loss_on", "assistant") == "all":
+        loss_share, loss_source = 1.0, "training.loss_on: all"
+    else:
+        loss_share = bt.loss_fraction(train)
+        loss_source = "n_loss_tokens / n_tokens of the padding lengths (training.loss_on)"
     # fail before loading weights if no micro-batch fits the longest length at all
     bt.pick_padding_batch(
         train, settings.micro_batch, max(settings.lengths), settings.seed, profile["padding_draws"]
@@ -848,7 +854,7 @@ def run_profile(
         "probe_step_time_source": "measured" if probe_length in ok_lengths else "fit",
         "micro_batch_size": settings.micro_batch,
         "loss_fraction": loss_share,
-        "loss_fraction_source": "config" if profile.get("loss_fraction") is not None else "lengths",
+        "loss_fraction_source": loss_source,
         "model_path": str(model_path),
         "params": params,
         "trainable_params": int(trainable),
