@@ -1,0 +1,199 @@
+"""Benchmark: the padding stage's tokenization vs a bare `tokenizers` encode_batch, side by side.
+
+Target (issue 4): stage / bare <= 1.3 on the default data (7,168 chitchat conversations, Gemma 3
+262k-vocab tokenizer).
+
+Both sides get the SAME rendered texts: every conversation is rendered once with the chat template
+before any timing (that render time is reported on its own line, inside neither region).
+
+Timed regions (each ends after its output is freed, which is part of its cost):
+  bare          `tokenizers.Tokenizer.from_file(<model>/tokenizer.json).encode_batch(texts,
+                add_special_tokens=False)`: one call over all texts.
+  bare_batched  the same bare encode_batch called in the stage's batches, no counting: what
+                batching alone costs or saves.
+  stage         `probes.tokenize.encode_and_count(texts, spans, backend, ...)`: exactly what the
+                stage runs after rendering: encode_batch in batches of padding.tokenize_batch_size
+                (the next batch encoded in a worker thread while this one is counted), token
+                counts, loss-token counts per training.loss_on (boundary lookups, offset
+                fallback), truncation at training.max_seq_len; progress bar off.
+Untimed, reported for context: rendering, and the stage's whole `tokenize_examples` (render +
+the stage region + building the lengths table).
+
+Each region is timed in wall clock and in process CPU time (all threads), because other jobs on a
+shared machine make wall clock noisy. Runs alternate (bare, bare_batched, stage, then reversed)
+so drift hits every side; ratios are of medians, and the verdict uses the worst of the four
+(wall/CPU x bare/bare_batched).
+
+    python bench/tokenize_vs_encode_batch.py --configfile config/config.yaml --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+TARGET_RATIO = 1.3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configfile", default=str(REPO / "config" / "config.yaml"))
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per side")
+    parser.add_argument("--out", default=None, help="also write the numbers as JSON here")
+    parser.add_argument("--check", action="store_true", help="exit 1 if the ratio > 1.3")
+    args = parser.parse_args(argv)
+
+    import yaml
+    from probes.data import OK, load_examples
+    from probes.tokenize import (
+        encode_and_count,
+        load_tokenizer,
+        render_chats,
+        resolve_chat_template,
+        rust_backend,
+        template_kwargs,
+        tokenize_examples,
+    )
+    from snakemake.utils import validate
+    from tokenizers import Tokenizer
+
+    config = yaml.safe_load(Path(args.configfile).read_text())
+    validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
+    training, padding = config["training"], config["padding"]
+    max_seq_len, loss_on = int(training["max_seq_len"]), training["loss_on"]
+    batch_size = int(padding["tokenize_batch_size"])
+
+    examples = load_examples(config["data"]["files"])
+    chats = [e for e in examples if e.status == OK and e.is_chat]
+    tokenizer = load_tokenizer(config["model"]["path"])
+    template = resolve_chat_template(tokenizer, config["model"]["chat_template"])
+
+    start = time.perf_counter()
+    rendered = render_chats(chats, template, template_kwargs(tokenizer), progress=False)
+    render_s = time.perf_counter() - start
+    texts = rendered.texts
+    spans = rendered.spans if loss_on == "assistant" else None
+
+    bare = Tokenizer.from_file(str(Path(config["model"]["path"]) / "tokenizer.json"))
+    backend = rust_backend(tokenizer)
+
+    def run_bare():
+        return bare.encode_batch(texts, add_special_tokens=False)
+
+    def run_bare_batched():
+        return [
+            bare.encode_batch(texts[i : i + batch_size], add_special_tokens=False)
+            for i in range(0, len(texts), batch_size)
+        ]
+
+    def run_stage():
+        return encode_and_count(
+            texts, spans, backend, max_seq_len, False, batch_size=batch_size, progress=False
+        )
+
+    sides = {"bare": run_bare, "bare_batched": run_bare_batched, "stage": run_stage}
+    wall: dict[str, list[float]] = {side: [] for side in sides}
+    cpu: dict[str, list[float]] = {side: [] for side in sides}
+    for run in sides.values():  # warm up (thread pool start-up, allocator) outside the timing
+        run()
+    for repeat in range(args.repeats):
+        order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
+        for side in order:
+            gc.collect()
+            c0, t0 = time.process_time(), time.perf_counter()
+            output = sides[side]()
+            del (
+                output
+            )  # freeing the encodings is part of each side's cost (the stage frees its own)
+            wall[side].append(time.perf_counter() - t0)
+            cpu[side].append(time.process_time() - c0)  # all threads of this process
+    tokens = {
+        "bare": sum(len(e) for e in run_bare()),
+        "stage": int(run_stage().n_tokens_full.sum()),
+    }
+    fallback = run_stage().n_offset_fallback
+
+    start = time.perf_counter()
+    lengths = tokenize_examples(
+        examples, tokenizer, template, max_seq_len, loss_on, batch_size, progress=False
+    )
+    whole_s = time.perf_counter() - start
+
+    medians = {side: statistics.median(values) for side, values in wall.items()}
+    cpu_medians = {side: statistics.median(values) for side, values in cpu.items()}
+    ratio = medians["stage"] / medians["bare"]
+    result = {
+        "examples": len(chats),
+        "tokens": tokens,
+        "vocab": len(tokenizer),
+        "loss_on": loss_on,
+        "max_seq_len": max_seq_len,
+        "batch_size": batch_size,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "load_avg_after": os.getloadavg(),
+        "rayon_threads": os.environ.get("RAYON_NUM_THREADS", "default"),
+        "render_s": render_s,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "median_wall_s": medians,
+        "median_cpu_s": cpu_medians,
+        "ratio_median_wall": ratio,
+        "ratio_median_cpu": cpu_medians["stage"] / cpu_medians["bare"],
+        "ratio_vs_bare_batched_wall": medians["stage"] / medians["bare_batched"],
+        "ratio_vs_bare_batched_cpu": cpu_medians["stage"] / cpu_medians["bare_batched"],
+        "offset_fallback_examples": fallback,
+        "tokenize_examples_s": whole_s,
+        "loss_tokens": int(lengths["n_loss_tokens"].sum()),
+        "target": TARGET_RATIO,
+    }
+    worst = max(
+        result[key]
+        for key in (
+            "ratio_median_wall",
+            "ratio_median_cpu",
+            "ratio_vs_bare_batched_wall",
+            "ratio_vs_bare_batched_cpu",
+        )
+    )
+    result["passed"] = worst <= TARGET_RATIO
+    if tokens["bare"] != tokens["stage"]:
+        print(f"token totals differ: {tokens}", file=sys.stderr)
+        return 1
+    print(f"examples {len(chats)}, tokens {tokens['bare']:,}, vocab {len(tokenizer):,}")
+    print(f"render (inside neither region)       {render_s:6.2f} s")
+    print(f"{'side':14s} {'median wall':>12s} {'median cpu':>11s}   wall runs")
+    for side in sides:
+        print(f"{side:14s} {medians[side]:10.2f} s {cpu_medians[side]:9.2f} s   {_fmt(wall[side])}")
+    print(
+        f"stage / bare          wall {result['ratio_median_wall']:.3f}   "
+        f"cpu {result['ratio_median_cpu']:.3f}"
+    )
+    print(
+        f"stage / bare_batched  wall {result['ratio_vs_bare_batched_wall']:.3f}   "
+        f"cpu {result['ratio_vs_bare_batched_cpu']:.3f}"
+    )
+    verdict = "PASS" if result["passed"] else "FAIL"
+    print(f"worst ratio {worst:.3f}; target <= {TARGET_RATIO}: {verdict}")
+    print(f"offset fallback examples: {fallback}")
+    print(f"stage tokenize_examples (render + encode + count + table): {whole_s:.2f} s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 1 if args.check and not result["passed"] else 0
+
+
+def _fmt(values: list[float]) -> str:
+    return " ".join(f"{v:.2f}" for v in values)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
