@@ -25,3 +25,8 @@ def model_tokenizer_files():
 
 def data_files():
     return [entry["path"] for entry in config["data"]["files"]]
+
+
+def model_dir_of_input(wildcards, input):
+    # Derived from the input, not the config, so it also holds without a shared filesystem.
+    return str(Path(input.tokenizer[0]).parent)

@@ -15,7 +15,7 @@ rule padding:
         ce_chunks="results/padding/ce_chunks.parquet",
         control="results/padding/control.json",
     params:
-        model_path=config["model"]["path"],
+        model_path=model_dir_of_input,
         chat_template=config["model"]["chat_template"],
         data=config["data"],
         padding=config["padding"],

@@ -20,7 +20,7 @@ rule profile:
         provenance="results/profile/provenance.json",
         control="results/profile/control.json",
     params:
-        model_path=config["model"]["path"],
+        model_path=model_dir_of_input,
         profile=config["profile"],
         training=config["training"],
     resources:

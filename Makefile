@@ -1,0 +1,28 @@
+# The two commands of the README: `make run` and `make test`. Both set up .venv first.
+VENV ?= .venv
+PYTHON ?= python3
+# CPU build on machines without a GPU; on a CUDA machine pass e.g. TORCH='torch>=2.4'.
+TORCH ?= torch==2.13.0
+CORES ?= 8
+BIN := $(VENV)/bin
+
+.PHONY: setup run test lint
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e '.[dev,slurm]'
+	touch $@
+
+run: setup
+	. $(BIN)/activate && snakemake --cores $(CORES) report
+
+test: setup
+	. $(BIN)/activate && pytest
+
+lint: setup
+	. $(BIN)/activate && ruff check scripts tests bench && ruff format --check scripts tests bench \
+		&& snakefmt --check Snakefile workflow && snakemake --lint

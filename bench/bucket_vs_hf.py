@@ -1,0 +1,127 @@
+"""Benchmark: the whole bucket sweep vs HF's get_length_grouped_indices, in one run.
+
+On N synthetic heavy-tailed lengths (default 1,000,000), times
+
+- ours: probes.bucket.sweep_bucket_sizes over every bucket size × seed (orderings, all metrics,
+  FFD and BFD packing) plus the collapse guard and the recommendation;
+- HF: transformers.trainer_pt_utils.get_length_grouped_indices producing the same number of
+  orderings (same lengths as a list, as LengthGroupedSampler holds them, same bucket sizes, same
+  seeds through torch.Generator().manual_seed(seed)); orderings only, no metrics.
+
+Ours is timed before and after HF and the slower run counts. Prints both numbers and the ratio;
+exits 1 if ours takes more than --max-ratio (default 1/4) of HF's time. Spot-checks that both
+produce identical orderings (outside the timings).
+
+    python bench/bucket_vs_hf.py            # the issue's figure
+    python bench/bucket_vs_hf.py --n 100000  # quicker
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import numpy as np  # noqa: E402
+from probes import bucket  # noqa: E402
+
+
+def time_ours(data: bucket.LengthSet, args: argparse.Namespace) -> tuple[float, int]:
+    started = time.perf_counter()
+    sweep = bucket.sweep_bucket_sizes(
+        data,
+        micro_batch_size=args.micro_batch_size,
+        grad_accum=args.grad_accum,
+        max_seq_len=args.max_seq_len,
+        seeds=args.seeds,
+        packing=bucket.PACKING_ALGORITHMS,
+        progress=True,
+    )
+    bucket.assert_sweep_varies(sweep, data, args.micro_batch_size)
+    bucket.recommend(sweep, gain_share=0.9, min_diversity_share=0.8)
+    elapsed = time.perf_counter() - started
+    return elapsed, int(sweep["bucket_size_batches"].notna().sum())
+
+
+def time_hf(lengths: list[int], sizes: list[int], args: argparse.Namespace) -> tuple[float, int]:
+    import torch
+    from tqdm import tqdm
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    count = 0
+    started = time.perf_counter()
+    with tqdm(total=len(sizes) * len(args.seeds), desc="HF orderings") as bar:
+        for seed in args.seeds:
+            for m in sizes:
+                get_length_grouped_indices(
+                    lengths,
+                    args.micro_batch_size,
+                    mega_batch_mult=m,
+                    generator=torch.Generator().manual_seed(seed),
+                )
+                count += 1
+                bar.update()
+    return time.perf_counter() - started, count
+
+
+def spot_check(data: bucket.LengthSet, lengths: list[int], sizes: list[int], micro: int) -> bool:
+    import torch
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    seed = 0
+    perm = bucket.seeded_permutation(data.lengths.size, seed)
+    for m in (sizes[0], sizes[len(sizes) // 2], sizes[-1]):
+        ours = bucket.length_grouped_order(data.lengths, perm, micro, m)
+        theirs = get_length_grouped_indices(
+            lengths, micro, mega_batch_mult=m, generator=torch.Generator().manual_seed(seed)
+        )
+        if ours.tolist() != theirs:
+            print(f"MISMATCH with HF at bucket size {m}", file=sys.stderr)
+            return False
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=1_000_000, help="number of lengths")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=8)
+    parser.add_argument("--max-seq-len", type=int, default=4096)
+    parser.add_argument("--max-ratio", type=float, default=0.25)
+    args = parser.parse_args()
+
+    full, sources = bucket.synthetic_lengths(args.n, seed=0, max_seq_len=args.max_seq_len)
+    lengths = np.minimum(full, args.max_seq_len)
+    data = bucket.LengthSet(lengths, sources, tuple(f"s{i}" for i in range(int(sources.max()) + 1)))
+    sizes = bucket.sweep_bucket_sizes_for(args.n, args.micro_batch_size, args.grad_accum)
+    as_list = lengths.tolist()
+    print(
+        f"{args.n:,} lengths (median {int(np.median(lengths))}, p99 "
+        f"{int(np.percentile(lengths, 99))}, max {int(lengths.max())}); {len(sizes)} bucket sizes "
+        f"{sizes} x {len(args.seeds)} seeds; micro-batch {args.micro_batch_size}, "
+        f"grad_accum {args.grad_accum}",
+        flush=True,
+    )
+    identical = spot_check(data, as_list, sizes, args.micro_batch_size)
+    ours_1, n_ours = time_ours(data, args)
+    hf, n_hf = time_hf(as_list, sizes, args)
+    ours_2, _ = time_ours(data, args)
+    ours = max(ours_1, ours_2)
+    ratio = ours / hf
+    print(
+        f"orderings: ours {n_ours} (+ packing), HF {n_hf}; identical to HF on spot check: "
+        f"{identical}"
+    )
+    print(
+        f"ours (whole sweep, metrics, packing, guard, recommendation): {ours:.2f} s "
+        f"(runs: {ours_1:.2f} s, {ours_2:.2f} s)"
+    )
+    print(f"HF get_length_grouped_indices (orderings only):              {hf:.2f} s")
+    print(f"ratio ours / HF: {ratio:.3f} (must be <= {args.max_ratio})")
+    return 0 if ratio <= args.max_ratio and identical and n_ours == n_hf else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
