@@ -7,6 +7,7 @@ from fractions import Fraction
 import numpy as np
 import pandas as pd
 import pytest
+
 from probes.data import STATUSES
 from probes.padding import (
     GIB,

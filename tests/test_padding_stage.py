@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import step2_padding
 import yaml
+
 from conftest import CANARY, REPO, chat_rows, write_jsonl
 from probes.data import DataError
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from conftest import CHAT_TEMPLATE, chat_rows, write_jsonl
 from probes.data import load_file
 from probes.tokenize import (

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -302,24 +301,11 @@ def encode_and_count(
     loss_full = np.zeros(n, np.int64)
     loss_kept = np.zeros(n, np.int64)
     n_fallback = 0
-    batches = list(_batches(n, batch_size))
-
-    def encode(batch: range) -> list[Any]:
-        return backend.encode_batch(
-            [texts[i] for i in batch], add_special_tokens=add_special_tokens
-        )
-
-    # encode_batch releases the GIL: encode the next batch while this one is counted, so the
-    # Python counting fills the cores the Rust pool leaves idle at the tail of each batch.
-    with (
-        tqdm(total=n, desc=desc, unit="ex", disable=not progress) as bar,
-        ThreadPoolExecutor(max_workers=1) as pool,
-    ):
-        pending = pool.submit(encode, batches[0]) if batches else None
-        for k, batch in enumerate(batches):
-            encodings = pending.result()
-            if k + 1 < len(batches):
-                pending = pool.submit(encode, batches[k + 1])
+    with tqdm(total=n, desc=desc, unit="ex", disable=not progress) as bar:
+        for batch in _batches(n, batch_size):
+            encodings = backend.encode_batch(
+                [texts[i] for i in batch], add_special_tokens=add_special_tokens
+            )
             counts = np.fromiter((len(e) for e in encodings), np.int64, count=len(batch))
             n_full[batch.start : batch.stop] = counts
             if spans is None:
