@@ -253,11 +253,21 @@ def run(
     provenance = run_metadata(config_for_provenance)
     provenance["tokenize_seconds"] = round(seconds, 3)
     columns = list(LENGTH_COLUMNS) + [c for c in lengths.columns if c not in LENGTH_COLUMNS]
-    write_parquet(lengths[columns], outputs["lengths"], provenance=provenance)
-    write_parquet(summary, outputs["summary"], provenance=provenance)
-    write_parquet(distribution, outputs["distribution"], provenance=provenance)
-    write_parquet(ce_chunks, outputs["ce_chunks"], provenance=provenance)
-    write_json(control, outputs["control"])
+    tables = {
+        "lengths": lengths[columns],
+        "summary": summary,
+        "distribution": distribution,
+        "ce_chunks": ce_chunks,
+    }
+    try:
+        for name, table in tables.items():
+            write_parquet(table, outputs[name], provenance=provenance)
+        write_json(control, outputs["control"])
+    except BaseException:
+        # Each file is written atomically; a failure part-way removes the ones already written.
+        for name in OUTPUT_NAMES:
+            Path(outputs[name]).unlink(missing_ok=True)
+        raise
     log.info("wrote %s", ", ".join(str(outputs[name]) for name in OUTPUT_NAMES))
     return control
 

@@ -160,3 +160,13 @@ def test_boundary_lookup_is_exact_or_declines(tokenizer):
                 decided += 1
                 assert found == naive_mask_counts(encoding.offsets, [(a, b)], max_seq_len)
     assert decided > 50
+
+
+def test_rust_backend_never_truncates_and_leaves_the_tokenizer_alone(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert rust_backend(tokenizer) is tokenizer.backend_tokenizer  # already as training uses it
+    tokenizer.backend_tokenizer.enable_truncation(3)
+    backend = rust_backend(tokenizer)
+    assert backend is not tokenizer.backend_tokenizer
+    assert backend.truncation is None and tokenizer.backend_tokenizer.truncation is not None
+    assert len(backend.encode("hello how are you today", add_special_tokens=False)) == 5
