@@ -34,7 +34,7 @@ def tiny_config(tmp_path: Path, model_dir: Path) -> Path:
         "model": {"path": str(model_dir)},
         "data": {"files": [{"path": str(data)}]},
         "training": {"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 96},
-        "profile": {"device": "cpu", "cpu_lengths": [16, 32, 64], "warmup": 1, "repeats": 2},
+        "profile": {"device": "cpu", "cpu": {"lengths": [16, 32, 64], "warmup": 1, "repeats": 2}},
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
