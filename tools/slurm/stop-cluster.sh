@@ -3,10 +3,15 @@
 #
 # Only processes whose pids start-cluster.sh recorded in $PROBES_SLURM_STATE/pids/ are stopped,
 # and only if the pid still runs the program it was recorded for; a munged or slurm daemon
-# started by anything else is left alone. Config, logs and the job completion log stay behind.
+# started by anything else is left alone. The slurm.conf and gres.conf that start-cluster.sh
+# wrote are removed too: with a slurm.conf naming a controller that is down, every `scontrol`
+# (and so every `snakemake` command line, whose SLURM plugin asks scontrol for MinJobAge) hangs
+# for about 10 s. Logs, spool and the job completion log stay in the state dir.
 set -euo pipefail
 
 STATE="${PROBES_SLURM_STATE:-/var/tmp/probes-slurm}"
+CONF_DIR="${PROBES_SLURM_CONF_DIR:-/etc/slurm}"
+MARKER="# written by tools/slurm/start-cluster.sh"
 PIDS="$STATE/pids"
 
 log() { echo "stop-cluster: $*" >&2; }
@@ -28,4 +33,11 @@ for name in slurmd slurmctld munged; do
         log "$name: pid $pid is no longer $name; nothing to stop"
     fi
     rm -f "$file"
+done
+
+for conf in slurm.conf gres.conf; do
+    if [[ -f "$CONF_DIR/$conf" ]] && grep -qF "$MARKER" "$CONF_DIR/$conf"; then
+        rm -f "$CONF_DIR/$conf"
+        log "removed $CONF_DIR/$conf"
+    fi
 done
