@@ -6,7 +6,8 @@
 #
 # Idempotent: a daemon this script started and that is still alive is left alone; a munged that
 # already answers (e.g. a system one) is used, not replaced. Pids of what it starts go into
-# $PROBES_SLURM_STATE/pids/, and tools/slurm/stop-cluster.sh stops exactly those.
+# $PROBES_SLURM_STATE/pids/; tools/slurm/stop-cluster.sh stops exactly those and removes the
+# slurm.conf/gres.conf written here (they carry a marker line; a foreign one is never touched).
 #
 # The node advertises one fake GPU (GRES gpu:1 backed by /dev/null), so jobs that ask for
 # --gpus=1 are scheduled and get CUDA_VISIBLE_DEVICES from SLURM, as on a real GPU node.
