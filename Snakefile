@@ -12,9 +12,9 @@ include: "workflow/rules/common.smk"
 
 
 rule all:
+    default_target: True
     input:
         "results/report/playbook-evidence.md",
-    default_target: True
 
 
 include: "workflow/rules/assets.smk"

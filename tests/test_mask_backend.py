@@ -101,6 +101,14 @@ def test_new_cudnn_on_sm90_is_tried_first():
     assert wide.backend == sb.FLASH and "head_dim 256 > 128" in wide.excluded[sb.CUDNN]
 
 
+def test_torch_2_11_sends_256_wide_heads_to_cudnn_as_measured_on_h200():
+    # docs/evidence/h200-2026-11-30: torch 2.11 + cuDNN 9.19 chose cuDNN for head_dim 256
+    target = sb.Target(compute_capability=(9, 0), cudnn_version=91900, torch_version="2.11.0+cu130")
+    assert sb.predict_backend(call(head_dim=256), target).backend == sb.CUDNN
+    newer = sb.Target(compute_capability=(9, 0), cudnn_version=91900, torch_version="2.13.0")
+    assert sb.predict_backend(call(head_dim=256), newer).backend == sb.FLASH
+
+
 def test_unknown_cudnn_keeps_default_order():
     assert sb.Target(compute_capability=(9, 0)).priority_order() == sb.DEFAULT_ORDER
     assert sb.Target(compute_capability=(8, 0), cudnn_version=91600).priority_order() == (

@@ -216,6 +216,28 @@ def _mask_shape_ok(call: SdpaCall) -> bool:
     return len(shape) == 4 and shape[0] in (1, call.q_shape[0]) and shape[1] in (1, call.q_shape[1])
 
 
+def _torch_minor(version: str) -> tuple[int, int] | None:
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _cudnn_d256_min_version(target: Target) -> int:
+    """Smallest cuDNN that torch lets run 256-wide heads on sm90/sm10x.
+
+    Measured on an H200 (docs/evidence/h200-2026-11-30): torch 2.11 with cuDNN 9.19 sends
+    head_dim 256 to cuDNN, so torch <= 2.11 gates it at 9.5.1. The > 9.22 gate is read from newer
+    torch source; which release moved it is not verified, so it applies from 2.12 on (and when the
+    torch version is unknown).
+    """
+    minor = _torch_minor(target.torch_version)
+    if minor is not None and minor <= (2, 11):
+        return 90501
+    return 92201
+
+
 def cudnn_exclusion(call: SdpaCall, target: Target) -> str | None:
     """The first cuDNN-attention filter that fails, or None."""
     cc = target.compute_capability
@@ -246,7 +268,7 @@ def cudnn_exclusion(call: SdpaCall, target: Target) -> str | None:
     d_qk, d_v = call.head_dim_qk, call.head_dim_v
     sm90_or_10x = cc == (9, 0) or cc[0] == 10
     known = version is not None
-    supports_d256 = sm90_or_10x and known and version > 92200
+    supports_d256 = sm90_or_10x and known and version >= _cudnn_d256_min_version(target)
     limit = 128
     if supports_d256:
         limit = 256

@@ -9,14 +9,14 @@ rule default_model:
         tokenizer_config="resources/model/gemma-3-270m/tokenizer_config.json",
         weights="resources/model/gemma-3-270m/model.safetensors",
         chat_template="resources/model/gemma-3-270m/chat_template.jinja",
-    params:
-        chat_template="config/chat_templates/gemma.jinja",
     log:
         "logs/default_model.log",
     benchmark:
         "benchmarks/default_model.tsv"
     conda:
         "../envs/probes.yaml"
+    params:
+        chat_template="config/chat_templates/gemma.jinja",
     script:
         "../../scripts/make_default_model.py"
 

@@ -9,14 +9,14 @@ rule bucket_sweep:
         ),
         recommendation="results/bucket/recommendation.json",
         control="results/bucket/control.json",
-    params:
-        bucket=config["bucket"],
-        training=config["training"],
     log:
         "logs/bucket_sweep.log",
     benchmark:
         "benchmarks/bucket_sweep.tsv"
     conda:
         "../envs/probes.yaml"
+    params:
+        bucket=config["bucket"],
+        training=config["training"],
     script:
         "../../scripts/step_bucket.py"

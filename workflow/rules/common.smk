@@ -20,7 +20,10 @@ def model_config_json():
 
 
 def model_tokenizer_files():
-    return [model_file(config, "tokenizer.json"), model_file(config, "tokenizer_config.json")]
+    return [
+        model_file(config, "tokenizer.json"),
+        model_file(config, "tokenizer_config.json"),
+    ]
 
 
 def data_files():

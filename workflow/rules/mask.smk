@@ -9,14 +9,14 @@ rule mask:
         ),
         gate="results/mask/gate.json",
         control="results/mask/control.json",
-    params:
-        mask=config["mask"],
-        training=config["training"],
     log:
         "logs/mask.log",
     benchmark:
         "benchmarks/mask.tsv"
     conda:
         "../envs/probes.yaml"
+    params:
+        mask=config["mask"],
+        training=config["training"],
     script:
         "../../scripts/step0_mask.py"

@@ -14,18 +14,18 @@ rule padding:
         distribution="results/padding/distribution.parquet",
         ce_chunks="results/padding/ce_chunks.parquet",
         control="results/padding/control.json",
+    log:
+        "logs/padding.log",
+    benchmark:
+        "benchmarks/padding.tsv"
+    conda:
+        "../envs/probes.yaml"
+    threads: 2
     params:
         model_path=model_dir_of_input,
         chat_template=config["model"]["chat_template"],
         data=config["data"],
         padding=config["padding"],
         training=config["training"],
-    log:
-        "logs/padding.log",
-    benchmark:
-        "benchmarks/padding.tsv"
-    threads: 2
-    conda:
-        "../envs/probes.yaml"
     script:
         "../../scripts/step2_padding.py"

@@ -19,17 +19,17 @@ rule profile:
         raw="results/profile/profile-output.txt",
         provenance="results/profile/provenance.json",
         control="results/profile/control.json",
-    params:
-        model_path=model_dir_of_input,
-        profile=config["profile"],
-        training=config["training"],
-    resources:
-        gpu=1,
     log:
         "logs/profile.log",
     benchmark:
         "benchmarks/profile.tsv"
     conda:
         "../envs/probes.yaml"
+    resources:
+        gpu=1,
+    params:
+        model_path=model_dir_of_input,
+        profile=config["profile"],
+        training=config["training"],
     script:
         "../../scripts/step1_profile.py"
