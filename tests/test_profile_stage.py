@@ -166,7 +166,7 @@ def test_reference_run_writes_every_output_and_leaks_no_data(
     provenance = json.loads(out["provenance"].read_text())
     assert provenance["cpu_only"] is True
     assert provenance["device"]["type"] == "cpu"
-    assert set(provenance["slurm"]) == {"job_id", "cuda_visible_devices", "job_partition", "gpus"}
+    assert {"job_id", "cuda_visible_devices", "partition"} <= set(provenance["slurm"])
     assert provenance["harness"]["spec"] == "probes.reference_harness"
     assert "versions" in provenance and provenance["versions"]["torch"]
     assert "NaN" in provenance["peak_tflops_source"]

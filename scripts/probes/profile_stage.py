@@ -26,6 +26,7 @@ from probes import batches as bt
 from probes import flops as fl
 from probes import kernels as kn
 from probes.ce import full_logits_cross_entropy
+from probes.cluster import slurm_environment
 from probes.fit import QuadraticFit, fit_control, fit_step_time, term_shares
 from probes.gpu_guard import IdleLimits, probe_card, wait_for_idle_card
 from probes.harness import Harness, load_harness
@@ -551,16 +552,6 @@ def run_kernel_profile(
 # ---------------------------------------------------------------------------------------------
 
 
-def _slurm_environment() -> dict[str, Any]:
-    env = os.environ
-    return {
-        "job_id": env.get("SLURM_JOB_ID"),
-        "cuda_visible_devices": env.get("CUDA_VISIBLE_DEVICES"),
-        "job_partition": env.get("SLURM_JOB_PARTITION"),
-        "gpus": env.get("SLURM_GPUS") or env.get("SLURM_JOB_GPUS"),
-    }
-
-
 def device_description(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -862,7 +853,7 @@ def run_profile(
         "peak_tflops_source": peak_source,
         "harness": {**harness.describe(), "target_modules": targets, "options": options},
         "idle_check": idle,
-        "slurm": _slurm_environment(),
+        "slurm": slurm_environment(),
         "bucket_recommendation": _read_recommendation(recommendation_path),
         "versions": run["versions"],
         "run": run,
