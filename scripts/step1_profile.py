@@ -97,9 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def standalone_config(args: argparse.Namespace) -> dict[str, Any]:
-    from probes.profile_config import stage_config
+    from probes.config import load_config
 
-    config = stage_config(args.configfile)
+    config = load_config(args.configfile)
     profile = config["profile"]
     if args.device:
         profile["device"] = args.device
@@ -126,14 +126,16 @@ if __name__ == "__main__" and "snakemake" not in globals():
         key: getattr(cli, f"out_{key}") or str(Path(cli.out_dir) / name)
         for key, name in OUTPUT_FILES.items()
     }
-    sys.exit(
-        main(
-            cli.lengths, cli.recommendation, cli.model_path, paths, standalone_config(cli), cli.log
-        )
-    )
+    from probes.config import ConfigError
+
+    try:
+        standalone = standalone_config(cli)
+    except ConfigError as error:
+        sys.exit(f"profile: {error}")
+    sys.exit(main(cli.lengths, cli.recommendation, cli.model_path, paths, standalone, cli.log))
 
 if "snakemake" in globals():
-    from probes.profile_config import SCHEMA, fill_defaults, load_yaml  # noqa: E402
+    from probes.config import SCHEMA, fill_defaults, load_yaml  # noqa: E402
 
     sm = snakemake  # type: ignore[name-defined]  # noqa: F821
     sections = load_yaml(SCHEMA)["properties"]

@@ -294,12 +294,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     args = parser.parse_args(argv)
 
-    import yaml
-    from snakemake.utils import validate
+    from probes.config import ConfigError, load_config
 
-    config = yaml.safe_load(Path(args.configfile).read_text())
-    schema = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "config.schema.yaml"
-    validate(config, str(schema))  # fills defaults, rejects unknown keys
+    try:
+        config = load_config(args.configfile)  # validated and default-filled by the schema
+    except ConfigError as error:
+        print(f"padding: {error}", file=sys.stderr)
+        return 2
     outdir = Path(args.outdir)
     outputs = {
         "lengths": outdir / "lengths.parquet",

@@ -21,11 +21,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `probes` beside this script
 
 from probes import bucket  # noqa: E402
+from probes.config import DEFAULT_CONFIG, ConfigError, load_config  # noqa: E402
 from probes.io import config_hash, run_metadata, write_json, write_parquet  # noqa: E402
 from probes.logs import setup_logging  # noqa: E402
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
-SCHEMA = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
 
 class ControlFailedError(RuntimeError):
@@ -132,16 +130,6 @@ def main(
     return recommendation
 
 
-def _load_config(path: Path) -> dict[str, Any]:
-    """The workflow config, validated and default-filled by the workflow's own schema."""
-    import yaml
-    from snakemake.utils import validate
-
-    config = yaml.safe_load(path.read_text()) or {}
-    validate(config, schema=str(SCHEMA))
-    return config
-
-
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=(
@@ -152,7 +140,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--configfile",
         type=Path,
-        default=REPO_ROOT / "config" / "config.yaml",
+        default=DEFAULT_CONFIG,
         help="workflow config (bucket and training sections are used)",
     )
     parser.add_argument(
@@ -183,7 +171,7 @@ def cli(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     log = setup_logging(args.log, "bucket_sweep")
     try:
-        config = _load_config(args.configfile)
+        config = load_config(args.configfile)
         overrides = {
             ("bucket", "seeds"): args.seeds,
             ("bucket", "bucket_sizes"): args.bucket_sizes,
@@ -205,7 +193,12 @@ def cli(argv: list[str] | None = None) -> int:
             log,
             progress=not args.no_progress,
         )
-    except (bucket.LengthsInputError, bucket.SweepCollapsedError, ControlFailedError) as error:
+    except (
+        bucket.LengthsInputError,
+        bucket.SweepCollapsedError,
+        ControlFailedError,
+        ConfigError,
+    ) as error:
         log.error("%s", error)
         return 1
     return 0
@@ -225,7 +218,12 @@ if "snakemake" in globals():
             _smk.config,
             _log,
         )
-    except (bucket.LengthsInputError, bucket.SweepCollapsedError, ControlFailedError) as error:
+    except (
+        bucket.LengthsInputError,
+        bucket.SweepCollapsedError,
+        ControlFailedError,
+        ConfigError,
+    ) as error:
         _log.error("%s", error)
         sys.exit(1)
 elif __name__ == "__main__":

@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 import torch
 
+from probes.config import SCHEMA, fill_defaults, load_yaml
 from probes.gpu_guard import CardBusyError, CardState, GpuProcess
 from probes.io import read_provenance
-from probes.profile_config import SCHEMA, fill_defaults, load_yaml
 from probes.profile_stage import OUTPUT_KEYS, run_profile
 
 CANARY = "CANARY-7f3a9c-DO-NOT-LEAK"

@@ -10,6 +10,7 @@ from torch import nn
 
 from probes import batches as bt
 from probes.ce import chunked_linear_cross_entropy, full_logits_cross_entropy
+from probes.config import SCHEMA, fill_defaults, load_yaml
 from probes.flops import (
     active_parameter_count,
     attended_pairs,
@@ -18,7 +19,6 @@ from probes.flops import (
     peak_tflops_for,
 )
 from probes.harness import HarnessError, load_harness
-from probes.profile_config import SCHEMA, fill_defaults, load_yaml
 
 # --- FLOPs ----------------------------------------------------------------------------------
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMA = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+DEFAULT_CONFIG = REPO_ROOT / "config" / "config.yaml"
 
 # Paths that rules of the workflow materialise; they need not exist at parse time.
 DEFAULT_MODEL_DIR = "resources/model/gemma-3-270m"
@@ -46,3 +51,47 @@ def check_config_paths(config: dict[str, Any], workdir: Path | None = None) -> N
             raise ConfigError(
                 f"config key data.files[{index}].path: '{path}' is neither .jsonl nor .parquet."
             )
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    import yaml
+
+    with open(path) as handle:
+        return yaml.safe_load(handle) or {}
+
+
+def fill_defaults(instance: Any, schema: dict[str, Any]) -> Any:
+    """Deep copy of `instance` with every missing property that has a schema default filled in
+    (recursively, also inside defaults that are themselves objects)."""
+    if not isinstance(instance, dict) or schema.get("type") != "object":
+        return copy.deepcopy(instance)
+    out = copy.deepcopy(instance)
+    for key, subschema in (schema.get("properties") or {}).items():
+        if key not in out and "default" in subschema:
+            out[key] = copy.deepcopy(subschema["default"])
+        if key in out:
+            out[key] = fill_defaults(out[key], subschema)
+    return out
+
+
+def load_config(configfile: str | Path | None = None) -> dict[str, Any]:
+    """The workflow config for a standalone (non-Snakemake) run: validated against the
+    workflow's schema and default-filled from it, so both paths run with one set of defaults.
+
+    Validation needs jsonschema; on a bare GPU machine without it only the defaults are filled.
+    """
+    path = Path(configfile or DEFAULT_CONFIG)
+    raw = load_yaml(path)
+    schema = load_yaml(SCHEMA)
+    try:
+        import jsonschema
+    except ImportError:
+        jsonschema = None
+    if jsonschema is not None:
+        error = jsonschema.exceptions.best_match(
+            jsonschema.Draft202012Validator(schema).iter_errors(raw)
+        )
+        if error is not None:
+            key = ".".join(str(part) for part in error.absolute_path) or "(top level)"
+            raise ConfigError(f"{path}: config key {key}: {error.message}")
+    return fill_defaults(raw, schema)
