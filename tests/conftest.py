@@ -4,6 +4,7 @@ small data files. Everything is built in code, so the suite needs no network and
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -99,3 +100,22 @@ def write_jsonl(path: Path, rows: list) -> Path:
 @pytest.fixture
 def chat_jsonl(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
+
+
+WORKFLOW_PARTS = ("Snakefile", "workflow", "scripts", "config", "profiles")
+
+
+def copy_workflow(destination: Path) -> Path:
+    """The workflow as a user checks it out (no results, resources or venv), for a test run."""
+    destination.mkdir(parents=True, exist_ok=True)
+    for name in WORKFLOW_PARTS:
+        source = REPO / name
+        if source.is_symlink():  # profiles -> workflow/profiles
+            (destination / name).symlink_to(source.readlink())
+        elif source.is_dir():
+            shutil.copytree(
+                source, destination / name, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        else:
+            shutil.copy(source, destination / name)
+    return destination

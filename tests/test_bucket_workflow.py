@@ -1,13 +1,13 @@
 """End to end: `snakemake bucket_sweep` on a synthetic lengths table in a copy of the workflow."""
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import copy_workflow
 from probes import bucket
 
 REPO = Path(__file__).resolve().parent.parent
@@ -15,14 +15,7 @@ SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 
 
 def _workflow_copy(tmp_path: Path) -> Path:
-    work = tmp_path / "wf"
-    work.mkdir()
-    shutil.copy(REPO / "Snakefile", work / "Snakefile")
-    for folder in ("workflow", "config", "scripts", "profiles"):
-        if (REPO / folder).exists():
-            shutil.copytree(
-                REPO / folder, work / folder, ignore=shutil.ignore_patterns("__pycache__")
-            )
+    work = copy_workflow(tmp_path / "wf")
     lengths = work / "results" / "padding" / "lengths.parquet"
     lengths.parent.mkdir(parents=True)
     bucket.synthetic_lengths_frame(2000, seed=11, max_seq_len=4096).to_parquet(lengths)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import step2_padding
 import yaml
 
-from conftest import CANARY, REPO, chat_rows, write_jsonl
+from conftest import CANARY, REPO, chat_rows, copy_workflow, write_jsonl
 from probes.data import DataError
 
 OUTPUTS = ("lengths.parquet", "summary.parquet", "distribution.parquet", "ce_chunks.parquet")
@@ -174,14 +173,7 @@ def test_canary_reaches_no_output_log_or_stream(tiny_model_dir, tmp_path):
 
 def snakemake_workdir(tmp_path: Path, model_dir: Path) -> Path:
     """A copy of the workflow with tiny inputs and the mask gate already in place."""
-    workdir = tmp_path / "wf"
-    for name in ("Snakefile", "workflow", "scripts", "config"):
-        source = REPO / name
-        if source.is_dir():
-            shutil.copytree(source, workdir / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            workdir.mkdir(parents=True, exist_ok=True)
-            shutil.copy(source, workdir / name)
+    workdir = copy_workflow(tmp_path / "wf")
     write_jsonl(workdir / "data.jsonl", chat_rows(20))
     config = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
     config["model"] = {"path": str(model_dir), "chat_template": None}

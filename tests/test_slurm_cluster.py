@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import chat_rows, write_jsonl
+from conftest import chat_rows, copy_workflow, write_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -31,19 +31,6 @@ START = REPO / "tools" / "slurm" / "start-cluster.sh"
 STOP = REPO / "tools" / "slurm" / "stop-cluster.sh"
 CPU_RULES = {"mask", "padding", "bucket_sweep", "report"}
 GPU_RULE = "profile"
-COPY_IGNORE = (
-    ".git",
-    ".venv",
-    "results",
-    "resources",
-    "logs",
-    "benchmarks",
-    ".snakemake",
-    "__pycache__",
-    ".pytest_cache",
-    ".ruff_cache",
-    ".device",
-)
 # Settings for this test cluster, not for a user's: no slurmdbd (so squeue, not sacct, for job
 # status), no accounts, and a first status check after 1 s instead of 40 s.
 TEST_CLUSTER_ARGS = [
@@ -81,12 +68,6 @@ def slurm_cluster():
     yield
     if not was_up and os.environ.get("PROBES_SLURM_KEEP") != "1":
         subprocess.run([STOP], capture_output=True, timeout=120)
-
-
-def copy_workflow(destination: Path) -> Path:
-    """The workflow as a user has it (Snakefile, workflow/, scripts/, config/), nothing run."""
-    shutil.copytree(REPO, destination, ignore=shutil.ignore_patterns(*COPY_IGNORE))
-    return destination
 
 
 def run_under_slurm(workdir: Path, target: str, *args: str) -> tuple[float, str]:

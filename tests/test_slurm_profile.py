@@ -4,7 +4,6 @@ jobs from overlapping on one card. No SLURM needed: see test_slurm_cluster.py fo
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from conftest import copy_workflow
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_PROFILE = REPO / "config" / "profiles" / "slurm" / "config.yaml"
@@ -23,20 +24,6 @@ WORKFLOW_PROFILES = [
 ]
 GPU_KEYS = {"gpu", "gpus", "gres", "gpu_model"}
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
-# Left out when the workflow is copied to a temp dir for a run.
-COPY_IGNORE = (
-    ".git",
-    ".venv",
-    "results",
-    "resources",
-    "logs",
-    "benchmarks",
-    ".snakemake",
-    "__pycache__",
-    ".pytest_cache",
-    ".ruff_cache",
-    ".device",
-)
 
 
 def test_cluster_profile_uses_slurm_and_asks_for_a_gpu_for_profile_only():
@@ -80,7 +67,7 @@ def resource_names(line: str) -> dict[str, str]:
 
 def test_dry_run_under_the_cluster_profile_requests_a_gpu_for_profile_only(tmp_path):
     workdir = tmp_path / "repo"
-    shutil.copytree(REPO, workdir, ignore=shutil.ignore_patterns(*COPY_IGNORE))
+    copy_workflow(workdir)
     # The default config: its model and data come from rules, so the DAG is complete.
     resources = dry_run_resources(["--profile", "config/profiles/slurm", "report"], workdir)
     assert {"mask", "padding", "bucket_sweep", "profile", "report"} <= set(resources)
