@@ -12,7 +12,7 @@ import hashlib
 import json
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,6 @@ class Example:
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content) for chat data
     text: str | None = None  # plain-text data
     n_turns: int = 0
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_chat(self) -> bool:
