@@ -16,17 +16,7 @@ else:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from probes.logs import setup_logging  # noqa: E402
-
-OUTPUT_FILES = {
-    "scaling": "scaling.parquet",
-    "fit": "fit.parquet",
-    "padding_penalty": "padding_penalty.parquet",
-    "ce": "ce.parquet",
-    "kernels": "kernels.parquet",
-    "raw": "profile-output.txt",
-    "provenance": "provenance.json",
-    "control": "control.json",
-}
+from probes.profile_stage import OUTPUT_FILES  # noqa: E402
 
 
 def main(

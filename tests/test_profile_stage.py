@@ -12,20 +12,10 @@ import torch
 from probes.config import SCHEMA, fill_defaults, load_yaml
 from probes.gpu_guard import CardBusyError, CardState, GpuProcess
 from probes.io import read_provenance
-from probes.profile_stage import OUTPUT_KEYS, run_profile
+from probes.profile_stage import OUTPUT_FILES, OUTPUT_KEYS, run_profile
 
 CANARY = "CANARY-7f3a9c-DO-NOT-LEAK"
 LENGTHS = [8, 16, 24]
-OUTPUT_NAMES = {
-    "scaling": "scaling.parquet",
-    "fit": "fit.parquet",
-    "padding_penalty": "padding_penalty.parquet",
-    "ce": "ce.parquet",
-    "kernels": "kernels.parquet",
-    "raw": "profile-output.txt",
-    "provenance": "provenance.json",
-    "control": "control.json",
-}
 
 
 @pytest.fixture(autouse=True)
@@ -69,7 +59,7 @@ def stage_config(**profile):
 
 
 def outputs_in(directory: Path) -> dict[str, Path]:
-    return {key: directory / name for key, name in OUTPUT_NAMES.items()}
+    return {key: directory / name for key, name in OUTPUT_FILES.items()}
 
 
 def run(tmp_path, lengths_path, model_dir, **profile):

@@ -34,16 +34,18 @@ from probes.io import atomic_path, read_json, run_metadata, write_json, write_pa
 from probes.timing import OK, Timing, release_memory, synchronize, time_repeats
 
 LOG = logging.getLogger("probes.profile")
-OUTPUT_KEYS = (
-    "scaling",
-    "fit",
-    "padding_penalty",
-    "ce",
-    "kernels",
-    "raw",
-    "provenance",
-    "control",
-)
+# The stage's outputs by key, with their file names under results/profile/ (the rule's contract).
+OUTPUT_FILES = {
+    "scaling": "scaling.parquet",
+    "fit": "fit.parquet",
+    "padding_penalty": "padding_penalty.parquet",
+    "ce": "ce.parquet",
+    "kernels": "kernels.parquet",
+    "raw": "profile-output.txt",
+    "provenance": "provenance.json",
+    "control": "control.json",
+}
+OUTPUT_KEYS = tuple(OUTPUT_FILES)
 SKIPPED = "SKIPPED"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
