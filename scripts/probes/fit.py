@@ -200,3 +200,111 @@ def fit_control(
         },
         "passed": bool(passed),
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# Least squares with bootstrap intervals, over lengths taken from the data
+# ---------------------------------------------------------------------------------------------
+
+MIN_FIT_LENGTHS = 5
+STATISTICS = {"median": np.median, "min": np.min}
+
+
+@dataclass(frozen=True)
+class BootstrapFit:
+    """A least-squares fit over repeated timings, with percentile bootstrap intervals for a, b, c
+    (repeats resampled within each length, so every replicate keeps the measured lengths)."""
+
+    fit: QuadraticFit
+    a_ci: tuple[float, float]
+    b_ci: tuple[float, float]
+    c_ci: tuple[float, float]
+    resamples: int
+    low: int  # the measured range: never price outside it
+    high: int
+
+    def as_row(self) -> dict[str, Any]:
+        row = self.fit.as_row()
+        for name in ("a", "b", "c"):
+            low, high = getattr(self, f"{name}_ci")
+            row[f"{name}_ci_low"] = low
+            row[f"{name}_ci_high"] = high
+        row.update(resamples=self.resamples, range_low=self.low, range_high=self.high)
+        return row
+
+    def in_range(self, length: float) -> bool:
+        return self.low <= length <= self.high
+
+
+def fit_with_intervals(
+    lengths: Sequence[float],
+    times_s: Sequence[float],
+    resamples: int = 1000,
+    seed: int = 0,
+    confidence: float = 0.95,
+    statistic: str = "median",
+) -> BootstrapFit:
+    """Least squares (fit_step_time) through the median time of each length (robust to the rare
+    preempted repeat; `statistic="min"` for a deterministic cost whose only noise is delay), plus bootstrap intervals for a, b, c: each replicate resamples the repeats
+    within every length, takes their medians and refits."""
+    x = np.asarray(lengths, dtype=np.float64)
+    y = np.asarray(times_s, dtype=np.float64)
+    ok = np.isfinite(x) & np.isfinite(y)
+    x, y = x[ok], y[ok]
+    reduce = STATISTICS[statistic]
+    distinct = np.unique(x)
+    groups = [y[x == value] for value in distinct]
+    fit = fit_step_time(distinct, [float(reduce(g)) for g in groups])
+    nan = (float("nan"), float("nan"))
+    if not fit.usable:
+        return BootstrapFit(fit, nan, nan, nan, 0, int(x.min(initial=0)), int(x.max(initial=0)))
+    design, scale = _design(distinct)
+    rng = np.random.default_rng(seed)
+    coefficients = np.empty((resamples, 3))
+    for r in range(resamples):
+        medians = [float(reduce(rng.choice(g, size=g.size, replace=True))) for g in groups]
+        scaled, *_ = np.linalg.lstsq(design, np.asarray(medians), rcond=None)
+        coefficients[r] = scaled / scale
+    tail = (1.0 - confidence) / 2.0
+    low, high = np.quantile(coefficients, [tail, 1.0 - tail], axis=0)
+    return BootstrapFit(
+        fit,
+        (float(low[0]), float(high[0])),
+        (float(low[1]), float(high[1])),
+        (float(low[2]), float(high[2])),
+        resamples,
+        int(x.min()),
+        int(x.max()),
+    )
+
+
+def default_fit_lengths(
+    padded_lengths: Sequence[int],
+    max_seq_len: int,
+    n_points: int = MIN_FIT_LENGTHS,
+    low_quantile: float = 0.1,
+) -> list[int]:
+    """Fit lengths from the data: quantiles of the padded micro-batch length from `low_quantile`
+    up to max_seq_len (the longest a micro-batch can be), at least `n_points` distinct lengths
+    (geometric fill between the ends where quantiles coincide)."""
+    if n_points < MIN_POINTS:
+        raise ValueError(f"n_points={n_points}: the fit needs at least {MIN_POINTS} lengths")
+    values = np.asarray(padded_lengths, dtype=np.float64)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        raise ValueError("no padded micro-batch length to take fit lengths from")
+    quantiles = np.quantile(values, np.linspace(low_quantile, 1.0, n_points))
+    low = max(int(round(quantiles[0])), 1)
+    high = int(max_seq_len)
+    if high <= low:
+        low = max(1, high // 8)
+    points = {min(max(int(round(q)), low), high) for q in quantiles[:-1]} | {low, high}
+    fill = n_points
+    while len(points) < n_points and fill < 64 * n_points:
+        points |= {int(round(v)) for v in np.geomspace(low, high, fill)}
+        fill += 1
+    if len(points) < n_points:
+        raise ValueError(
+            f"cannot place {n_points} distinct lengths between {low} and {high}; raise max_seq_len"
+        )
+    return sorted(points)
