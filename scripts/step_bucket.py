@@ -3,7 +3,8 @@ source diversity, and how it compares with packing.
 
 Reads the padding stage's lengths (status OK and TRUNCATED rows; EMPTY and ERROR are counted and
 skipped), runs the positive control, sweeps bucket sizes × seeds, checks the sweep did not
-collapse, and writes results/bucket/{sweep.parquet, recommendation.json, control.json}.
+collapse, and writes results/bucket/{sweep.parquet, recommendation.json, control.json,
+plans.parquet}.
 
 Run by Snakemake (`snakemake bucket_sweep`) or standalone:
     python scripts/step_bucket.py --lengths results/padding/lengths.parquet --out-dir results/bucket
@@ -20,7 +21,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `probes` beside this script
 
-from probes import bucket  # noqa: E402
+from probes import bucket, plans  # noqa: E402
 from probes.config import DEFAULT_CONFIG, ConfigError, load_config  # noqa: E402
 from probes.io import config_hash, run_metadata, write_json, write_parquet  # noqa: E402
 from probes.logs import setup_logging  # noqa: E402
@@ -40,6 +41,7 @@ def main(
     config: dict[str, Any],
     log: logging.Logger,
     progress: bool = True,
+    out_plans: str | Path | None = None,
 ) -> dict[str, Any]:
     """Run the stage; every output is written only after every check has passed."""
     started = time.perf_counter()
@@ -113,6 +115,15 @@ def main(
     recommendation["config_hash"] = config_hash(config)
 
     write_parquet(sweep, out_sweep, provenance=run_metadata(config))
+    if out_plans is not None:  # every strategy's micro-batches, for the replay (issue 12)
+        plans.write_plans_for_bucket_stage(
+            lengths_path,
+            recommendation,
+            training_cfg,
+            out_plans,
+            run_metadata(config),
+            seed=int(bucket_cfg["seeds"][0]),
+        )
     write_json(recommendation, out_recommendation)
     write_json(control, out_control)
     chosen = recommendation["recommended"]
@@ -192,12 +203,14 @@ def cli(argv: list[str] | None = None) -> int:
             config,
             log,
             progress=not args.no_progress,
+            out_plans=args.out_dir / "plans.parquet",
         )
     except (
         bucket.LengthsInputError,
         bucket.SweepCollapsedError,
         ControlFailedError,
         ConfigError,
+        plans.PlanInputError,
     ) as error:
         log.error("%s", error)
         return 1
@@ -217,12 +230,14 @@ if "snakemake" in globals():
             _smk.params.training,
             _smk.config,
             _log,
+            out_plans=_smk.output.plans,
         )
     except (
         bucket.LengthsInputError,
         bucket.SweepCollapsedError,
         ControlFailedError,
         ConfigError,
+        plans.PlanInputError,
     ) as error:
         _log.error("%s", error)
         sys.exit(1)

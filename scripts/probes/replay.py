@@ -234,7 +234,22 @@ def estimate_all(
     )
     out = {}
     for name, data in per_strategy.items():
-        replicates = bootstrap_totals(data, optimizer_reps, rng)
+        if total_fn is stratified_total:
+            replicates = bootstrap_totals(data, optimizer_reps, rng)
+        else:  # any other estimator: the same resampling, its own formula on each replicate
+            replicates = np.array(
+                [
+                    total_fn(
+                        StrataTimes(
+                            data.sizes,
+                            [t[rng.integers(0, t.size, t.size)] for t in data.times],
+                            data.optimizer_steps,
+                        ),
+                        float(rep),
+                    )
+                    for rep in optimizer_reps
+                ]
+            )
         low, high = percentile_interval(replicates, confidence)
         out[name] = Estimate(total_fn(data, optimizer_mean), low, high, replicates)
     return out
@@ -368,8 +383,9 @@ class ReplayRunner:
         return OK, times
 
     def time_micro_batch(self, row: Any, busy: bool = False) -> dict[str, Any]:
+        """One timing of the plan row's micro-batch (run_sample repeats it in later rounds)."""
         batch = self.device_batch(row)
-        status, times = self.timed(lambda: self._forward_backward(batch), self.repeats)
+        status, times = self.timed(lambda: self._forward_backward(batch), 1)
         share = float("nan")
         if busy and status == OK:
             share = gpu_busy_share(lambda: self._forward_backward(batch), self.device)
@@ -435,7 +451,12 @@ def sample_all(plans: pd.DataFrame, settings: ReplaySettings) -> pd.DataFrame:
 def run_sample(
     runner: ReplayRunner, sample: pd.DataFrame, settings: ReplaySettings, progress: bool = False
 ) -> tuple[pd.DataFrame, np.ndarray]:
-    """Time every sampled micro-batch (and an optimizer step after every grad_accum of them)."""
+    """Time every sampled micro-batch (and an optimizer step after every grad_accum of them).
+
+    With `runner.repeats` > 1 the whole sample runs that many rounds, each in a new seeded order,
+    and each micro-batch keeps the runner's statistic of its rounds: a burst of load then hits one
+    round of a micro-batch, not all its repeats back to back.
+    """
     from tqdm import tqdm
 
     if len(sample) == 0:
@@ -443,24 +464,49 @@ def run_sample(
     largest = sample.loc[sample["computed_tokens"].idxmax()]
     for _ in range(settings.warmup):  # the peak shape first, so memory is allocated once
         runner.warm_up(largest)
+    rng = np.random.default_rng(settings.seed + 7)
+    rounds = max(int(runner.repeats), 1)
+    times: list[list[float]] = [[] for _ in range(len(sample))]
+    status = [OK] * len(sample)
+    shares = [float("nan")] * len(sample)
     busy_done: dict[tuple[str, int], int] = {}
-    results, optimizer_times = [], []
-    for count, row in enumerate(
-        tqdm(sample.itertuples(), total=len(sample), desc="replay", disable=not progress), 1
-    ):
-        key = (row.strategy, int(row.stratum))
-        busy = runner.device.type == "cuda" and (
-            busy_done.get(key, 0) < settings.busy_samples_per_stratum
-        )
-        result = runner.time_micro_batch(row, busy=busy)
-        if busy:
-            busy_done[key] = busy_done.get(key, 0) + 1
-        results.append(result)
-        if count % settings.grad_accum == 0:
-            optimizer_times.append(runner.time_optimizer_step())
-    if len(sample) % settings.grad_accum:
+    optimizer_times = []
+    rows = list(sample.itertuples())
+    bar = tqdm(total=rounds * len(rows), desc="replay", disable=not progress)
+    count = 0
+    for round_ in range(rounds):
+        order = range(len(rows)) if round_ == 0 else rng.permutation(len(rows))
+        for i in order:
+            row = rows[i]
+            key = (row.strategy, int(row.stratum))
+            busy = (
+                round_ == 0
+                and runner.device.type == "cuda"
+                and busy_done.get(key, 0) < settings.busy_samples_per_stratum
+            )
+            if status[i] == OK:
+                result = runner.time_micro_batch(row, busy=busy)
+                status[i] = result["status"]
+                times[i] += result["times_s"]
+                if busy:
+                    busy_done[key] = busy_done.get(key, 0) + 1
+                    shares[i] = result["gpu_busy_share"]
+            count += 1
+            bar.update()
+            if count % settings.grad_accum == 0:
+                optimizer_times.append(runner.time_optimizer_step())
+    bar.close()
+    if count % settings.grad_accum:
         optimizer_times.append(runner.time_optimizer_step())
-    steps = pd.concat([sample, pd.DataFrame(results, index=sample.index)], axis=1)
+    steps = sample.copy()
+    steps["status"] = status
+    steps["times_s"] = times
+    steps["time_s"] = [
+        float(runner.reduce(t)) if s == OK and t else float("nan")
+        for t, s in zip(times, status, strict=True)
+    ]
+    steps["timer"] = TIMER
+    steps["gpu_busy_share"] = shares
     steps["kind"] = MICRO_BATCH
     share = steps["gpu_busy_share"]
     steps["host_bound"] = (share < settings.host_bound_threshold).where(share.notna())
@@ -814,7 +860,7 @@ def run_synthetic_control(
     settings: ReplaySettings,
     fit_lengths: Sequence[int],
     fit_rows: int,
-    fit_repeats: int = 5,
+    fit_repeats: int = 7,
     saving_tolerance: float = 0.05,
     fit_tolerance: float = 0.10,
     cost: SyntheticCost | None = None,

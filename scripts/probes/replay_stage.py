@@ -231,16 +231,22 @@ def run(
     )
 
     # the positive control first: cheap, and a broken estimator must not cost a GPU run
+    control_cfg = replay_cfg["control"]
     control = rp.run_synthetic_control(
         plans,
         control_settings(replay_cfg, grad_accum),
         fit_lengths,
         micro,
-        fit_repeats,
-        float(replay_cfg["control"]["saving_tolerance"]),
-        float(replay_cfg["control"]["fit_tolerance"]),
+        fit_repeats=int(control_cfg["fit_repeats"]),
+        saving_tolerance=float(control_cfg["saving_tolerance"]),
+        fit_tolerance=float(control_cfg["fit_tolerance"]),
+        repeats=int(control_cfg["repeats"]),
     )
-    LOG.info("control %s (%.1f s)", "passed" if control["passed"] else "FAILED", control["observed"]["wall_s"])
+    LOG.info(
+        "control %s (%.1f s)",
+        "passed" if control["passed"] else "FAILED",
+        control["observed"]["wall_s"],
+    )
     if not control["passed"]:
         raise ReplayError(f"positive control failed: {control['observed']}")
 
@@ -259,14 +265,22 @@ def run(
     torch.manual_seed(settings.seed)
     dtype = replay_dtype(profile["dtype"], device)
     model_runner, vocab_size, pad_id, harness_info = load_runner(model_path, profile, device, dtype)
-    runner = rp.ReplayRunner(model_runner, vocab_size, pad_id, settings.seed, int(replay_cfg["repeats"]))
+    runner = rp.ReplayRunner(
+        model_runner, vocab_size, pad_id, settings.seed, int(replay_cfg["repeats"])
+    )
 
     random_plan = plans[plans["strategy"] == pl.BASELINE]
     loss_share = float(random_plan["loss_tokens"].sum()) / float(random_plan["real_tokens"].sum())
     if training.get("loss_on") == "all":
         loss_share = 1.0
     fit, fit_points = rp.measure_fit(
-        runner, fit_lengths, micro, loss_share, fit_repeats, settings.seed, settings.bootstrap_resamples
+        runner,
+        fit_lengths,
+        micro,
+        loss_share,
+        fit_repeats,
+        settings.seed,
+        settings.bootstrap_resamples,
     )
     LOG.info("fit %s: a=%.3g b=%.3g c=%.3g", fit.fit.method, fit.fit.a, fit.fit.b, fit.fit.c)
 
@@ -299,8 +313,9 @@ def run(
         cpu_only=cpu_only,
         max_seq_len=max_len,
         lengths_source=(
-            "configured" if replay_cfg["fit"]["cpu_lengths" if cpu_only else "lengths"] else
-            f"quantiles {replay_cfg['fit']['low_quantile']}..1 of random's padded micro-batch "
+            "configured"
+            if replay_cfg["fit"]["cpu_lengths" if cpu_only else "lengths"]
+            else f"quantiles {replay_cfg['fit']['low_quantile']}..1 of random's padded micro-batch "
             f"length, up to max_seq_len {max_len}"
         ),
         time_basis="forward + backward of one micro-batch (optimizer step excluded)",
@@ -330,7 +345,16 @@ def run(
         "load_average": provenance["load_average"],
         "control_passed": control["passed"],
         "strategies": table[
-            ["strategy", "estimated_time_s", "ci_low_s", "ci_high_s", "saving_vs_random",
-             "saving_ci_low", "saving_ci_high", "rank", "valid"]
+            [
+                "strategy",
+                "estimated_time_s",
+                "ci_low_s",
+                "ci_high_s",
+                "saving_vs_random",
+                "saving_ci_low",
+                "saving_ci_high",
+                "rank",
+                "valid",
+            ]
         ].to_dict("records"),
     }

@@ -9,6 +9,7 @@ rule bucket_sweep:
         ),
         recommendation="results/bucket/recommendation.json",
         control="results/bucket/control.json",
+        plans="results/bucket/plans.parquet",
     log:
         "logs/bucket_sweep.log",
     benchmark:

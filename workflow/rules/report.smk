@@ -18,6 +18,10 @@ rule report:
         profile_kernels="results/profile/kernels.parquet",
         profile_provenance="results/profile/provenance.json",
         profile_control="results/profile/control.json",
+        replay=rules.replay.output.replay,
+        replay_steps=rules.replay.output.steps,
+        replay_fit=rules.replay.output.fit,
+        replay_control=rules.replay.output.control,
         # from the workflow source, not the working directory (--directory elsewhere)
         template=workflow.source_path("../templates/playbook-evidence.md.j2"),
     output:

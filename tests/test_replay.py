@@ -1,0 +1,333 @@
+"""Replay: strata, the stratified estimator and its bootstrap (proved on a plan whose exact total
+is known), ranking with ties, the fit as a range-bound diagnostic, the synthetic-harness control,
+the real harness path on a tiny model, and the stage's all-or-nothing outputs."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from probes import bucket, fit
+from probes import plans as pl
+from probes import replay as rp
+from probes import replay_stage as rs
+from probes.config import SCHEMA, fill_defaults, load_yaml
+from probes.io import read_json, write_json, write_parquet
+
+MICRO, ACCUM, MAX_LEN = 2, 4, 512
+
+
+@pytest.fixture(scope="module")
+def plans() -> pd.DataFrame:
+    frame = bucket.synthetic_lengths_frame(1500, seed=1, max_seq_len=MAX_LEN)
+    used = frame[frame["status"].isin(bucket.USED_STATUSES)]
+    lengths = used["n_tokens"].to_numpy(np.int64)
+    loss = np.where(np.arange(lengths.size) % 4 == 0, 0, lengths // 2)
+    examples = pl.PlanExamples(used["example_id"].to_numpy(object), lengths, loss)
+    return pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, bucket_size_batches=16, seed=0)
+
+
+def _deterministic_steps(plans, settings, cost: rp.SyntheticCost) -> pd.DataFrame:
+    """The replay's sample with each micro-batch 'measured' at its exact known cost (no clock)."""
+    sample = rp.sample_all(plans, settings)
+    sample["time_s"] = [cost.micro_batch_s(*rp.batch_shape(r)) for r in sample.itertuples()]
+    sample["status"] = "OK"
+    sample["kind"] = rp.MICRO_BATCH
+    sample["gpu_busy_share"] = np.nan
+    return sample
+
+
+def _estimate(plans, seed, total_fn=rp.stratified_total, n_strata=6, per_stratum=4):
+    cost = rp.SyntheticCost.scaled_to(plans)
+    settings = rp.ReplaySettings(n_strata, per_stratum, 1000, ACCUM, seed=seed)
+    steps = _deterministic_steps(plans, settings, cost)
+    summary = pl.plan_summary(plans).set_index("strategy")
+    per = {
+        name: rp.strata_times(group, int(summary.loc[name, "optimizer_steps"]))
+        for name, group in steps.groupby("strategy")
+    }
+    optimizer = np.full(8, cost.optimizer_s)
+    estimates = rp.estimate_all(per, optimizer, 1000, seed, total_fn=total_fn)
+    return estimates, rp.exact_epoch_s(plans, cost, ACCUM)
+
+
+def _covers(estimates, exact) -> dict[str, bool]:
+    slack = 1e-9  # a stratum of identical shapes has a zero-width interval
+    return {
+        name: est.ci_low_s * (1 - slack) <= exact[name] <= est.ci_high_s * (1 + slack)
+        for name, est in estimates.items()
+    }
+
+
+def _coverage(plans, total_fn=rp.stratified_total, seeds=range(12)) -> float:
+    hits = [hit for seed in seeds for hit in _covers(*_estimate(plans, seed, total_fn)).values()]
+    return sum(hits) / len(hits)
+
+
+# --- strata and the sample --------------------------------------------------------------------
+
+
+def test_strata_are_log_spaced_and_skip_empty_ones():
+    sizes = np.array([10, 11, 12, 1000, 1100, 100000])
+    index, bounds = rp.assign_strata(sizes, 4)
+    assert index.tolist() == [0, 0, 0, 1, 1, 2]
+    assert np.allclose(bounds[:, 1] / bounds[:, 0], bounds[0, 1] / bounds[0, 0])
+    constant, one = rp.assign_strata(np.full(5, 64), 6)
+    assert constant.tolist() == [0] * 5 and len(one) == 1
+
+
+def test_allocation_spends_the_budget_where_the_micro_batches_are():
+    takes = rp.allocate(np.array([3, 500, 2]), per_stratum=4, budget=24)
+    assert takes.tolist()[0] == 3 and takes.tolist()[2] == 2
+    assert takes.sum() == 24 and takes[1] == 19
+    assert rp.allocate(np.array([1, 1]), 4, 8).tolist() == [1, 1]
+
+
+def test_sample_is_stratified_without_replacement(plans):
+    settings = rp.ReplaySettings(5, 3, 100, ACCUM)
+    sample = rp.sample_all(plans, settings)
+    assert not sample.duplicated(["strategy", "micro_batch_index"]).any()
+    for name, group in sample.groupby("strategy"):
+        sizes = group.groupby("stratum")["stratum_size"].first()
+        total = (plans["strategy"] == name).sum()
+        assert sizes.sum() == total, name  # the strata partition the whole plan
+    assert sorted(sample["run_order"]) == list(range(len(sample)))
+
+
+# --- the estimator ----------------------------------------------------------------------------
+
+
+def test_stratified_interval_covers_the_exact_total(plans):
+    """Nominal 95%; a percentile bootstrap of 4 samples per stratum runs a little narrow."""
+    assert _coverage(plans) >= 0.8
+
+
+def test_the_test_catches_an_estimator_that_ignores_strata(plans):
+    """The sample is not proportional to stratum size (every stratum gets its minimum): pricing
+    every micro-batch at the plain sample mean is biased, and the same check must say so."""
+    assert _coverage(plans, rp.naive_total, seeds=range(4)) < 0.5
+    estimates, exact = _estimate(plans, 0, total_fn=rp.naive_total)
+    assert abs(estimates[pl.RANDOM].time_s / exact[pl.RANDOM] - 1) > 0.1
+
+
+def test_census_of_a_small_plan_is_exact(plans):
+    estimates, exact = _estimate(plans, 0, n_strata=2, per_stratum=10_000)
+    for name, est in estimates.items():
+        assert est.time_s == pytest.approx(exact[name], rel=1e-9)
+
+
+def test_saving_uses_joint_replicates():
+    base = rp.Estimate(10.0, 9.0, 11.0, np.array([9.0, 10.0, 11.0]))
+    same = rp.Estimate(5.0, 4.5, 5.5, np.array([4.5, 5.0, 5.5]))
+    saving, low, high = rp.saving_interval(same, base)
+    assert saving == pytest.approx(0.5) and low == pytest.approx(0.5) and high == pytest.approx(0.5)
+    assert rp.saving_interval(base, base)[1:] == (0.0, 0.0)
+
+
+def test_ranking_reports_overlapping_intervals_as_ties():
+    ranks = rp.rank_with_ties(
+        ["a", "b", "c", "d"], [0.5, 0.45, 0.2, 0.0], [0.4, 0.35, 0.1, 0.0], [0.6, 0.55, 0.3, 0.0]
+    )
+    assert ranks["a"] == (1, 1) and ranks["b"] == (1, 1)
+    assert ranks["c"] == (3, 2) and ranks["d"] == (4, 3)
+
+
+# --- the table: validity, tokens per update, the fit as a diagnostic --------------------------
+
+
+def _table(plans, invalid=None, pricing=None):
+    cost = rp.SyntheticCost.scaled_to(plans)
+    settings = rp.ReplaySettings(6, 4, 500, ACCUM, seed=0)
+    steps = _deterministic_steps(plans, settings, cost)
+    return rp.strategy_table(
+        plans, steps, np.full(8, cost.optimizer_s), settings, invalid, pricing, True, MAX_LEN
+    ).set_index("strategy")
+
+
+def test_table_columns_validity_and_same_tokens_per_update(plans):
+    table = _table(plans, invalid={pl.PACKING: "cross-document attention"})
+    assert list(table.reset_index().columns) == list(rp.REPLAY_COLUMNS)
+    assert not table.loc[pl.PACKING, "valid"] and pd.isna(table.loc[pl.PACKING, "rank"])
+    assert table.loc[pl.RANDOM, "saving_vs_random"] == 0.0
+    assert table.loc[pl.PACKING, "optimizer_steps"] < table.loc[pl.RANDOM, "optimizer_steps"]
+    assert "tokens per update" in table.loc[pl.PACKING, "note"]
+    assert table.loc[pl.PACKING, "grad_accum_for_same_tokens"] < ACCUM
+    assert table.loc[pl.GLOBAL_SORT, "grad_accum_for_same_tokens"] == ACCUM
+    assert table.loc[pl.PAD_TO_MAX, "saving_vs_random"] < 0
+    assert table["cpu_only"].all() and math.isnan(table.loc[pl.RANDOM, "host_bound_share"])
+
+
+def test_fit_never_prices_outside_its_measured_range(plans):
+    cost = rp.SyntheticCost.scaled_to(plans)
+    truth = fit.fit_step_time(
+        [16, 64, 128, 256, MAX_LEN], [cost.micro_batch_s(2, t) for t in (16, 64, 128, 256, MAX_LEN)]
+    )
+    inside = rp.FitPricing(truth, MICRO, 1, MAX_LEN)
+    table = _table(plans, pricing=inside)
+    assert np.isnan(table.loc[pl.PACKING, "fit_predicted_saving"])
+    assert "packed" in table.loc[pl.PACKING, "fit_reason"]
+    # an exact fit predicts the exact saving of a padded strategy
+    exact = rp.exact_epoch_s(plans, cost, ACCUM)
+    assert table.loc[pl.GLOBAL_SORT, "fit_predicted_saving"] == pytest.approx(
+        1 - exact[pl.GLOBAL_SORT] / exact[pl.RANDOM], rel=1e-6
+    )
+    narrow = _table(plans, pricing=rp.FitPricing(truth, MICRO, 128, MAX_LEN))
+    assert narrow["fit_predicted_saving"].isna().all()
+    assert "never extrapolated" in narrow.loc[pl.RANDOM, "fit_reason"]
+
+
+def test_fit_with_intervals_recovers_known_coefficients():
+    lengths = np.repeat([32, 64, 128, 256, 512], 4)
+    rng = np.random.default_rng(0)
+    a, b, c = 2e-7, 3e-5, 0.01
+    times = (a * lengths**2 + b * lengths + c) * (1 + rng.normal(0, 0.002, lengths.size))
+    result = fit.fit_with_intervals(lengths, times, resamples=300, seed=0)
+    for name, truth in (("a", a), ("b", b), ("c", c)):
+        low, high = getattr(result, f"{name}_ci")
+        assert low <= getattr(result.fit, name) <= high, name
+        assert getattr(result.fit, name) == pytest.approx(truth, rel=0.03), name
+        assert 0 < high - low < 0.1 * truth, name
+    assert result.fit.method == "least_squares" and result.low == 32 and result.high == 512
+    assert result.in_range(100) and not result.in_range(1024)
+
+
+# --- the positive control ---------------------------------------------------------------------
+
+
+def test_synthetic_control_recovers_known_savings_and_coefficients(plans):
+    settings = rp.ReplaySettings(8, 4, 500, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    cost = rp.SyntheticCost.scaled_to(plans, 0.002, 0.0015, 0.0015, 0.001)
+    control = rp.run_synthetic_control(
+        plans, settings, [32, 64, 128, 256, MAX_LEN], MICRO, cost=cost
+    )
+    assert set(control) >= {"name", "description", "expected", "observed", "passed"}
+    assert control["passed"], control["observed"]
+
+
+def test_packing_validity_reads_the_mask_gate():
+    ok = {"scenarios": [{"scenario": "packed", "violations": 0}]}
+    assert rs.packing_validity(ok) is None
+    bad = {"scenarios": [{"scenario": "packed", "violations": 3}]}
+    assert "attend to each other" in rs.packing_validity(bad)
+    assert "unchecked" in rs.packing_validity({"scenarios": [{"scenario": "train"}]})
+
+
+def test_cpu_dtype_is_float32_unless_asked():
+    assert rs.replay_dtype("auto", torch.device("cpu")) == torch.float32
+    assert rs.replay_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
+    assert rs.replay_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+
+
+# --- the real harness on a tiny model, and the stage ------------------------------------------
+
+
+def _config(model_dir) -> dict:
+    schema = load_yaml(SCHEMA)["properties"]
+    config = {
+        "replay": fill_defaults(
+            {
+                "bootstrap_resamples": 200,
+                "warmup": 0,
+                "cpu": {"max_seq_len": 32, "n_strata": 2, "samples_per_stratum": 2, "warmup": 0},
+                "fit": {"repeats": 3},
+                "control": {"n_strata": 6, "samples_per_stratum": 3},
+            },
+            schema["replay"],
+        ),
+        "profile": fill_defaults({"device": "cpu", "ce_chunk_tokens": 16}, schema["profile"]),
+        "training": {
+            "micro_batch_size": MICRO,
+            "grad_accum": ACCUM,
+            "max_seq_len": 128,
+            "loss_on": "assistant",
+        },
+    }
+    return config
+
+
+def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
+    config = _config(tiny_model_dir)
+    runner, vocab, pad_id, info = rs.load_runner(
+        tiny_model_dir, config["profile"], torch.device("cpu"), torch.float32
+    )
+    assert info["functions"]["compute_loss"].endswith("compute_loss")
+    replay = rp.ReplayRunner(runner, vocab, pad_id, seed=0)
+    padded = pd.Series(
+        {
+            "layout": pl.PADDED,
+            "rows": 2,
+            "padded_length": 24,
+            "computed_tokens": 48,
+            "example_lengths": [20, 9],
+            "example_loss_tokens": [5, 0],
+        }
+    )
+    packed = pd.Series(
+        {
+            "layout": pl.PACKED,
+            "rows": 2,
+            "padded_length": 32,
+            "computed_tokens": 45,
+            "example_lengths": [20, 9, 16],
+            "example_loss_tokens": [5, 0, 4],
+        }
+    )
+    for row in (padded, packed):
+        batch = rp.build_batch(row, vocab, torch.Generator().manual_seed(0))
+        assert batch["input_ids"].shape == rp.batch_shape(row)
+        result = replay.time_micro_batch(row)
+        assert result["status"] == "OK" and result["time_s"] > 0
+    assert "position_ids" in rp.build_batch(packed, vocab, torch.Generator().manual_seed(0))
+    assert replay.time_optimizer_step() > 0
+
+
+def _stage_inputs(tmp_path, gate_violations=0):
+    frame = bucket.synthetic_lengths_frame(150, seed=2, max_seq_len=128)
+    lengths = tmp_path / "lengths.parquet"
+    write_parquet(frame, lengths, {})
+    training = {"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": 128}
+    rec = {"recommended": {"bucket_size_batches": 4}}
+    write_json(rec, tmp_path / "rec.json")
+    pl.write_plans_for_bucket_stage(lengths, rec, training, tmp_path / "plans.parquet", {})
+    write_json(
+        {"scenarios": [{"scenario": "packed", "violations": gate_violations}]},
+        tmp_path / "gate.json",
+    )
+    inputs = {
+        "plans": tmp_path / "plans.parquet",
+        "lengths": lengths,
+        "recommendation": tmp_path / "rec.json",
+        "gate": tmp_path / "gate.json",
+    }
+    outputs = {key: tmp_path / "out" / name for key, name in rs.OUTPUT_FILES.items()}
+    return inputs, outputs
+
+
+def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
+    inputs, outputs = _stage_inputs(tmp_path, gate_violations=2)
+    summary = rs.run(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)
+    assert summary["control_passed"] and summary["cpu_only"]
+    table = pd.read_parquet(outputs["replay"])
+    assert list(table.columns) == list(rp.REPLAY_COLUMNS)
+    assert set(table["strategy"]) == set(pl.STRATEGIES)
+    assert not table.set_index("strategy").loc[pl.PACKING, "valid"]  # the gate saw a violation
+    assert table["cpu_only"].all() and table["note"].str.contains("CPU-only").all()
+    assert (table["max_seq_len"] == 32).all()  # capped on CPU
+    steps = pd.read_parquet(outputs["steps"])
+    assert set(steps["kind"]) == {rp.MICRO_BATCH, rp.OPTIMIZER_STEP, rp.FIT_POINT}
+    assert len(set(steps.loc[steps["kind"] == rp.FIT_POINT, "padded_length"])) >= 5
+    fit_row = pd.read_parquet(outputs["fit"]).iloc[0]
+    assert fit_row["range_high"] == 32 and fit_row["cpu_only"]
+    assert read_json(outputs["control"])["passed"]
+
+
+def test_failed_control_writes_nothing(tmp_path, tiny_model_dir, monkeypatch):
+    inputs, outputs = _stage_inputs(tmp_path)
+    monkeypatch.setattr(
+        rp, "run_synthetic_control", lambda *a, **k: {"passed": False, "observed": {"wall_s": 0}}
+    )
+    with pytest.raises(rs.ReplayError, match="positive control failed"):
+        rs.run(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)
+    assert not any(path.exists() for path in outputs.values())
