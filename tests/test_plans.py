@@ -165,3 +165,6 @@ def test_default_fit_lengths_come_from_the_data():
     # coinciding quantiles are filled geometrically up to five distinct points
     flat = fit.default_fit_lengths(np.full(100, 64), 512)
     assert len(set(flat)) >= 5 and max(flat) == 512
+    # the shortest micro-batch joins, so the measured range covers every plan
+    with_min = fit.default_fit_lengths(padded, 4096, shortest=9)
+    assert with_min[0] == 9 and with_min[1:] == lengths

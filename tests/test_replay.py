@@ -197,7 +197,7 @@ def test_fit_with_intervals_recovers_known_coefficients():
 
 
 def test_synthetic_control_recovers_known_savings_and_coefficients(plans):
-    settings = rp.ReplaySettings(8, 4, 500, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    settings = rp.ReplaySettings(16, 6, 500, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
     cost = rp.SyntheticCost.scaled_to(plans, 0.002, 0.0015, 0.0015, 0.001)
     control = rp.run_synthetic_control(
         plans, settings, [32, 64, 128, 256, MAX_LEN], MICRO, cost=cost
@@ -321,6 +321,16 @@ def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
     fit_row = pd.read_parquet(outputs["fit"]).iloc[0]
     assert fit_row["range_high"] == 32 and fit_row["cpu_only"]
     assert read_json(outputs["control"])["passed"]
+    # the report's two figures draw from these outputs
+    from probes import figures_replay
+
+    labels = figures_replay.epoch_time_by_strategy(table, tmp_path / "epoch.png")
+    assert any("invalid" in label for label in labels)
+    drawn = figures_replay.fit_vs_measured(
+        pd.read_parquet(outputs["fit"]), steps, tmp_path / "fit.png"
+    )
+    assert drawn["fit_points"] >= 15
+    assert (tmp_path / "epoch.png").stat().st_size > 0 and (tmp_path / "fit.png").exists()
 
 
 def test_failed_control_writes_nothing(tmp_path, tiny_model_dir, monkeypatch):

@@ -245,8 +245,9 @@ def fit_with_intervals(
     statistic: str = "median",
 ) -> BootstrapFit:
     """Least squares (fit_step_time) through the median time of each length (robust to the rare
-    preempted repeat; `statistic="min"` for a deterministic cost whose only noise is delay), plus bootstrap intervals for a, b, c: each replicate resamples the repeats
-    within every length, takes their medians and refits."""
+    preempted repeat; `statistic="min"` for a deterministic cost whose only noise is delay),
+    plus bootstrap intervals for a, b, c: each replicate resamples the repeats within every
+    length, takes their medians and refits."""
     x = np.asarray(lengths, dtype=np.float64)
     y = np.asarray(times_s, dtype=np.float64)
     ok = np.isfinite(x) & np.isfinite(y)
@@ -283,10 +284,13 @@ def default_fit_lengths(
     max_seq_len: int,
     n_points: int = MIN_FIT_LENGTHS,
     low_quantile: float = 0.1,
+    shortest: int | None = None,
 ) -> list[int]:
     """Fit lengths from the data: quantiles of the padded micro-batch length from `low_quantile`
     up to max_seq_len (the longest a micro-batch can be), at least `n_points` distinct lengths
-    (geometric fill between the ends where quantiles coincide)."""
+    (geometric fill between the ends where quantiles coincide). `shortest` (the shortest padded
+    micro-batch of any plan) is added as one more point, so the measured range covers every
+    micro-batch and the fit can price a whole plan without leaving it."""
     if n_points < MIN_POINTS:
         raise ValueError(f"n_points={n_points}: the fit needs at least {MIN_POINTS} lengths")
     values = np.asarray(padded_lengths, dtype=np.float64)
@@ -307,4 +311,6 @@ def default_fit_lengths(
         raise ValueError(
             f"cannot place {n_points} distinct lengths between {low} and {high}; raise max_seq_len"
         )
+    if shortest is not None and 1 <= int(shortest) < min(points):
+        points.add(int(shortest))
     return sorted(points)

@@ -94,7 +94,7 @@ def recommended_bucket_size(recommendation: dict[str, Any], origin: str = "recom
         return int(recommendation["recommended"]["bucket_size_batches"])
     except (KeyError, TypeError, ValueError) as error:
         raise PlanInputError(
-            f"{origin}: no recommended.bucket_size_batches ({error!r}); rerun the bucket_sweep rule."
+            f"{origin}: no recommended.bucket_size_batches ({error!r}); rerun bucket_sweep."
         ) from error
 
 

@@ -389,7 +389,6 @@ class ReplayRunner:
         share = float("nan")
         if busy and status == OK:
             share = gpu_busy_share(lambda: self._forward_backward(batch), self.device)
-        del batch
         return {
             "status": status,
             "time_s": float(self.reduce(times)) if times else float("nan"),
@@ -417,7 +416,6 @@ class ReplayRunner:
         )
         status, times = self.timed(lambda: self._forward_backward(batch), warmup + 1)
         self._optimizer()
-        del batch
         if self.device.type == "cuda":  # a gc pass costs ~0.4 s with the plans in memory
             release_memory(self.device)
         return times[-1] if status == OK else float("nan")

@@ -26,8 +26,14 @@ import torch
 from probes import fit as ft
 from probes import plans as pl
 from probes import replay as rp
-from probes.io import atomic_path, read_json, read_provenance, run_metadata, write_json
-from probes.io import write_parquet
+from probes.io import (
+    atomic_path,
+    read_json,
+    read_provenance,
+    run_metadata,
+    write_json,
+    write_parquet,
+)
 
 LOG = logging.getLogger("probes.replay")
 OUTPUT_FILES = {
@@ -135,8 +141,13 @@ def fit_lengths_for(
     if configured:
         return sorted({min(int(v), max_seq_len) for v in configured})
     baseline = plans[plans["strategy"] == pl.BASELINE]["padded_length"].to_numpy()
+    shortest = int(plans.loc[plans["layout"] == pl.PADDED, "padded_length"].min())
     return ft.default_fit_lengths(
-        baseline, max_seq_len, int(fit_cfg["n_points"]), float(fit_cfg["low_quantile"])
+        baseline,
+        max_seq_len,
+        int(fit_cfg["n_points"]),
+        float(fit_cfg["low_quantile"]),
+        shortest=shortest,
     )
 
 
