@@ -36,6 +36,10 @@ for path in outputs.values():
 if "profile_raw" in outputs:
     outputs["profile_raw"].write_text("raw key_averages() table\\n")
 write_stage("{stage}", outputs, profile={profile!r})
+if "bucket_plans" in outputs and not outputs["bucket_plans"].exists():  # for the replay stub
+    import pandas as pd
+
+    pd.DataFrame({{"strategy": ["random"]}}).to_parquet(outputs["bucket_plans"])
 """
 # complete: with --directory elsewhere the Snakefile's configfile (config/config.yaml) is not found
 CONFIG = """\
@@ -50,6 +54,20 @@ report:
   figure_dpi: 40
 """
 WORKFLOW_RST_LINE = 'report: "workflow/report/workflow.rst"'
+# the replay stage (issue 12) is an input of the report; its stub writes minimal valid outputs
+REPLAY_STUB = """\
+import json
+import pandas as pd
+from probes.replay import REPLAY_COLUMNS
+
+out = snakemake.output
+pd.DataFrame([{c: None for c in REPLAY_COLUMNS}]).astype(str).to_parquet(out.replay)
+pd.DataFrame({"kind": ["micro_batch"], "time_s": [0.1]}).to_parquet(out.steps)
+pd.DataFrame({"a": [0.0], "b": [0.0], "c": [0.1]}).to_parquet(out.fit)
+with open(out.control, "w") as handle:
+    record = {"name": "stub", "description": "", "expected": {}, "observed": {}, "passed": True}
+    json.dump(record, handle)
+"""
 
 
 def make_workdir(tmp_path: Path, profile: str) -> Path:
@@ -65,6 +83,7 @@ def make_workdir(tmp_path: Path, profile: str) -> Path:
     for stage, script in STAGE_SCRIPTS.items():
         text = STUB.format(stage=stage, tests=str(REPO / "tests"), profile=profile)
         (source / "scripts" / script).write_text(text)
+    (source / "scripts" / "step_replay.py").write_text(REPLAY_STUB)
     snakefile = source / "Snakefile"
     if WORKFLOW_RST_LINE not in snakefile.read_text():  # the lead adds it to the real Snakefile
         snakefile.write_text(snakefile.read_text() + f"\n{WORKFLOW_RST_LINE}\n")
