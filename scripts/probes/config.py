@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from probes.errors import ProbeError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -15,7 +18,7 @@ DEFAULT_MODEL_DIR = "resources/model/gemma-3-270m"
 DEFAULT_DATA_FILE = "resources/data/chitchat.parquet"
 
 
-class ConfigError(ValueError):
+class ConfigError(ProbeError, ValueError):
     """A config value that cannot work; the message names the key and what to do."""
 
 
@@ -74,14 +77,29 @@ def fill_defaults(instance: Any, schema: dict[str, Any]) -> Any:
     return out
 
 
-def load_config(configfile: str | Path | None = None) -> dict[str, Any]:
+def apply_overrides(config: dict[str, Any], assignments: Mapping[str, str]) -> dict[str, Any]:
+    """`{"training.max_seq_len": "2048"}` -> config with that value (parsed as YAML) set."""
+    import yaml
+
+    for dotted, text in assignments.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(text)
+    return config
+
+
+def load_config(
+    configfile: str | Path | None = None, overrides: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """The workflow config for a standalone (non-Snakemake) run: validated against the
     workflow's schema and default-filled from it, so both paths run with one set of defaults.
 
     Validation needs jsonschema; on a bare GPU machine without it only the defaults are filled.
     """
     path = Path(configfile or DEFAULT_CONFIG)
-    raw = load_yaml(path)
+    raw = apply_overrides(load_yaml(path), overrides or {})
     schema = load_yaml(SCHEMA)
     try:
         import jsonschema

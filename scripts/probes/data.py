@@ -18,8 +18,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-OK, EMPTY, ERROR, TRUNCATED = "OK", "EMPTY", "ERROR", "TRUNCATED"
-STATUSES = (OK, EMPTY, ERROR, TRUNCATED)
+from probes.contracts import EMPTY, ERROR, OK, STATUSES
+from probes.errors import ProbeError
+
 NO_SOURCE = "none"
 
 # ShareGPT and other common spellings, mapped onto the chat-template roles.
@@ -34,7 +35,7 @@ ROLE_ALIASES = {
 }
 
 
-class DataError(ValueError):
+class DataError(ProbeError, ValueError):
     """The data cannot be used at all; the message names the file and what to do."""
 
 

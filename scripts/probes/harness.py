@@ -18,12 +18,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from probes.errors import ProbeError
+
 REQUIRED = ("discover_target_modules", "compute_loss")
 OPTIONAL = ("apply_adapters", "build_optimizer", "loss_from_hidden", "configure")
 DEFAULT_HARNESS = "probes.reference_harness"
 
 
-class HarnessError(ValueError):
+class HarnessError(ProbeError, ValueError):
     """The harness cannot be imported or lacks a required function; the message says what to do."""
 
 
