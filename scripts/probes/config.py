@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def fill_defaults(instance: Any, schema: dict[str, Any]) -> Any:
     """Deep copy of `instance` with every missing property that has a schema default filled in
-    (recursively, also inside defaults that are themselves objects)."""
+    (recursively: inside defaults that are objects, and in each item of an array of objects)."""
+    if isinstance(instance, list) and isinstance(schema.get("items"), dict):
+        return [fill_defaults(item, schema["items"]) for item in instance]
     if not isinstance(instance, dict) or schema.get("type") != "object":
         return copy.deepcopy(instance)
     out = copy.deepcopy(instance)
@@ -75,6 +78,12 @@ def fill_defaults(instance: Any, schema: dict[str, Any]) -> Any:
         if key in out:
             out[key] = fill_defaults(out[key], subschema)
     return out
+
+
+@functools.cache
+def schema() -> dict[str, Any]:
+    """The workflow's JSON schema: the one place config defaults are written."""
+    return load_yaml(SCHEMA)
 
 
 def apply_overrides(config: dict[str, Any], assignments: Mapping[str, str]) -> dict[str, Any]:
@@ -100,16 +109,15 @@ def load_config(
     """
     path = Path(configfile or DEFAULT_CONFIG)
     raw = apply_overrides(load_yaml(path), overrides or {})
-    schema = load_yaml(SCHEMA)
     try:
         import jsonschema
     except ImportError:
         jsonschema = None
     if jsonschema is not None:
         error = jsonschema.exceptions.best_match(
-            jsonschema.Draft202012Validator(schema).iter_errors(raw)
+            jsonschema.Draft202012Validator(schema()).iter_errors(raw)
         )
         if error is not None:
             key = ".".join(str(part) for part in error.absolute_path) or "(top level)"
             raise ConfigError(f"{path}: config key {key}: {error.message}")
-    return fill_defaults(raw, schema)
+    return fill_defaults(raw, schema())

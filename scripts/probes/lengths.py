@@ -12,12 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 
-from probes.contracts import LENGTH_COLUMNS, STATUSES, TRAINING_STATUSES, UNKNOWN_SOURCE
+from probes.contracts import STATUSES, TABLES, TRAINING_STATUSES, UNKNOWN_SOURCE
 from probes.errors import ProbeError
 
-# The columns downstream stages read (the full set is contracts.LENGTH_COLUMNS).
-READ_COLUMNS = tuple(c for c in LENGTH_COLUMNS if c != "reason")
+# The columns downstream stages need (the padding stage writes all of contracts.LENGTH_COLUMNS);
+# `file` and `row` are read when present, to point at an offending example.
+READ_COLUMNS = tuple(c for c in TABLES["padding_lengths"].required if c != "reason")
+LOCATION_COLUMNS = ("file", "row")
 
 
 class LengthsError(ProbeError, ValueError):
@@ -101,7 +104,8 @@ def read_lengths(path: str | Path, max_seq_len: int) -> LengthSet:
 
 def _row_ref(frame: pd.DataFrame, pos: int) -> str:
     row = frame.iloc[pos]
-    return f"example_id={row['example_id']} (file={row['file']}, row={row['row']})"
+    where = ", ".join(f"{c}={row[c]}" for c in LOCATION_COLUMNS if c in frame.columns)
+    return f"example_id={row['example_id']}" + (f" ({where})" if where else "")
 
 
 def read_lengths_frame(path: str | Path) -> pd.DataFrame:
@@ -113,7 +117,12 @@ def read_lengths_frame(path: str | Path) -> pd.DataFrame:
             "(run `snakemake bucket_sweep`, which runs it first)."
         )
     try:
-        return pd.read_parquet(path, columns=list(READ_COLUMNS))
+        present = set(pq.read_schema(path).names)
+        missing = [c for c in READ_COLUMNS if c not in present]
+        if missing:
+            raise KeyError(f"missing column(s) {missing}")
+        wanted = list(READ_COLUMNS) + [c for c in LOCATION_COLUMNS if c in present]
+        return pd.read_parquet(path, columns=wanted)
     except (ValueError, KeyError, OSError) as error:  # missing column or not Parquet
         raise LengthsError(
             f"{path}: cannot read the lengths table ({type(error).__name__}: {error}); expected "

@@ -153,8 +153,10 @@ class WorkflowConfig:
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> WorkflowConfig:
         """Build from a validated, default-filled config (see probes.config.load_config)."""
-        built = _build(cls, {k: v for k, v in config.items() if k != "raw"}, "config")
-        return dataclasses.replace(built, raw=_plain(config))
+        from probes.config import fill_defaults, schema
+
+        filled = fill_defaults(_plain({k: v for k, v in config.items() if k != "raw"}), schema())
+        return dataclasses.replace(_build(cls, filled, "config"), raw=filled)
 
 
 def as_dict(section: Any) -> dict[str, Any]:
