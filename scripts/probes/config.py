@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.machinery
+import importlib.util
+import sys
 from collections.abc import Mapping
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
 from probes.errors import ProbeError
+from probes.harness import is_file_spec as is_harness_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -55,6 +60,59 @@ def check_config_paths(config: dict[str, Any], workdir: Path | None = None) -> N
             raise ConfigError(
                 f"config key data.files[{index}].path: '{path}' is neither .jsonl nor .parquet."
             )
+    harness = config.get("profile", {}).get("harness")
+    if harness:
+        check_harness(harness, base)
+
+
+def find_module_spec(dotted: str) -> ModuleSpec | None:
+    """Where the module `dotted` would be imported from, or None where it cannot be found.
+
+    Nothing is imported: the top-level name goes through importlib.util.find_spec, each further
+    part through the path finder over its parent's search locations (an already imported parent's
+    `__path__`), so checking a user's package never runs its code at parse time.
+    """
+    parts = dotted.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return None
+    try:
+        spec = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):  # ValueError: a loaded module without __spec__
+        return None
+    for depth in range(1, len(parts)):
+        if spec is None:
+            return None
+        parent = sys.modules.get(".".join(parts[:depth]))
+        search = getattr(parent, "__path__", None) if parent else spec.submodule_search_locations
+        if search is None:  # the parent is a plain module, not a package
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: depth + 1]), list(search))
+    return spec
+
+
+def check_harness(harness: str, base: Path) -> None:
+    """profile.harness names a .py file that exists or an import path that can be found, checked
+    without running the harness (the profile job imports it)."""
+    what = (
+        "give your training module as a .py file path or an import path (e.g. my_package.train) "
+        "that defines discover_target_modules(model) and compute_loss(model, batch)"
+    )
+    if is_harness_file(harness):
+        if not harness.endswith(".py"):
+            raise ConfigError(f"config key profile.harness: '{harness}' is not a .py file; {what}.")
+        if not (base / harness).is_file():
+            raise ConfigError(
+                f"config key profile.harness: file '{harness}' does not exist (a relative path "
+                f"starts at the working directory {base}); {what}."
+            )
+    elif find_module_spec(harness) is None:
+        raise ConfigError(
+            f"config key profile.harness: no module '{harness}' on this Python path (the "
+            "workflow's scripts/, PYTHONPATH, installed packages); install the package or add "
+            f"its directory to PYTHONPATH, or {what}. A module installed only in the job's own "
+            "environment (e.g. --software-deployment-method conda) is not visible here: give its "
+            ".py path instead."
+        )
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
