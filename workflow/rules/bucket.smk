@@ -1,6 +1,6 @@
 rule bucket_sweep:
     input:
-        lengths=rules.padding.output.lengths,
+        lengths=out("padding", "lengths"),
     output:
         sweep=report(
             out("bucket", "sweep"),

@@ -1,6 +1,6 @@
 rule padding:
     input:
-        gate=rules.mask.output.gate,
+        gate=out("mask", "gate"),
         model_config=model_config_json(),
         tokenizer=model_tokenizer_files(),
         data=data_files(),

@@ -2,8 +2,8 @@
 # profile turns gpu=1 into --gpus=1. It checks the card is idle before loading weights.
 rule profile:
     input:
-        lengths=rules.padding.output.lengths,
-        recommendation=rules.bucket_sweep.output.recommendation,
+        lengths=out("padding", "lengths"),
+        recommendation=out("bucket", "recommendation"),
         model_config=model_config_json(),
         tokenizer=model_tokenizer_files(),
     output:
