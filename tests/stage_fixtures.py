@@ -21,7 +21,7 @@ BATCH = 2
 
 
 # ------------------------------------------------------------------------------------------
-# Fixture tables: the columns of probes.report.TABLES, plus planted extras that must never show
+# Fixture tables: the columns of probes.contracts.TABLES, plus planted extras that must never show
 # ------------------------------------------------------------------------------------------
 
 

@@ -17,15 +17,9 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from probes.contracts import TRAINING_STATUSES  # noqa: E402
-from probes.report import (  # noqa: E402
-    OTHER_SOURCES,
-    device_rows,
-    diversity,
-    diversity_prefix,
-    fit_problem,
-    label,
-    sweep_means,
-)
+from probes.report_format import label  # noqa: E402
+from probes.report_savings import diversity, diversity_prefix, fit_problem, sweep_means  # noqa: E402
+from probes.report_sections import OTHER_SOURCES, device_rows  # noqa: E402
 
 DPI = 110
 SIZE = (7.0, 4.2)
