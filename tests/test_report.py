@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -17,7 +16,6 @@ from stage_fixtures import (
     BATCH,
     FIT,
     NOT_RUN_REASON,
-    bucket_sweep,
     mask_layers,
     padding_lengths,
     padding_tables,
@@ -31,7 +29,7 @@ from probes import report_load as load
 from probes import report_savings as savings
 from probes import report_sections as sections
 from probes import report_stage
-from probes.contracts import STAGES, TABLES, TRAINING_STATUSES
+from probes.contracts import STAGES, TABLES, TRAINING_STATUSES, table_columns
 from probes.io import read_json, write_json, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -406,14 +404,33 @@ def test_fit_with_fewer_than_three_points_is_not_used(tmp_path):
     assert all(r["saving"] is None for r in recs)
 
 
-def test_sweep_means_average_over_seeds_random_first_packing_last():
-    means = savings.sweep_means(bucket_sweep())
-    assert means["strategy"].iloc[0] == "random" and means["strategy"].iloc[-1] == "packing_ffd"
-    random = means.iloc[0]
-    assert random["token_efficiency"] == pytest.approx(0.582)
-    assert random["n_seeds"] == 3
-    assert math.isnan(means.iloc[-1]["bucket_size_batches"])
-    assert "top_kernels_like_list" not in means  # only contract columns travel on
+def test_bucket_numbers_come_from_the_stage_summary_not_the_sweep(tmp_path):
+    """The report renders bucket/summary.parquet as the stage wrote it: a value planted there
+    shows in the bucketing table, the figure and the summary; the sweep is not re-averaged."""
+    paths = write_results(tmp_path / "results")
+    summary = pd.read_parquet(paths["bucket_summary"])
+    assert summary["strategy"].iloc[0] == "random" and summary["strategy"].iloc[-1] == "packing_ffd"
+    random = summary["strategy"] == "random"
+    planted = summary.assign(token_efficiency=summary["token_efficiency"].mask(random, 0.123))
+    write_parquet(planted, paths["bucket_summary"], {})
+    out = tmp_path / "results" / "report" / "playbook-evidence.md"
+    render_report(paths, out)
+    bucketing = section(out.read_text(), "Bucketing")
+    random_row = next(line for line in bucketing.splitlines() if line.startswith("| random |"))
+    assert "| 12.3% |" in random_row
+    summary_text = section(out.read_text(), "Summary")
+    assert "token efficiency 12.3% →" in summary_text
+
+
+def test_bucket_section_rows_carry_only_contract_columns(tmp_path):
+    paths = write_results(tmp_path)
+    summary = pd.read_parquet(paths["bucket_summary"]).assign(planted=CANARY)
+    write_parquet(summary, paths["bucket_summary"], {})
+    inputs = load.load_inputs(paths)
+    built = sections.bucket_section(inputs["tables"], inputs["not_run"], inputs["json"])
+    assert all(set(row) == set(table_columns("bucket_summary")) for row in built["rows"])
+    assert built["n_seeds"] == 3 and built["level"] == "optimizer step"
+    assert [row["strategy"] for row in built["packing"]] == ["packing_ffd"]
 
 
 # ------------------------------------------------------------------------------------------

@@ -37,6 +37,12 @@ def not_run_reason(obj: Any) -> str | None:
     return None
 
 
+def diversity_level_name(recommendation: Mapping[str, Any]) -> str:
+    """The level the bucket stage judged diversity at (its summary's `diversity_rel_random`)."""
+    level = (recommendation.get("thresholds") or {}).get("diversity_level", "step")
+    return "micro-batch" if level == "micro_batch" else "optimizer step"
+
+
 def check_columns(frame: pd.DataFrame, name: str, path: str | Path) -> pd.DataFrame:
     """Fail with the file, the missing columns and the section that needs them."""
     spec = TABLES[name]

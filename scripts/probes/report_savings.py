@@ -14,8 +14,9 @@ from typing import Any
 
 import pandas as pd
 
-from probes.contracts import STRATEGY_ORDER, TRAINING_STATUSES, table_columns
+from probes.contracts import PACKING, RANDOM, TRAINING_STATUSES
 from probes.report_format import finite, fmt_bytes, fmt_count, fmt_number, fmt_pct, fmt_tokens
+from probes.report_load import diversity_level_name
 
 MIN_IDLE_SHARE = 0.01  # examples without a loss token worth a recommendation from this share
 TRAINING_SHAPE = "max_seq_len"  # the ce_chunks row sized at the training shape
@@ -123,48 +124,6 @@ def training_lengths(lengths: pd.DataFrame) -> pd.Series:
     return lengths.loc[lengths["status"].isin(TRAINING_STATUSES), "n_tokens"].astype("float64")
 
 
-def strategy_rank(strategy: str) -> int:
-    """Random first (the baseline), the sweep, global sort, then packing and anything else."""
-    for rank, prefix in enumerate(STRATEGY_ORDER):
-        if str(strategy).startswith(prefix):
-            return rank
-    return len(STRATEGY_ORDER)
-
-
-def sweep_means(sweep: pd.DataFrame) -> pd.DataFrame:
-    """Mean over seeds for each strategy × bucket size (packing: bucket size NA), with spread."""
-    if sweep.empty:
-        return sweep
-    keys = ["strategy", "bucket_size_batches"]
-    metrics = [c for c in table_columns("bucket_sweep") if c in sweep.columns and c not in keys]
-    metrics = [c for c in metrics if c != "seed" and pd.api.types.is_numeric_dtype(sweep[c])]
-    frame = sweep.assign(bucket_size_batches=sweep["bucket_size_batches"].astype("float64"))
-    grouped = frame.groupby(keys, dropna=False, sort=False)
-    means = grouped[metrics].mean()
-    spread = grouped[["token_efficiency", "attention_efficiency"]].std(ddof=0).fillna(0.0)
-    means["token_efficiency_std"] = spread["token_efficiency"]
-    means["attention_efficiency_std"] = spread["attention_efficiency"]
-    means["n_seeds"] = grouped["seed"].nunique()
-    out = means.reset_index()
-    out["_rank"] = out["strategy"].map(strategy_rank)
-    out = out.sort_values(["_rank", "bucket_size_batches", "strategy"], na_position="last")
-    return out.drop(columns="_rank").reset_index(drop=True)
-
-
-def diversity_prefix(recommendation: Mapping[str, Any]) -> str:
-    """The diversity level the bucket stage recommended at: micro-batch or optimizer step."""
-    level = (recommendation.get("thresholds") or {}).get("diversity_level", "step")
-    return "micro" if level == "micro_batch" else "step"
-
-
-def diversity(means: pd.DataFrame, prefix: str) -> pd.Series:
-    """The lower of distinct sources and source entropy, relative to random (as the bucket stage
-    judges diversity for its recommendation)."""
-    return means[
-        [f"{prefix}_distinct_sources_rel_random", f"{prefix}_source_entropy_rel_random"]
-    ].min(axis=1)
-
-
 def _efficiency(row: Mapping[str, Any]) -> Efficiency:
     return Efficiency(
         float(row["token_efficiency"]),
@@ -231,12 +190,11 @@ def recommendations(
     )
     sum_len, sum_len_sq = float(lengths.sum()), float((lengths**2).sum())
 
-    if "bucket" not in not_run and not tables["bucket_sweep"].empty and len(lengths):
-        means = sweep_means(tables["bucket_sweep"])
+    if "bucket" not in not_run and not tables["bucket_summary"].empty and len(lengths):
+        # mean over seeds per strategy x bucket size, as the bucket stage wrote it
+        means = tables["bucket_summary"]
         rec = jsons["bucket_recommendation"]
-        prefix = diversity_prefix(rec)
-        means["diversity"] = diversity(means, prefix)
-        random = means[means["strategy"] == "random"]
+        random = means[means["strategy"] == RANDOM]
         size = finite((rec.get("recommended") or {}).get("bucket_size_batches"))
         chosen = means[means["bucket_size_batches"] == size]
         if not random.empty and size is not None and size > 1 and not chosen.empty:
@@ -248,8 +206,8 @@ def recommendations(
                     "detail": (
                         f"token efficiency {fmt_pct(base['token_efficiency'])} → "
                         f"{fmt_pct(row['token_efficiency'])}; source diversity per "
-                        f"{'micro-batch' if prefix == 'micro' else 'optimizer step'} "
-                        f"{fmt_pct(row['diversity'], 0)} of random"
+                        f"{diversity_level_name(rec)} "
+                        f"{fmt_pct(row['diversity_rel_random'], 0)} of random"
                     ),
                     "baseline": "random batches",
                     **expected_saving(
@@ -257,7 +215,7 @@ def recommendations(
                     ),
                 }
             )
-        packed = means[means["strategy"].str.startswith("packing")]
+        packed = means[means["strategy"].str.startswith(PACKING)]
         if not random.empty and not packed.empty:
             base = random.iloc[0]
             row = packed.sort_values("token_efficiency", ascending=False).iloc[0]

@@ -13,15 +13,12 @@ from typing import Any
 
 import pandas as pd
 
-from probes.contracts import STAGES, STATUSES, TRAINING_STATUSES, table_columns
+from probes.contracts import PACKING, STAGES, STATUSES, TRAINING_STATUSES, table_columns
 from probes.report_format import MISSING, finite, fmt_tokens, label, reason_code
-from probes.report_load import NOT_RUN, ReportInputError, not_run_reason
+from probes.report_load import NOT_RUN, ReportInputError, diversity_level_name, not_run_reason
 from probes.report_savings import (
-    diversity,
-    diversity_prefix,
     fit_problem,
     recommendations,
-    sweep_means,
     training_lengths,
     usable_fit,
     waste_table,
@@ -193,21 +190,21 @@ def kernels_section(
 def bucket_section(
     tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str], jsons: Mapping[str, Any]
 ) -> dict[str, Any]:
-    if "bucket" not in not_run and tables["bucket_sweep"].empty:
-        raise ReportInputError("bucket sweep.parquet has no rows; rerun the bucket_sweep rule.")
+    if "bucket" not in not_run and tables["bucket_summary"].empty:
+        raise ReportInputError("bucket summary.parquet has no rows; rerun the bucket_sweep rule.")
     if "bucket" in not_run:
         return _not_run(not_run["bucket"])
     rec = jsons["bucket_recommendation"]
-    prefix = diversity_prefix(rec)
-    means = sweep_means(tables["bucket_sweep"])
-    means["diversity"] = diversity(means, prefix)
+    # mean over seeds per strategy x bucket size, in the report's order (probes.bucket.summarise)
+    summary = tables["bucket_summary"]
+    packing = summary[summary["strategy"].str.startswith(PACKING)]
     recommended = rec.get("recommended") or {}
     thresholds = rec.get("thresholds") or {}
     return {
         "status": "ok",
-        "rows": means.to_dict(orient="records"),
-        "n_seeds": int(tables["bucket_sweep"]["seed"].nunique()),
-        "level": "micro-batch" if prefix == "micro" else "optimizer step",
+        "rows": _records(summary, table_columns("bucket_summary")),
+        "n_seeds": int(summary["n_seeds"].max()),
+        "level": diversity_level_name(rec),
         "result": str(rec.get("status", "")),
         "bucket_size": finite(recommended.get("bucket_size_batches")),
         "bucket_size_examples": finite(recommended.get("bucket_size_examples")),
@@ -217,7 +214,7 @@ def bucket_section(
         "min_diversity_share": finite(thresholds.get("min_diversity_share")),
         "gain_metric": thresholds.get("gain_metric"),
         "attention_note": rec.get("attention_note"),
-        "packing": means[means["strategy"].str.startswith("packing")].to_dict(orient="records"),
+        "packing": _records(packing, table_columns("bucket_summary")),
     }
 
 
