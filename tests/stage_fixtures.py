@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from conftest import CANARY
+from probes import bucket
 from probes.contracts import STAGES, TABLES, report_inputs
 from probes.io import run_metadata, write_json, write_parquet
 
@@ -21,7 +22,7 @@ BATCH = 2
 
 
 # ------------------------------------------------------------------------------------------
-# Fixture tables: the columns of probes.report.TABLES, plus planted extras that must never show
+# Fixture tables: the columns of probes.contracts.TABLES, plus planted extras that must never show
 # ------------------------------------------------------------------------------------------
 
 
@@ -329,8 +330,12 @@ def write_stage(
         for name, frame in padding_tables(lengths).items():
             write_parquet(frame, paths[f"padding_{name}"], meta)
     elif stage == "bucket":
-        write_parquet(bucket_sweep(), paths["bucket_sweep"], meta)
-        write_json(bucket_recommendation(), paths["bucket_recommendation"])
+        sweep, recommendation = bucket_sweep(), bucket_recommendation()
+        level = recommendation["thresholds"]["diversity_level"]
+        write_parquet(sweep, paths["bucket_sweep"], meta)
+        # as probes.bucket_stage writes it: the one function that summarises the sweep
+        write_parquet(bucket.summarise(sweep, level), paths["bucket_summary"], meta)
+        write_json(recommendation, paths["bucket_recommendation"])
     elif profile == "not_run":
         for name in ("scaling", "fit", "padding_penalty", "ce", "kernels"):
             write_parquet(pd.DataFrame(), paths[f"profile_{name}"], meta)

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import CANARY, workflow_config
 from probes import bucket, bucket_stage, lengths
-from probes.contracts import STAGE_OUTPUTS
+from probes.contracts import RANDOM, STAGE_OUTPUTS, check_table_columns
 from probes.errors import ControlFailedError
 from probes.io import write_parquet
 
@@ -262,6 +262,41 @@ def test_packing_beats_padding_on_tokens_here():
     assert set(rec["packing"]) == {"packing_ffd", "packing_bfd"}
 
 
+@pytest.mark.parametrize(("level", "prefix"), [("step", "step"), ("micro_batch", "micro")])
+def test_summary_is_the_mean_over_seeds_in_report_order(level, prefix):
+    full, sources = bucket.synthetic_lengths(2000, seed=11, n_sources=4)
+    data = lengths.LengthSet(np.minimum(full, 1024), sources, tuple("abcd"))
+    sweep = bucket.sweep_bucket_sizes(data, 2, 4, 1024, [0, 1, 2])
+    summary = bucket.summarise(sweep, level)
+    check_table_columns(summary.columns, "bucket_summary", "summary.parquet")
+    # random first, the sweep by size, global sort, then packing (bucket size NA) by name
+    assert summary["strategy"].map(bucket.strategy_rank).is_monotonic_increasing
+    assert summary["strategy"].iloc[0] == RANDOM
+    assert list(summary["strategy"].iloc[-2:]) == ["packing_bfd", "packing_ffd"]
+    assert summary["bucket_size_batches"].dropna().is_monotonic_increasing
+    assert summary["bucket_size_batches"].iloc[-2:].isna().all()
+    assert (summary["n_seeds"] == 3).all()
+    assert len(summary) == len(sweep) // 3
+    size = int(summary["bucket_size_batches"].dropna().iloc[2])
+    rows = sweep[sweep["bucket_size_batches"] == size]
+    row = summary[summary["bucket_size_batches"] == size].iloc[0]
+    assert row["token_efficiency"] == pytest.approx(rows["token_efficiency"].mean())
+    assert row["attention_efficiency_std"] == pytest.approx(
+        rows["attention_efficiency"].std(ddof=0)
+    )
+    assert row["token_efficiency_std"] > 0  # seeds shuffle differently
+    diversity = min(
+        rows[f"{prefix}_distinct_sources_rel_random"].mean(),
+        rows[f"{prefix}_source_entropy_rel_random"].mean(),
+    )
+    assert row["diversity_rel_random"] == pytest.approx(diversity)
+    # the recommendation judges diversity with the same numbers
+    rec = bucket.recommend(sweep, 0.9, 0.8, diversity_level=level)
+    chosen = rec["recommended"]["bucket_size_batches"]
+    at_chosen = summary.loc[summary["bucket_size_batches"] == chosen, "diversity_rel_random"]
+    assert rec["recommended"]["diversity_rel_random"] == at_chosen.iloc[0]
+
+
 # ----------------------------------------------------------------------------- input contract
 
 
@@ -331,6 +366,9 @@ def test_stage_outputs_and_recommendation_contents(synthetic_lengths_file, tmp_p
         sweep["strategy"]
     )
     assert sweep["seed"].nunique() == 3
+    summary = pd.read_parquet(tmp_path / "summary.parquet")
+    expected = bucket.summarise(sweep, BUCKET_DEFAULTS["diversity_level"])
+    pd.testing.assert_frame_equal(summary, expected)
     control = json.loads((tmp_path / "control.json").read_text())
     assert control["passed"] is True
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -17,7 +16,6 @@ from stage_fixtures import (
     BATCH,
     FIT,
     NOT_RUN_REASON,
-    bucket_sweep,
     mask_layers,
     padding_lengths,
     padding_tables,
@@ -26,8 +24,12 @@ from stage_fixtures import (
 
 from conftest import CANARY, workflow_config
 from probes import report as rep
+from probes import report_format as fmt
+from probes import report_load as load
+from probes import report_savings as savings
+from probes import report_sections as sections
 from probes import report_stage
-from probes.contracts import STAGES, TABLES, TRAINING_STATUSES
+from probes.contracts import STAGES, TABLES, TRAINING_STATUSES, table_columns
 from probes.io import read_json, write_json, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,7 +75,7 @@ def section(markdown: str, title: str) -> str:
 def test_all_sections_present_in_order(rendered):
     markdown, _ = rendered
     titles = re.findall(r"^## (.+)$", markdown, re.M)
-    assert titles == list(rep.SECTION_TITLES)
+    assert titles == list(sections.SECTION_TITLES)
 
 
 def test_every_linked_figure_exists(rendered):
@@ -154,7 +156,7 @@ def test_mask_violations_are_listed():
     layers = mask_layers()
     layers.loc[2, "violation"] = "training layer 2: band 600 != window 512"
     gate = {"passed": False, "violations_total": 1, "violations": [layers.loc[2, "violation"]]}
-    mask = rep.mask_section({"mask_layers": layers}, {}, {"mask_gate": gate})
+    mask = sections.mask_section({"mask_layers": layers}, {}, {"mask_gate": gate})
     assert not mask["passed"] and mask["violations"] == [layers.loc[2, "violation"]]
     assert [s["n_violations"] for s in mask["scenarios"]] == [1, 0, 0, 0]
 
@@ -191,7 +193,7 @@ def test_canary_never_rendered(rendered):
 
 def test_profile_not_run_renders_not_run(rendered_not_run):
     markdown, out = rendered_not_run
-    assert re.findall(r"^## (.+)$", markdown, re.M) == list(rep.SECTION_TITLES)
+    assert re.findall(r"^## (.+)$", markdown, re.M) == list(sections.SECTION_TITLES)
     for title in ("Scaling", "Kernels"):
         assert f"**Not run.** {NOT_RUN_REASON}" in section(markdown, title)
     assert f"Wall clock: **Not run.** {NOT_RUN_REASON}" in section(markdown, "Cross-entropy")
@@ -234,9 +236,9 @@ def test_many_sources_show_top_n_and_other(tmp_path):
     distribution = padding_tables(lengths)["distribution"]
     drawn = figures.length_histogram(distribution, 30, tmp_path / "lengths.png", top_n=5, dpi=30)
     assert len(drawn) == 6 and drawn[-1] == "other (25 sources)"
-    rows, more = rep.distribution_rows(distribution, top_sources=5)
+    rows, more = sections.distribution_rows(distribution, top_sources=5)
     assert rows[0]["scope"] == "overall" and len(rows) == 6 and more == 25
-    padding = rep.padding_section(
+    padding = sections.padding_section(
         {"padding_lengths": lengths, "padding_summary": padding_tables(lengths)["summary"]}
         | {"padding_distribution": distribution},
         {},
@@ -256,8 +258,8 @@ def test_missing_column_fails_naming_file_and_column(tmp_path, name):
     frame = pd.read_parquet(paths[name])
     dropped = TABLES[name].required[-1]
     write_parquet(frame.drop(columns=[dropped]), paths[name], {})
-    with pytest.raises(rep.ReportInputError) as err:
-        rep.load_inputs(paths)
+    with pytest.raises(load.ReportInputError) as err:
+        load.load_inputs(paths)
     message = str(err.value)
     assert str(paths[name]) in message and f"'{dropped}'" in message
     assert TABLES[name].section in message
@@ -267,25 +269,25 @@ def test_missing_json_key_and_bad_json_fail_clearly(tmp_path):
     paths = write_results(tmp_path)
     write_json({"status": "ok", "thresholds": {}}, paths["bucket_recommendation"])
     match = r"recommendation.json: key\(s\) \['recommended'\]"
-    with pytest.raises(rep.ReportInputError, match=match):
-        rep.load_inputs(paths)
+    with pytest.raises(load.ReportInputError, match=match):
+        load.load_inputs(paths)
     paths["bucket_recommendation"].write_text("{not json")
-    with pytest.raises(rep.ReportInputError, match="not valid JSON"):
-        rep.load_inputs(paths)
+    with pytest.raises(load.ReportInputError, match="not valid JSON"):
+        load.load_inputs(paths)
 
 
 def test_control_without_its_keys_fails(tmp_path):
     paths = write_results(tmp_path)
     write_json({"name": "c", "passed": True}, paths["mask_control"])
-    with pytest.raises(rep.ReportInputError, match=r"mask/control.json: key\(s\) \['descr"):
-        rep.load_inputs(paths)
+    with pytest.raises(load.ReportInputError, match=r"mask/control.json: key\(s\) \['descr"):
+        load.load_inputs(paths)
 
 
 def test_failed_render_leaves_no_output(tmp_path):
     paths = write_results(tmp_path / "results")
     paths["mask_gate"].unlink()
     out = tmp_path / "results" / "report" / "playbook-evidence.md"
-    with pytest.raises(rep.ReportInputError, match="gate.json: not found"):
+    with pytest.raises(load.ReportInputError, match="gate.json: not found"):
         render_report(paths, out)
     assert not out.exists() and not (out.parent / "figures").exists()
     assert list(out.parent.iterdir()) == [] if out.parent.exists() else True
@@ -299,25 +301,25 @@ def test_failed_render_leaves_no_output(tmp_path):
 @pytest.mark.parametrize(
     ("func", "value", "expected"),
     [
-        (rep.fmt_seconds, 0.0123, "12.3 ms"),
-        (rep.fmt_seconds, 4.2e-5, "42 µs"),
-        (rep.fmt_seconds, 1.5, "1.5 s"),
-        (rep.fmt_seconds, 600, "10 min"),
-        (rep.fmt_seconds, float("nan"), "—"),
-        (rep.fmt_bytes, 1.5 * 2**30, "1.50 GiB"),
-        (rep.fmt_bytes, 512, "512 B"),
-        (rep.fmt_bytes, None, "—"),
-        (rep.fmt_pct, 0.1234, "12.3%"),
-        (rep.fmt_count, 7168, "7,168"),
-        (rep.fmt_tokens, 4096.0, "4,096 tokens"),
-        (rep.fmt_ratio, 0.5, "0.50×"),
-        (rep.fmt_signed_pct, -0.04, "-4.0%"),
-        (rep.fmt_number, 1.7e3, "1.7e+03"),
-        (rep.fmt_value, {"a": 1}, '{"a": 1}'),
-        (rep.fmt_value, True, "true"),
-        (rep.cell, "a|b\nc", "a\\|b c"),
-        (rep.reason_code, "invalid_json", "invalid_json"),
-        (rep.reason_code, "line 3: 'hello there'", "other_reason"),
+        (fmt.fmt_seconds, 0.0123, "12.3 ms"),
+        (fmt.fmt_seconds, 4.2e-5, "42 µs"),
+        (fmt.fmt_seconds, 1.5, "1.5 s"),
+        (fmt.fmt_seconds, 600, "10 min"),
+        (fmt.fmt_seconds, float("nan"), "—"),
+        (fmt.fmt_bytes, 1.5 * 2**30, "1.50 GiB"),
+        (fmt.fmt_bytes, 512, "512 B"),
+        (fmt.fmt_bytes, None, "—"),
+        (fmt.fmt_pct, 0.1234, "12.3%"),
+        (fmt.fmt_count, 7168, "7,168"),
+        (fmt.fmt_tokens, 4096.0, "4,096 tokens"),
+        (fmt.fmt_ratio, 0.5, "0.50×"),
+        (fmt.fmt_signed_pct, -0.04, "-4.0%"),
+        (fmt.fmt_number, 1.7e3, "1.7e+03"),
+        (fmt.fmt_value, {"a": 1}, '{"a": 1}'),
+        (fmt.fmt_value, True, "true"),
+        (fmt.cell, "a|b\nc", "a\\|b c"),
+        (fmt.reason_code, "invalid_json", "invalid_json"),
+        (fmt.reason_code, "line 3: 'hello there'", "other_reason"),
     ],
 )
 def test_formatters(func, value, expected):
@@ -325,39 +327,39 @@ def test_formatters(func, value, expected):
 
 
 def test_label_is_short_and_table_safe():
-    assert rep.label("x" * 100) == "x" * 39 + "…"
-    assert rep.label("a|b\tc") == "a\\|b c"
+    assert fmt.label("x" * 100) == "x" * 39 + "…"
+    assert fmt.label("a|b\tc") == "a\\|b c"
 
 
 def test_workload_time_of_uniform_batches_is_n_times_step_time():
-    fit = rep.StepFit(**FIT, batch=BATCH)
+    fit = savings.StepFit(**FIT, batch=BATCH)
     n, length = 10, 1000.0
-    total = rep.workload_time(fit, n * BATCH * length, n * BATCH * length**2, 1.0, 1.0, n)
+    total = savings.workload_time(fit, n * BATCH * length, n * BATCH * length**2, 1.0, 1.0, n)
     assert total == pytest.approx(n * (FIT["a"] * length**2 + FIT["b"] * length + FIT["c"]))
 
 
 def test_expected_saving_lies_between_its_limits():
-    fit = rep.StepFit(**FIT, batch=BATCH)
-    before, after = rep.Efficiency(0.5, 0.3, 100), rep.Efficiency(0.9, 0.8, 100)
+    fit = savings.StepFit(**FIT, batch=BATCH)
+    before, after = savings.Efficiency(0.5, 0.3, 100), savings.Efficiency(0.9, 0.8, 100)
     s1, s2 = 1e6, 2e9
-    result = rep.expected_saving(before, after, fit, s1, s2)
+    result = savings.expected_saving(before, after, fit, s1, s2)
     assert result["linear_limit"] == pytest.approx(1 - 0.5 / 0.9)
     assert result["quadratic_limit"] == pytest.approx(1 - 0.3 / 0.8)
     # a fixed per-batch cost c dilutes the saving below the linear limit's mix
-    t_before = rep.workload_time(fit, s1, s2, 0.5, 0.3, 100)
-    t_after = rep.workload_time(fit, s1, s2, 0.9, 0.8, 100)
+    t_before = savings.workload_time(fit, s1, s2, 0.5, 0.3, 100)
+    t_after = savings.workload_time(fit, s1, s2, 0.9, 0.8, 100)
     assert result["saving"] == pytest.approx(1 - t_after / t_before)
     assert 0 < result["saving"] < result["quadratic_limit"]
-    assert rep.expected_saving(before, after, None, s1, s2)["saving"] is None
+    assert savings.expected_saving(before, after, None, s1, s2)["saving"] is None
 
 
 def test_fit_with_a_negative_coefficient_prices_nothing(tmp_path):
     paths = write_results(tmp_path)
     fit = pd.read_parquet(paths["profile_fit"]).assign(b=-0.4)
     write_parquet(fit, paths["profile_fit"], {})
-    inputs = rep.load_inputs(paths)
-    assert "negative coefficient (b = -0.4)" in rep.fit_problem(inputs["tables"], {})
-    assert rep.usable_fit(inputs["tables"], {}) is None
+    inputs = load.load_inputs(paths)
+    assert "negative coefficient (b = -0.4)" in savings.fit_problem(inputs["tables"], {})
+    assert savings.usable_fit(inputs["tables"], {}) is None
 
 
 def test_examples_without_loss_tokens_are_a_recommendation(tmp_path):
@@ -366,8 +368,8 @@ def test_examples_without_loss_tokens_are_a_recommendation(tmp_path):
     idle = lengths.index[lengths["status"] == "OK"][:46]  # 46 of 234 examples that train
     lengths.loc[idle, "n_loss_tokens"] = 0
     write_parquet(lengths, paths["padding_lengths"], {})
-    inputs = rep.load_inputs(paths)
-    recs = rep.recommendations(inputs["tables"], inputs["json"], {}, limit=10)
+    inputs = load.load_inputs(paths)
+    recs = savings.recommendations(inputs["tables"], inputs["json"], {}, limit=10)
     drop = next(r for r in recs if r["title"].startswith("Drop the 46 examples"))
     assert "19.7% of the examples that train" in drop["detail"]
     kept = lengths.drop(index=idle)
@@ -396,20 +398,39 @@ def test_fit_with_fewer_than_three_points_is_not_used(tmp_path):
     paths = write_results(tmp_path)
     fit = pd.read_parquet(paths["profile_fit"]).assign(n_points=2)
     write_parquet(fit, paths["profile_fit"], {})
-    inputs = rep.load_inputs(paths)
-    assert rep.usable_fit(inputs["tables"], inputs["not_run"]) is None
-    recs = rep.recommendations(inputs["tables"], inputs["json"], inputs["not_run"])
+    inputs = load.load_inputs(paths)
+    assert savings.usable_fit(inputs["tables"], inputs["not_run"]) is None
+    recs = savings.recommendations(inputs["tables"], inputs["json"], inputs["not_run"])
     assert all(r["saving"] is None for r in recs)
 
 
-def test_sweep_means_average_over_seeds_random_first_packing_last():
-    means = rep.sweep_means(bucket_sweep())
-    assert means["strategy"].iloc[0] == "random" and means["strategy"].iloc[-1] == "packing_ffd"
-    random = means.iloc[0]
-    assert random["token_efficiency"] == pytest.approx(0.582)
-    assert random["n_seeds"] == 3
-    assert math.isnan(means.iloc[-1]["bucket_size_batches"])
-    assert "top_kernels_like_list" not in means  # only contract columns travel on
+def test_bucket_numbers_come_from_the_stage_summary_not_the_sweep(tmp_path):
+    """The report renders bucket/summary.parquet as the stage wrote it: a value planted there
+    shows in the bucketing table, the figure and the summary; the sweep is not re-averaged."""
+    paths = write_results(tmp_path / "results")
+    summary = pd.read_parquet(paths["bucket_summary"])
+    assert summary["strategy"].iloc[0] == "random" and summary["strategy"].iloc[-1] == "packing_ffd"
+    random = summary["strategy"] == "random"
+    planted = summary.assign(token_efficiency=summary["token_efficiency"].mask(random, 0.123))
+    write_parquet(planted, paths["bucket_summary"], {})
+    out = tmp_path / "results" / "report" / "playbook-evidence.md"
+    render_report(paths, out)
+    bucketing = section(out.read_text(), "Bucketing")
+    random_row = next(line for line in bucketing.splitlines() if line.startswith("| random |"))
+    assert "| 12.3% |" in random_row
+    summary_text = section(out.read_text(), "Summary")
+    assert "token efficiency 12.3% →" in summary_text
+
+
+def test_bucket_section_rows_carry_only_contract_columns(tmp_path):
+    paths = write_results(tmp_path)
+    summary = pd.read_parquet(paths["bucket_summary"]).assign(planted=CANARY)
+    write_parquet(summary, paths["bucket_summary"], {})
+    inputs = load.load_inputs(paths)
+    built = sections.bucket_section(inputs["tables"], inputs["not_run"], inputs["json"])
+    assert all(set(row) == set(table_columns("bucket_summary")) for row in built["rows"])
+    assert built["n_seeds"] == 3 and built["level"] == "optimizer step"
+    assert [row["strategy"] for row in built["packing"]] == ["packing_ffd"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -451,5 +472,5 @@ def test_script_bad_input_exits_nonzero_with_message(tmp_path):
 
 def test_not_run_json_convention_round_trips(tmp_path):
     paths = write_results(tmp_path, profile="not_run")
-    assert rep.not_run_reason(read_json(paths["profile_provenance"])) == NOT_RUN_REASON
-    assert json.loads(paths["profile_control"].read_text())["status"] == rep.NOT_RUN
+    assert load.not_run_reason(read_json(paths["profile_provenance"])) == NOT_RUN_REASON
+    assert json.loads(paths["profile_control"].read_text())["status"] == load.NOT_RUN

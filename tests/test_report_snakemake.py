@@ -80,7 +80,11 @@ def snakemake(work: Path, *args: str) -> subprocess.CompletedProcess:
     snakefile = work.parent / "wf" / "Snakefile"
     command = [sys.executable, "-m", "snakemake", *args, "--snakefile", str(snakefile)]
     command += ["--directory", str(work), "--configfile", str(work / "test.yaml")]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
+    # this checkout's package first (the editable install may point at another checkout)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), str(REPO / "tests")]),
+    }
     done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done

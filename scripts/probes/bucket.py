@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from probes.contracts import SKIPPED_STATUSES
+from probes.contracts import SKIPPED_STATUSES, STRATEGY_ORDER
 from probes.errors import ProbeError
 from probes.lengths import LengthSet
 
@@ -647,18 +647,43 @@ def _add_relative_to_random(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-def summarise(sweep: pd.DataFrame) -> pd.DataFrame:
-    """Mean over seeds per strategy × bucket size (packing rows: per algorithm)."""
+def strategy_rank(strategy: str) -> int:
+    """Random first (the baseline), the sweep, global sort, then packing and anything else."""
+    for rank, prefix in enumerate(STRATEGY_ORDER):
+        if str(strategy).startswith(prefix):
+            return rank
+    return len(STRATEGY_ORDER)
+
+
+def summarise(sweep: pd.DataFrame, diversity_level: str = "step") -> pd.DataFrame:
+    """Mean over seeds per strategy × bucket size (packing rows: per algorithm, bucket size NA).
+
+    Adds the spread over seeds of both efficiencies (std, ddof 0), the number of seeds, and
+    `diversity_rel_random`: the lower of distinct sources and source entropy relative to random,
+    per micro-batch (`diversity_level` "micro_batch") or per optimizer step ("step"), as the
+    recommendation judges it. Rows in the report's order: contracts.STRATEGY_ORDER, then bucket
+    size. This is `results/bucket/summary.parquet`.
+    """
     keys = ["strategy", "bucket_size_batches"]
     numeric = sweep.drop(columns=["seed"]).select_dtypes(include="number").columns.difference(keys)
     table = sweep.assign(bucket_size_batches=sweep["bucket_size_batches"].fillna(-1))
-    summary = table.groupby(keys, sort=False)[list(numeric)].mean().reset_index()
-    summary["is_hf_trainer_default"] = (
-        table.groupby(keys, sort=False)["is_hf_trainer_default"].any().to_numpy()
-    )
+    grouped = table.groupby(keys, sort=False)
+    summary = grouped[list(numeric)].mean()
+    spread = grouped[["token_efficiency", "attention_efficiency"]].std(ddof=0).fillna(0.0)
+    summary["token_efficiency_std"] = spread["token_efficiency"]
+    summary["attention_efficiency_std"] = spread["attention_efficiency"]
+    summary["n_seeds"] = grouped["seed"].nunique()
+    if "is_hf_trainer_default" in table:
+        summary["is_hf_trainer_default"] = grouped["is_hf_trainer_default"].any()
+    summary = summary.reset_index()
+    prefix = "micro" if diversity_level == "micro_batch" else "step"
+    diversity = [f"{prefix}_distinct_sources_rel_random", f"{prefix}_source_entropy_rel_random"]
+    summary["diversity_rel_random"] = summary[diversity].min(axis=1, skipna=False)
     summary["bucket_size_batches"] = summary["bucket_size_batches"].astype("Int64")
     summary.loc[summary["bucket_size_batches"] < 0, "bucket_size_batches"] = pd.NA
-    return summary
+    summary["_rank"] = summary["strategy"].map(strategy_rank)
+    summary = summary.sort_values(["_rank", "bucket_size_batches", "strategy"], na_position="last")
+    return summary.drop(columns="_rank").reset_index(drop=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -776,19 +801,13 @@ def recommend(
     seeds. Diversity = the lower of distinct-sources and source-entropy relative to random, at
     the micro-batch or optimizer-step level. Smaller buckets keep batches closer to random.
     """
-    summary = summarise(sweep)
+    summary = summarise(sweep, diversity_level)
     grouped = summary.loc[summary["bucket_size_batches"].notna()].sort_values("bucket_size_batches")
     gain_column = (
         "padded_tokens_saved_vs_random"
         if gain_metric == "tokens"
         else "attention_cost_saved_vs_random"
     )
-    prefix = "micro" if diversity_level == "micro_batch" else "step"
-    diversity = np.minimum(
-        grouped[f"{prefix}_distinct_sources_rel_random"],
-        grouped[f"{prefix}_source_entropy_rel_random"],
-    )
-    grouped = grouped.assign(diversity_rel_random=diversity.to_numpy())
     best = grouped.loc[grouped[gain_column].idxmax()]
     best_gain = float(best[gain_column])
     meets_gain = grouped[gain_column] >= gain_share * best_gain

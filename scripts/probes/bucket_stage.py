@@ -97,8 +97,11 @@ def run(
         # Parquet's file metadata carries the full provenance.
         config_hash=config_hash(dict(cfg.raw)),
     )
+    summary = bucket.summarise(sweep, settings.diversity_level)
+    provenance = run_metadata(dict(cfg.raw))
     with all_or_nothing(outputs) as out:
-        out.parquet("sweep", sweep, run_metadata(dict(cfg.raw)))
+        out.parquet("sweep", sweep, provenance)
+        out.parquet("summary", summary, provenance)
         out.json("recommendation", recommendation)
         out.json("control", control)
     chosen = recommendation["recommended"]

@@ -61,6 +61,7 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
     },
     "bucket": {
         "sweep": "bucket/sweep.parquet",
+        "summary": "bucket/summary.parquet",
         "recommendation": "bucket/recommendation.json",
         "control": "bucket/control.json",
     },
@@ -204,6 +205,28 @@ TABLES: dict[str, TableSpec] = {
             "order_length_spearman",
         ),
         ("n_steps", "is_hf_trainer_default", "padded_tokens_saved_vs_random"),
+    ),
+    # mean over seeds per strategy x bucket size, in STRATEGY_ORDER (probes.bucket.summarise)
+    "bucket_summary": TableSpec(
+        "bucket",
+        "Bucketing",
+        (
+            "strategy",
+            "bucket_size_batches",
+            "n_seeds",
+            "token_efficiency",
+            "token_efficiency_std",
+            "attention_efficiency",
+            "attention_efficiency_std",
+            "n_micro_batches",
+            "micro_distinct_sources_rel_random",
+            "micro_source_entropy_rel_random",
+            "step_distinct_sources_rel_random",
+            "step_source_entropy_rel_random",
+            "diversity_rel_random",
+            "order_length_spearman",
+        ),
+        ("is_hf_trainer_default", "padded_tokens_saved_vs_random"),
     ),
     "profile_scaling": TableSpec(
         "profile",

@@ -11,13 +11,9 @@ from typing import Any
 
 from probes.config import REPO_ROOT
 from probes.io import run_metadata
-from probes.report import (
-    ReportInputError,
-    build_context,
-    linked_figures,
-    load_inputs,
-    render_markdown,
-)
+from probes.report import linked_figures, render_markdown
+from probes.report_load import ReportInputError, load_inputs
+from probes.report_sections import build_context
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 

@@ -7,6 +7,7 @@ rule bucket_sweep:
             category="Bucketing",
             caption="../report/bucket.rst",
         ),
+        summary=out("bucket", "summary"),
         recommendation=out("bucket", "recommendation"),
         control=out("bucket", "control"),
     log:
