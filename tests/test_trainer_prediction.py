@@ -1,10 +1,11 @@
 """The bucket sweep's prediction holds on the real transformers.Trainer.
 
 A tiny random-init causal LM (2 layers, CPU) trains one epoch over ~200 heavy-tailed lengths with
-(a) the drop-in ``probes.sampler`` at a chosen bucket size and (b) the Trainer's own
-``train_sampling_strategy="group_by_length"``. A collator that pads to the longest row records
-every micro-batch's shape as it is fed; the padded tokens must match what the sweep's metric
-function (``bucket.padded_metrics`` on ``bucket.length_grouped_order``) predicts within 1%.
+(a) the drop-in ``probes.sampler`` at a chosen bucket size, (b) the Trainer's own
+``train_sampling_strategy="group_by_length"`` and (c) ``"batch_rebalance"``. A collator that
+pads to the longest row records every micro-batch's shape as it is fed; the padded tokens must
+match what the sweep's metric function (``bucket.padded_metrics`` on the sweep's ordering)
+predicts within 1%, and every micro-batch's shape must be the predicted one.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from probes import bucket
+from probes import bucket, rebalance
 from probes.sampler import length_grouped_trainer, trainer_group_by_length_permutation
 
 torch = pytest.importorskip("torch")
@@ -27,6 +28,7 @@ GRAD_ACCUM = 2
 SEED = 11
 VOCAB = 64
 TOLERANCE = 0.01
+TRAINER_REBALANCE_SEED = 42  # BatchRebalanceSampler's default; the Trainer passes none
 
 
 @pytest.fixture(autouse=True)
@@ -173,3 +175,26 @@ def test_group_by_length_feeds_what_the_sweep_predicts(tmp_path):
     assert_matches(fed, predicted(lengths, bucket_size, perm))
     # That is not the sweep's seed-SEED shuffle, only one from the same distribution.
     assert not np.array_equal(perm, bucket.seeded_permutation(lengths.size, SEED))
+
+
+def test_batch_rebalance_feeds_what_the_sweep_row_predicts(tmp_path):
+    if rebalance.unavailable_reason() is not None:
+        pytest.skip(rebalance.unavailable_reason())
+    lengths = real_lengths()
+    fed = train_one_epoch(tmp_path, lengths, train_sampling_strategy="batch_rebalance")
+    # The Trainer passes no seed to BatchRebalanceSampler: the class default, epoch 0.
+    order, rows = rebalance.rebalance_order(lengths, MICRO, GRAD_ACCUM, TRAINER_REBALANCE_SEED)
+    prediction = bucket.padded_metrics(
+        lengths[order],
+        np.zeros(order.size, dtype=np.int32),
+        MICRO,
+        GRAD_ACCUM,
+        1,
+        rows_per_micro_batch=rows,
+    )
+    starts = np.r_[0, np.cumsum(rows)[:-1]]
+    widths = np.maximum.reduceat(lengths[order], starts)
+    assert_matches(
+        fed, {**prediction, "shapes": list(zip(rows.tolist(), widths.tolist(), strict=True))}
+    )
+    assert len(set(rows.tolist())) > 1  # the micro-batch size really varies
