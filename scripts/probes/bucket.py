@@ -33,29 +33,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-USED_STATUSES = ("OK", "TRUNCATED")
-SKIPPED_STATUSES = ("EMPTY", "ERROR")
-KNOWN_STATUSES = USED_STATUSES + SKIPPED_STATUSES
-UNKNOWN_SOURCE = "none"
-LENGTHS_COLUMNS = (
-    "example_id",
-    "file",
-    "row",
-    "source",
-    "status",
-    "n_tokens",
-    "n_tokens_full",
-    "n_loss_tokens",
-    "n_turns",
-    "n_truncated_tokens",
-)
+from probes.contracts import SKIPPED_STATUSES
+from probes.errors import ProbeError
+from probes.lengths import LengthSet
+
 # HF's cap on mega_batch_mult when the Trainer leaves it unset.
 HF_MAX_MEGA_BATCH_MULT = 50
 PACKING_ALGORITHMS = ("ffd", "bfd")
@@ -72,110 +58,8 @@ _ROW_SORT_MIN = 64
 OrderFn = Callable[[np.ndarray, np.ndarray, int, int], np.ndarray]
 
 
-class LengthsInputError(ValueError):
-    """lengths.parquet violates the padding stage's contract; the message names file, row, key."""
-
-
-class SweepCollapsedError(AssertionError):
+class SweepCollapsedError(ProbeError, AssertionError):
     """The sweep did not vary with bucket size although the lengths say it must."""
-
-
-# --------------------------------------------------------------------------------------------
-# Input
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LengthSet:
-    """Token lengths of the usable examples, their sources as codes, and what was left out."""
-
-    lengths: np.ndarray  # int64, tokens kept per example (≤ max_seq_len)
-    sources: np.ndarray  # int32 codes into source_names
-    source_names: tuple[str, ...]
-    status_counts: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def n_sources(self) -> int:
-        return len(self.source_names)
-
-    @property
-    def sources_known(self) -> bool:
-        return any(name != UNKNOWN_SOURCE for name in self.source_names)
-
-
-def encode_sources(names: Sequence[str] | np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
-    """Integer codes for source names, in sorted-name order so codes are deterministic."""
-    uniques, codes = np.unique(np.asarray(names, dtype=object).astype(str), return_inverse=True)
-    return codes.astype(np.int32), tuple(str(u) for u in uniques)
-
-
-def lengths_from_frame(frame: pd.DataFrame, max_seq_len: int, origin: str = "lengths") -> LengthSet:
-    """Check the padding stage's table and keep rows with status OK or TRUNCATED.
-
-    EMPTY and ERROR rows are counted, never folded into the distribution.
-    """
-    missing = [c for c in LENGTHS_COLUMNS if c not in frame.columns]
-    if missing:
-        raise LengthsInputError(
-            f"{origin}: missing column(s) {missing}; expected the padding stage's lengths table "
-            f"with columns {list(LENGTHS_COLUMNS)}. Rerun the `padding` rule."
-        )
-    status = frame["status"].astype(str)
-    bad_status = ~status.isin(KNOWN_STATUSES)
-    if bad_status.any():
-        where = _row_ref(frame, int(np.flatnonzero(bad_status.to_numpy())[0]))
-        raise LengthsInputError(
-            f"{origin}: {where}: column 'status' has {sorted(set(status[bad_status]))}; "
-            f"allowed are {list(KNOWN_STATUSES)}."
-        )
-    counts = {s: int((status == s).sum()) for s in KNOWN_STATUSES}
-    used = frame.loc[status.isin(USED_STATUSES).to_numpy()]
-    if used.empty:
-        raise LengthsInputError(
-            f"{origin}: no row has status OK or TRUNCATED (counts {counts}); nothing to batch. "
-            "Check the data files and the padding stage's log."
-        )
-    n_tokens = pd.to_numeric(used["n_tokens"], errors="coerce")
-    bad = n_tokens.isna() | (n_tokens < 1) | (n_tokens > max_seq_len) | (n_tokens % 1 != 0)
-    if bad.any():
-        pos = int(np.flatnonzero(bad.to_numpy())[0])
-        value = used["n_tokens"].iloc[pos]
-        raise LengthsInputError(
-            f"{origin}: {_row_ref(used, pos)}: n_tokens={value} for a {used['status'].iloc[pos]} "
-            f"example; it must be an integer in [1, training.max_seq_len={max_seq_len}]. Rerun "
-            "`padding` with the same training.max_seq_len (a changed config reruns it)."
-        )
-    sources = used["source"].fillna(UNKNOWN_SOURCE).astype(str).to_numpy()
-    codes, names = encode_sources(sources)
-    return LengthSet(
-        lengths=n_tokens.to_numpy(dtype=np.int64),
-        sources=codes,
-        source_names=names,
-        status_counts=counts,
-    )
-
-
-def read_lengths(path: str | Path, max_seq_len: int) -> LengthSet:
-    """Read results/padding/lengths.parquet (or any file with its schema)."""
-    path = Path(path)
-    if not path.is_file():
-        raise LengthsInputError(
-            f"{path}: no such file; it is written by the `padding` rule "
-            "(run `snakemake bucket_sweep`, which runs it first)."
-        )
-    try:
-        frame = pd.read_parquet(path, columns=list(LENGTHS_COLUMNS))
-    except (ValueError, KeyError, OSError) as error:  # missing column or not Parquet
-        raise LengthsInputError(
-            f"{path}: cannot read the lengths table ({type(error).__name__}: {error}); expected "
-            f"Parquet with columns {list(LENGTHS_COLUMNS)}. Rerun the `padding` rule."
-        ) from error
-    return lengths_from_frame(frame, max_seq_len, origin=str(path))
-
-
-def _row_ref(frame: pd.DataFrame, pos: int) -> str:
-    row = frame.iloc[pos]
-    return f"example_id={row['example_id']} (file={row['file']}, row={row['row']})"
 
 
 # --------------------------------------------------------------------------------------------

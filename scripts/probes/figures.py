@@ -16,8 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from probes.contracts import TRAINING_STATUSES  # noqa: E402
 from probes.report import (  # noqa: E402
-    OK_STATUSES,
     OTHER_SOURCES,
     device_rows,
     diversity,
@@ -205,7 +205,7 @@ def draw_all(
     drawn: dict[str, str | None] = dict.fromkeys(FIGURES)
     if "padding" not in not_run:
         lengths = tables["padding_lengths"]
-        n_sources = lengths.loc[lengths["status"].isin(OK_STATUSES), "source"].nunique()
+        n_sources = lengths.loc[lengths["status"].isin(TRAINING_STATUSES), "source"].nunique()
         length_histogram(
             tables["padding_distribution"], n_sources, directory / "lengths.png", top_n, dpi
         )

@@ -22,200 +22,33 @@ from typing import Any
 
 import pandas as pd
 
+from probes.contracts import (
+    JSONS,
+    STAGES,
+    STATUSES,
+    STRATEGY_ORDER,
+    TABLES,
+    TRAINING_STATUSES,
+    report_inputs,
+)
+from probes.errors import ProbeError
 from probes.io import read_json, read_parquet, read_provenance
 
 NOT_RUN = "not_run"
-OK_STATUSES = ("OK", "TRUNCATED")  # the examples that train; EMPTY and ERROR never do
-ALL_STATUSES = ("OK", "TRUNCATED", "EMPTY", "ERROR")
 MISSING = "—"  # what a missing or non-finite number renders as
-STRATEGY_ORDER = ("random", "length_grouped", "global_sort", "packing")
 MIN_IDLE_SHARE = 0.01  # examples without a loss token worth a recommendation from this share
 TRAINING_SHAPE = "max_seq_len"  # the ce_chunks row sized at the training shape
 OTHER_SOURCES = "(other)"  # the padding stage pools sources beyond its limit under this label
 DISTRIBUTION_STATS = ("count", "tokens", "p50", "p90", "p99", "max")
 
 
-class ReportInputError(ValueError):
+class ReportInputError(ProbeError, ValueError):
     """A stage output the report cannot use; the message names the file, key and what to do."""
-
-
-# ----------------------------------------------------------------------------------------------
-# The contract: which columns the report reads from which table. A missing column fails loudly
-# here (naming file, columns and section) instead of rendering garbage. Column names follow the
-# stages' own code (probes.padding / probes.bucket / probes.profile_stage; mask: issue 3).
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    stage: str
-    section: str
-    required: tuple[str, ...]
-    optional: tuple[str, ...] = ()
-
-
-TABLES: dict[str, TableSpec] = {
-    "mask_layers": TableSpec(
-        "mask",
-        "Mask gate",
-        (
-            "scenario",
-            "batch",
-            "seq_len",
-            "padding",
-            "packed",
-            "layer_idx",
-            "layer_type",
-            "head_dim",
-            "mask_present",
-            "is_causal",
-            "band_lower",
-            "band_upper",
-            "backend",
-            "excluded_by",
-        ),
-        ("fast_path", "violation", "band_source"),
-    ),
-    # one row per example, every status (probes.tokenize.LENGTH_COLUMNS)
-    "padding_lengths": TableSpec(
-        "padding",
-        "Padding",
-        ("example_id", "source", "status", "reason", "n_tokens", "n_loss_tokens"),
-        ("n_truncated_tokens", "n_tokens_full", "n_turns"),
-    ),
-    # long format: section waste (strategy x metric), status (status x metric), reason
-    "padding_summary": TableSpec(
-        "padding",
-        "Padding",
-        ("section", "strategy", "status", "reason", "metric", "value", "std"),
-        ("expected", "n_seeds", "n_batches", "micro_batch_size", "max_seq_len"),
-    ),
-    # long format: scope/source/measure, kind stat (statistic) or bin (bin_lo, bin_hi)
-    "padding_distribution": TableSpec(
-        "padding",
-        "Padding",
-        ("scope", "source", "measure", "kind", "statistic", "bin_lo", "bin_hi", "value"),
-    ),
-    "padding_ce_chunks": TableSpec(
-        "padding",
-        "Cross-entropy",
-        (
-            "shape",
-            "seq_len",
-            "tokens",
-            "vocab_source",
-            "vocab_size",
-            "hidden_size",
-            "logits_bf16_bytes",
-            "logits_fp32_bytes",
-            "stock_loss_bytes",
-            "chunk_tokens",
-            "n_chunks",
-            "liger_chunk_tokens",
-        ),
-        ("budget_gib", "stock_fits_budget", "chunk_bytes", "liger_n_chunks", "liger_fits_budget"),
-    ),
-    "bucket_sweep": TableSpec(
-        "bucket",
-        "Bucketing",
-        (
-            "strategy",
-            "bucket_size_batches",
-            "seed",
-            "token_efficiency",
-            "attention_efficiency",
-            "n_micro_batches",
-            "micro_distinct_sources_rel_random",
-            "micro_source_entropy_rel_random",
-            "step_distinct_sources_rel_random",
-            "step_source_entropy_rel_random",
-            "order_length_spearman",
-        ),
-        ("n_steps", "is_hf_trainer_default", "padded_tokens_saved_vs_random"),
-    ),
-    "profile_scaling": TableSpec(
-        "profile",
-        "Scaling",
-        ("seq_len", "batch", "status", "time_s", "peak_mem_bytes", "quadratic_share", "mfu"),
-        ("time_std_s", "tokens_per_s", "linear_share", "fixed_share", "residual_s"),
-    ),
-    "profile_fit": TableSpec(
-        "profile",
-        "Scaling",
-        ("a", "b", "c", "n_points", "method", "condition_number"),
-        ("residual_rms_s", "max_rel_residual", "r_squared", "message"),
-    ),
-    "profile_padding_penalty": TableSpec(
-        "profile",
-        "Scaling",
-        (
-            "variant",
-            "status",
-            "padded_time_s",
-            "unpadded_time_s",
-            "measured_penalty",
-            "predicted_penalty",
-        ),
-        ("batch", "longest", "n_real_tokens", "padding_waste"),
-    ),
-    "profile_ce": TableSpec(
-        "profile",
-        "Cross-entropy",
-        ("variant", "status", "time_s", "step_share"),
-        ("chunk_tokens", "peak_mem_bytes", "seq_len", "batch", "loss_tokens"),
-    ),
-    "profile_kernels": TableSpec(
-        "profile",
-        "Kernels",
-        ("category", "device_type", "device_time_s", "share"),
-        ("share_of_wall", "n_kernels", "n_calls"),
-    ),
-}
-
-CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
-# JSON outputs and the keys the report reads (a not-run stage may carry only status + reason).
-JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "mask_gate": ("mask", ("passed",)),
-    "bucket_recommendation": ("bucket", ("status", "recommended", "thresholds")),
-    "profile_provenance": ("profile", ("device", "cpu_only", "harness")),
-    "mask_control": ("mask", CONTROL_KEYS),
-    "padding_control": ("padding", CONTROL_KEYS),
-    "bucket_control": ("bucket", CONTROL_KEYS),
-    "profile_control": ("profile", CONTROL_KEYS),
-}
-STAGES = ("mask", "padding", "bucket", "profile")
-
-# Where each input lives under results/ (the same names as the rule's inputs).
-INPUT_FILES: dict[str, str] = {
-    "mask_layers": "mask/layers.parquet",
-    "mask_gate": "mask/gate.json",
-    "mask_control": "mask/control.json",
-    "padding_lengths": "padding/lengths.parquet",
-    "padding_summary": "padding/summary.parquet",
-    "padding_distribution": "padding/distribution.parquet",
-    "padding_ce_chunks": "padding/ce_chunks.parquet",
-    "padding_control": "padding/control.json",
-    "bucket_sweep": "bucket/sweep.parquet",
-    "bucket_recommendation": "bucket/recommendation.json",
-    "bucket_control": "bucket/control.json",
-    "profile_scaling": "profile/scaling.parquet",
-    "profile_fit": "profile/fit.parquet",
-    "profile_padding_penalty": "profile/padding_penalty.parquet",
-    "profile_ce": "profile/ce.parquet",
-    "profile_kernels": "profile/kernels.parquet",
-    "profile_provenance": "profile/provenance.json",
-    "profile_control": "profile/control.json",
-}
 
 
 def default_input_paths(results_dir: str | Path) -> dict[str, Path]:
     """The rule's inputs for a results directory laid out as the workflow writes it."""
-    return {key: Path(results_dir) / rel for key, rel in INPUT_FILES.items()}
-
-
-# ----------------------------------------------------------------------------------------------
-# Formatting: every number reaches the report through one of these (jinja filters of the same name).
-# ----------------------------------------------------------------------------------------------
+    return {key: Path(path) for key, path in report_inputs(results_dir).items()}
 
 
 def _finite(value: Any) -> float | None:
@@ -360,7 +193,7 @@ def check_columns(frame: pd.DataFrame, name: str, path: str | Path) -> pd.DataFr
         raise ReportInputError(
             f"{path}: column(s) {missing} missing; the report's {spec.section} section reads them "
             f"from the {spec.stage} stage (it wrote {sorted(map(str, frame.columns))}). Rerun the "
-            f"stage, or update probes.report.TABLES['{name}'] if the column was renamed."
+            f"stage, or update probes.contracts.TABLES['{name}'] if the column was renamed."
         )
     return frame
 
@@ -379,13 +212,13 @@ def check_keys(obj: Any, name: str, path: str | Path) -> Any:
 
 
 def load_inputs(paths: Mapping[str, str | Path]) -> dict[str, Any]:
-    """Read every stage output named in `paths` (keys as in INPUT_FILES).
+    """Read every stage output named in `paths` (keys as in probes.contracts.report_inputs).
 
     Returns {"tables": {name: DataFrame}, "json": {name: obj}, "not_run": {stage: reason},
     "provenance": {stage: run_metadata of its first table}}. A stage whose JSON says
     status "not_run" gets empty tables and no column checks.
     """
-    missing = set(INPUT_FILES) - set(paths)
+    missing = set(report_inputs()) - set(paths)
     if missing:
         raise ReportInputError(f"report inputs missing: {sorted(missing)}")
     jsons: dict[str, Any] = {}
@@ -522,7 +355,7 @@ def usable_fit(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) -
 
 def training_lengths(lengths: pd.DataFrame) -> pd.Series:
     """Token counts of the examples that train (OK and TRUNCATED; EMPTY/ERROR never do)."""
-    return lengths.loc[lengths["status"].isin(OK_STATUSES), "n_tokens"].astype("float64")
+    return lengths.loc[lengths["status"].isin(TRAINING_STATUSES), "n_tokens"].astype("float64")
 
 
 def strategy_rank(strategy: str) -> int:
@@ -713,7 +546,7 @@ def recommendations(
 
     if "padding" not in not_run and len(lengths):
         trains = tables["padding_lengths"]
-        trains = trains[trains["status"].isin(OK_STATUSES)]
+        trains = trains[trains["status"].isin(TRAINING_STATUSES)]
         idle = (trains["n_loss_tokens"] == 0).to_numpy()
         waste = waste_table(tables["padding_summary"]).set_index("strategy")
         if idle.mean() >= MIN_IDLE_SHARE and "random" in waste.index:
@@ -854,16 +687,16 @@ def padding_section(
     if "padding" in not_run:
         return _not_run(not_run["padding"])
     lengths, summary = tables["padding_lengths"], tables["padding_summary"]
-    unknown = sorted(set(lengths["status"]) - set(ALL_STATUSES))
+    unknown = sorted(set(lengths["status"]) - set(STATUSES))
     if unknown:
         raise ReportInputError(
-            f"padding lengths: unknown status value(s) {unknown}; expected {list(ALL_STATUSES)}."
+            f"padding lengths: unknown status value(s) {unknown}; expected {list(STATUSES)}."
         )
     status_rows = summary[summary["section"] == "status"]
     counts = status_rows[status_rows["metric"] == "count"].set_index("status")["value"]
     lost = status_rows[status_rows["metric"].isin(["tokens_lost", "loss_tokens_lost"])]
     by_source = lengths.groupby(["source", "status"]).size().unstack(fill_value=0)
-    by_source = by_source.reindex(columns=list(ALL_STATUSES), fill_value=0)
+    by_source = by_source.reindex(columns=list(STATUSES), fill_value=0)
     by_source["total"] = by_source.sum(axis=1)
     by_source = by_source.sort_values("total", ascending=False)
     reasons = summary[summary["section"] == "reason"].assign(
@@ -877,10 +710,10 @@ def padding_section(
         .head(10)
     )
     distribution, more = distribution_rows(tables["padding_distribution"], top_sources)
-    trains = lengths["status"].isin(OK_STATUSES)
+    trains = lengths["status"].isin(TRAINING_STATUSES)
     return {
         "status": "ok",
-        "counts": {s: int(counts.get(s, 0)) for s in ALL_STATUSES},
+        "counts": {s: int(counts.get(s, 0)) for s in STATUSES},
         "lost": {r["metric"]: r["value"] for r in lost.to_dict(orient="records")},
         "n_examples": len(lengths),
         "n_sources": int(lengths["source"].nunique()),
