@@ -56,6 +56,8 @@ LENGTHS_COLUMNS = (
     "n_turns",
     "n_truncated_tokens",
 )
+# transformers' variable-micro-batch sampler, a comparison row in the sweep (probes.rebalance).
+BATCH_REBALANCE = "batch_rebalance"
 # HF's cap on mega_batch_mult when the Trainer leaves it unset.
 HF_MAX_MEGA_BATCH_MULT = 50
 PACKING_ALGORITHMS = ("ffd", "bfd")
@@ -770,7 +772,7 @@ def sweep_bucket_sizes(
             metrics.pop("examples_fed")
             rows.append(
                 {
-                    "strategy": rebalance.STRATEGY,
+                    "strategy": BATCH_REBALANCE,
                     "bucket_size_batches": None,
                     "bucket_size_examples": None,
                     "is_hf_trainer_default": False,
@@ -1033,7 +1035,7 @@ def recommend(
 
 def _rebalance_point(summary: pd.DataFrame, prefix: str) -> dict[str, Any] | None:
     """Mean over seeds of the batch_rebalance comparison row, or None when it was not run."""
-    rows = summary.loc[summary["strategy"] == "batch_rebalance"]
+    rows = summary.loc[summary["strategy"] == BATCH_REBALANCE]
     if rows.empty:
         return None
     row = rows.iloc[0]

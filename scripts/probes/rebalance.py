@@ -22,7 +22,7 @@ import numpy as np
 
 from probes import bucket
 
-STRATEGY = "batch_rebalance"
+STRATEGY = bucket.BATCH_REBALANCE
 # The Trainer keeps the tail (dataloader_drop_last defaults to False), so the rows compare with
 # the sweep's, which batch every example.
 TRAINER_DROP_LAST = False
