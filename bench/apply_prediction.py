@@ -20,7 +20,7 @@ row) and compares the padded tokens with the sweep's prediction:
 prints batch_rebalance's efficiency beside the recommended bucket size (from the sweep on the full
 data). Reports the load (os.getloadavg) it ran under; no timing is asserted.
 
-    PYTHONPATH=scripts python bench/apply_prediction.py
+    python bench/apply_prediction.py   # with probes installed (pip install -e .)
 """
 
 import argparse
@@ -32,15 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from probes import bucket, rebalance  # noqa: E402
-from probes.sampler import (  # noqa: E402
-    length_grouped_trainer,
-    trainer_group_by_length_permutation,
-)
+from probes import bucket, rebalance
+from probes.lengths import LengthSet, read_lengths
+from probes.sampler import length_grouped_trainer, trainer_group_by_length_permutation
 
 SWEEP_SEEDS = (0, 1, 2, 3, 4)
 REBALANCE_TRAINER_SEED = 42  # BatchRebalanceSampler's default; the Trainer passes none
@@ -208,13 +204,11 @@ def run_train(config: str, lengths: np.ndarray, args: argparse.Namespace) -> tup
         return trainer.data_collator.padded_tokens, time.perf_counter() - started
 
 
-def load_lengths(args: argparse.Namespace) -> tuple[bucket.LengthSet, str]:
+def load_lengths(args: argparse.Namespace) -> tuple[LengthSet, str]:
     if args.lengths.is_file():
-        return bucket.read_lengths(args.lengths, args.max_seq_len), str(args.lengths)
+        return read_lengths(args.lengths, args.max_seq_len), str(args.lengths)
     full, sources = bucket.synthetic_lengths(7168, seed=0, max_seq_len=args.max_seq_len)
-    data = bucket.LengthSet(
-        np.minimum(full, args.max_seq_len), sources, tuple(f"s{i}" for i in range(8))
-    )
+    data = LengthSet(np.minimum(full, args.max_seq_len), sources, tuple(f"s{i}" for i in range(8)))
     return data, f"synthetic heavy-tailed lengths (no {args.lengths})"
 
 

@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from probes import apply, bucket
+from probes.contracts import TRAINING_STATUSES
+from probes.lengths import lengths_from_frame
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -19,7 +21,7 @@ TRAINING = {"micro_batch_size": 2, "grad_accum": 8, "max_seq_len": 4096}
 def bucket_recommendation(n: int = 3000, seed: int = 0) -> dict[str, Any]:
     """What the bucket stage writes (recommendation.json), from synthetic heavy-tailed lengths."""
     frame = bucket.synthetic_lengths_frame(n, seed=seed, max_seq_len=TRAINING["max_seq_len"])
-    data = bucket.lengths_from_frame(frame, TRAINING["max_seq_len"])
+    data = lengths_from_frame(frame, TRAINING["max_seq_len"])
     sweep = bucket.sweep_bucket_sizes(
         data, TRAINING["micro_batch_size"], TRAINING["grad_accum"], TRAINING["max_seq_len"], [0, 1]
     )
@@ -217,7 +219,7 @@ def test_no_loss_filter_keeps_examples_with_a_loss_token(document):
 def test_count_no_loss_examples_counts_training_rows_only():
     frame = bucket.synthetic_lengths_frame(400, seed=3)
     frame.loc[:9, "n_loss_tokens"] = 0
-    trains = frame["status"].isin(bucket.USED_STATUSES)
+    trains = frame["status"].isin(TRAINING_STATUSES)
     expected = int((trains & (frame["n_loss_tokens"] == 0)).sum())
     assert apply.count_no_loss_examples(frame) == expected > 0
 

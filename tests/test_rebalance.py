@@ -6,15 +6,16 @@ import numpy as np
 import pytest
 
 from probes import bucket, rebalance
+from probes.lengths import LengthSet, lengths_from_frame
 
 pytestmark = pytest.mark.skipif(
     rebalance.unavailable_reason() is not None, reason=str(rebalance.unavailable_reason())
 )
 
 
-def synthetic(n: int = 1500, seed: int = 0, max_seq_len: int = 2048) -> bucket.LengthSet:
+def synthetic(n: int = 1500, seed: int = 0, max_seq_len: int = 2048) -> LengthSet:
     frame = bucket.synthetic_lengths_frame(n, seed=seed, max_seq_len=max_seq_len)
-    return bucket.lengths_from_frame(frame, max_seq_len)
+    return lengths_from_frame(frame, max_seq_len)
 
 
 def test_padded_metrics_with_explicit_rows_equals_the_fixed_path():

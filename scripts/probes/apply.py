@@ -30,11 +30,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from probes import bucket
+from probes.contracts import TRAINING_STATUSES
 
 SCHEMA_VERSION = 1
 BASELINE = "random batches, micro_batch_size × grad_accum examples per optimizer step"
 SAMPLING_FIELD = "train_sampling_strategy"  # transformers ≥ 5
 LEGACY_GROUP_FLAG = "group_by_length"  # transformers 4.x boolean
+# Values of TrainingArguments.train_sampling_strategy (transformers' names, not the sweep's).
+HF_GROUP_BY_LENGTH = "group_by_length"
+HF_BATCH_REBALANCE = "batch_rebalance"
+HF_RANDOM = "random"
 TRL_PACKING_STRATEGY = "bfd"  # TRL's best-fit decreasing; the sweep's packing_bfd mirrors it
 SWEEP_PACKING_ROW = "packing_bfd"
 IGNORE_INDEX = -100
@@ -71,7 +76,7 @@ def installed_libraries() -> dict[str, Any]:
         if SAMPLING_FIELD in fields:
             sampling_field, strategies = SAMPLING_FIELD, fields[SAMPLING_FIELD]
         elif LEGACY_GROUP_FLAG in fields:
-            sampling_field, strategies = LEGACY_GROUP_FLAG, ["random", "group_by_length"]
+            sampling_field, strategies = LEGACY_GROUP_FLAG, [HF_RANDOM, HF_GROUP_BY_LENGTH]
         else:
             sampling_field, strategies = None, []
         libraries["transformers"] = {
@@ -103,7 +108,7 @@ def sampling_kwargs(strategy: str, transformers_info: Mapping[str, Any]) -> dict
     if field == SAMPLING_FIELD:
         return {SAMPLING_FIELD: strategy}
     if field == LEGACY_GROUP_FLAG:
-        return {LEGACY_GROUP_FLAG: strategy == "group_by_length"}
+        return {LEGACY_GROUP_FLAG: strategy == HF_GROUP_BY_LENGTH}
     return None
 
 
@@ -253,7 +258,7 @@ def length_grouped_changes(
         m_all,
     )
     mega_batch_mult = m_hf // base.grad_accum if m_hf < m_all else None
-    builtin = sampling_kwargs("group_by_length", transformers_info)
+    builtin = sampling_kwargs(HF_GROUP_BY_LENGTH, transformers_info)
     hf_fact = (
         f"transformers {transformers_info.get('version')}: "
         f"{call_text('TrainingArguments', builtin) if builtin else 'no group_by_length option'}"
@@ -388,11 +393,11 @@ def batch_rebalance_change(
     recommendation: Mapping[str, Any], base: Baseline, transformers_info: Mapping[str, Any]
 ) -> dict[str, Any]:
     """transformers' batch_rebalance sampler, priced by the sweep's batch_rebalance row."""
-    point = recommendation.get("batch_rebalance")
-    kwargs = sampling_kwargs("batch_rebalance", transformers_info)
+    point = recommendation.get(bucket.BATCH_REBALANCE)
+    kwargs = sampling_kwargs(HF_BATCH_REBALANCE, transformers_info)
     if kwargs is None or not point:
         return {
-            "id": "batch_rebalance",
+            "id": bucket.BATCH_REBALANCE,
             "applies": False,
             "reason": (
                 f"transformers {transformers_info.get('version')} has no "
@@ -407,7 +412,7 @@ def batch_rebalance_change(
     recommended = recommendation.get("recommended") or {}
     rows_max = int(point.get("micro_batch_rows_max", base.micro_batch_size))
     return {
-        "id": "batch_rebalance",
+        "id": bucket.BATCH_REBALANCE,
         "applies": True,
         "title": "transformers' batch_rebalance sampler (variable micro-batch size)",
         "expressible_in_training_arguments": True,
@@ -767,5 +772,5 @@ def dumps(document: Mapping[str, Any]) -> str:
 def count_no_loss_examples(lengths: Any) -> int:
     """Examples that train (OK/TRUNCATED) yet carry no loss token, from the padding stage's
     lengths table (a DataFrame with ``status`` and ``n_loss_tokens``)."""
-    trains = lengths.loc[lengths["status"].isin(bucket.USED_STATUSES)]
+    trains = lengths.loc[lengths["status"].isin(TRAINING_STATUSES)]
     return int((trains["n_loss_tokens"] == 0).sum())

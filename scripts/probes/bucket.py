@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from probes.contracts import SKIPPED_STATUSES
+from probes.contracts import BATCH_REBALANCE, SKIPPED_STATUSES
 from probes.errors import ProbeError
 from probes.lengths import LengthSet
 
@@ -654,7 +654,7 @@ def sweep_bucket_sizes(
             metrics.pop("examples_fed")
             rows.append(
                 {
-                    "strategy": rebalance.STRATEGY,
+                    "strategy": BATCH_REBALANCE,
                     "bucket_size_batches": None,
                     "bucket_size_examples": None,
                     "is_hf_trainer_default": False,
@@ -917,7 +917,7 @@ def recommend(
 
 def _rebalance_point(summary: pd.DataFrame, prefix: str) -> dict[str, Any] | None:
     """Mean over seeds of the batch_rebalance comparison row, or None when it was not run."""
-    rows = summary.loc[summary["strategy"] == "batch_rebalance"]
+    rows = summary.loc[summary["strategy"] == BATCH_REBALANCE]
     if rows.empty:
         return None
     row = rows.iloc[0]

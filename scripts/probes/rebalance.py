@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from probes import bucket
+from probes.lengths import LengthSet
 
-STRATEGY = "batch_rebalance"
+STRATEGY = bucket.BATCH_REBALANCE
 # The Trainer keeps the tail (dataloader_drop_last defaults to False), so the rows compare with
 # the sweep's, which batch every example.
 TRAINER_DROP_LAST = False
@@ -92,7 +93,7 @@ def rebalance_order(
 
 
 def rebalance_metrics(
-    data: bucket.LengthSet, micro_batch_size: int, grad_accum: int, seed: int
+    data: LengthSet, micro_batch_size: int, grad_accum: int, seed: int
 ) -> dict[str, Any]:
     """The sweep's metrics (``bucket.padded_metrics``) of batch_rebalance's micro-batches.
 
