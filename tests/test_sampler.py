@@ -162,3 +162,65 @@ def test_dataset_lengths_reads_a_length_column_or_input_ids():
     assert dataset_lengths([{"input_ids": [1, 2, 3]}]) == [3]
     with pytest.raises(ValueError, match="example 0 has no 'input_ids'"):
         dataset_lengths([{"text": "x"}])
+
+
+def test_sft_trainer_subclass_feeds_the_length_grouped_order(tmp_path):
+    """The same factory on TRL's SFTTrainer: lengths read from its own tokenised dataset."""
+    transformers = pytest.importorskip("transformers")
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from conftest import build_tiny_tokenizer
+
+    build_tiny_tokenizer(tmp_path / "tok")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    words = (3, 10, 5, 40, 7, 2, 25, 9, 14, 1)
+    dataset = datasets.Dataset.from_dict({"text": [" ".join(["hello"] * n) for n in words]})
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=2,
+        max_length=32,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        num_train_epochs=2,
+        seed=3,
+    )
+    trainer = length_grouped_trainer(trl.SFTTrainer)(
+        model=transformers.LlamaForCausalLM(config),
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        bucket_size_batches=2,
+    )
+    sampler = trainer._get_train_sampler()
+    expected = [len(ids) for ids in trainer.train_dataset["input_ids"]]
+    assert sampler.lengths.tolist() == expected  # truncated to max_length, EOS added by TRL
+    fed: list[int] = []
+    collate = trainer.data_collator
+
+    def recording(features):
+        batch = collate(features)
+        fed.append(int(batch["input_ids"].numel()))
+        return batch
+
+    trainer.data_collator = recording
+    trainer.train()
+    lengths = np.asarray(expected)
+    per_epoch = len(fed) // 2
+    # The Trainer calls set_epoch: epoch e feeds the order of seed + e.
+    for epoch in (0, 1):
+        got = sum(fed[epoch * per_epoch : (epoch + 1) * per_epoch])
+        assert got == padded(lengths[sampler.order(epoch)], 2)
+    assert not np.array_equal(sampler.order(0), sampler.order(1))

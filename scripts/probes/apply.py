@@ -606,10 +606,10 @@ def drop_no_loss_change(no_loss_examples: int | None, base: Baseline) -> dict[st
         ),
         "estimate": None,
         "caveat": (
-            "with assistant_only_loss=True TRL raises on an example with no assistant token at "
-            "all; examples that lose their loss tokens to truncation pass that check and are "
-            "what the filter removes (the TRL line filters after TRL tokenised and truncated; "
-            "without packing)"
+            "TRL's SFTTrainer (1.16) already drops examples left fully masked by truncation when "
+            "it truncates (packing off), so its filter line is a guard there; with "
+            "assistant_only_loss=True it raises on an example with no assistant token at all; "
+            "with packing on it keeps them: filter the data before the trainer"
         ),
     }
 
