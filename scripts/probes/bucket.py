@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from probes.contracts import SKIPPED_STATUSES, STRATEGY_ORDER
+from probes.contracts import BATCH_REBALANCE, SKIPPED_STATUSES, STRATEGY_ORDER
 from probes.errors import ProbeError
 from probes.lengths import LengthSet
 
@@ -434,27 +434,55 @@ def padded_metrics(
     micro_batch_size: int,
     grad_accum: int,
     n_sources: int,
+    rows_per_micro_batch: np.ndarray | None = None,
 ) -> dict[str, float | int]:
-    """Metrics of consecutive micro-batches of an ordering, each padded to its longest row."""
+    """Metrics of consecutive micro-batches of an ordering, each padded to its longest row.
+
+    Micro-batches hold ``micro_batch_size`` rows (the last may hold fewer) unless
+    ``rows_per_micro_batch`` gives each one's row count (a sampler with a variable micro-batch
+    size, e.g. transformers' BatchRebalanceSampler); ``grad_accum`` micro-batches make a step.
+    """
     n = ordered_lengths.size
-    starts = np.arange(0, n, micro_batch_size)
-    rows = np.diff(np.r_[starts, n])
+    if rows_per_micro_batch is None:
+        starts = np.arange(0, n, micro_batch_size)
+        rows = np.diff(np.r_[starts, n])
+    else:
+        rows = np.asarray(rows_per_micro_batch, dtype=np.int64)
+        if rows.sum() != n or (rows < 1).any():
+            raise ValueError(
+                f"rows_per_micro_batch sums to {int(rows.sum())} with minimum "
+                f"{int(rows.min()) if rows.size else 0}; it must cover all {n} ordered examples "
+                "with at least one row per micro-batch"
+            )
+        starts = np.r_[0, np.cumsum(rows)[:-1]].astype(np.int64)
     batch_len = np.maximum.reduceat(ordered_lengths, starts)
     batch_padded = rows * batch_len
     step_starts = np.arange(0, starts.size, grad_accum)
     step_padded = np.add.reduceat(batch_padded, step_starts)
-    step_real = np.add.reduceat(ordered_lengths, step_starts * micro_batch_size)
+    step_real = np.add.reduceat(ordered_lengths, starts[step_starts])
     spearman, lag1 = order_follows_length(batch_len)
-    micro_distinct, micro_entropy = fixed_group_diversity(
-        ordered_sources, micro_batch_size, n_sources
-    )
-    step_distinct, step_entropy = fixed_group_diversity(
-        ordered_sources, micro_batch_size * grad_accum, n_sources
-    )
+    if rows_per_micro_batch is None:
+        micro_distinct, micro_entropy = fixed_group_diversity(
+            ordered_sources, micro_batch_size, n_sources
+        )
+        step_distinct, step_entropy = fixed_group_diversity(
+            ordered_sources, micro_batch_size * grad_accum, n_sources
+        )
+    else:
+        micro_of_row = np.repeat(np.arange(starts.size, dtype=np.int64), rows)
+        step_of_row = micro_of_row // grad_accum
+        micro_distinct, micro_entropy = group_diversity(
+            micro_of_row, ordered_sources, starts.size, n_sources
+        )
+        step_distinct, step_entropy = group_diversity(
+            step_of_row, ordered_sources, step_starts.size, n_sources
+        )
     return {
         "n_micro_batches": int(starts.size),
         "n_steps": int(step_starts.size),
         "padded_tokens": int(batch_padded.sum()),
+        "micro_batch_rows_max": int(rows.max()),
+        "micro_batch_padded_tokens_max": int(batch_padded.max()),
         "attention_cost": int((rows * batch_len * batch_len).sum()),
         "batch_len_mean": float(batch_len.mean()),
         "batch_len_p50": _quantile_of_ints(batch_len, 0.5),
@@ -502,6 +530,8 @@ def packed_metrics(
         "n_micro_batches": int(n_micro),
         "n_steps": int(n_steps),
         "padded_tokens": int(n_bins * capacity),
+        "micro_batch_rows_max": int(min(micro_batch_size, n_bins)),
+        "micro_batch_padded_tokens_max": int(min(micro_batch_size, n_bins) * capacity),
         "attention_cost": int(n_bins * capacity * capacity),
         "batch_len_mean": float(capacity),
         "batch_len_p50": int(capacity),
@@ -546,13 +576,19 @@ def sweep_bucket_sizes(
     packing: Sequence[str] = PACKING_ALGORITHMS,
     order_fn: OrderFn = length_grouped_order,
     progress: bool = False,
+    batch_rebalance: bool = True,
 ) -> pd.DataFrame:
     """One row per strategy × bucket size × seed (packing: per algorithm × seed).
 
     Every bucket size of one seed shares that seed's shuffle, as HF's sampler would (its shuffle
     does not depend on mega_batch_mult), so differences between sizes are not shuffle noise.
+    ``batch_rebalance`` adds a comparison row per seed from transformers' own
+    BatchRebalanceSampler (``probes.rebalance``; same shuffle as the seed's), where the installed
+    transformers has it. It has no bucket size: the guard and the recommendation skip it.
     """
     from tqdm import tqdm
+
+    from probes import rebalance
 
     lengths, sources = data.lengths, data.sources
     n = lengths.size
@@ -563,8 +599,9 @@ def sweep_bucket_sizes(
     real_tokens = int(lengths.sum())
     attention_useful = int((lengths * lengths).sum())
     rows: list[dict[str, Any]] = []
+    with_rebalance = batch_rebalance and rebalance.unavailable_reason() is None
     bar = tqdm(
-        total=len(seeds) * (len(sizes) + len(packings)),
+        total=len(seeds) * (len(sizes) + len(packings) + int(with_rebalance)),
         desc="bucket sweep",
         disable=not progress,
         file=None,
@@ -608,6 +645,20 @@ def sweep_bucket_sizes(
                     "is_hf_trainer_default": False,
                     "seed": int(seed),
                     "n_bins": n_bins,
+                    **metrics,
+                }
+            )
+            bar.update()
+        if with_rebalance:
+            metrics = rebalance.rebalance_metrics(data, micro_batch_size, grad_accum, int(seed))
+            metrics.pop("examples_fed")
+            rows.append(
+                {
+                    "strategy": BATCH_REBALANCE,
+                    "bucket_size_batches": None,
+                    "bucket_size_examples": None,
+                    "is_hf_trainer_default": False,
+                    "seed": int(seed),
                     **metrics,
                 }
             )
@@ -843,9 +894,10 @@ def recommend(
             **_point(chosen, gain_column),
             "bucket_size_examples": min(m * micro, n),
             "how_to_use": (
+                f"probes.sampler.LengthGroupedSampler(lengths, micro_batch_size={micro}, "
+                f"bucket_size_batches={m}, seed=...) (the ordering measured here; = "
                 "transformers.trainer_pt_utils.get_length_grouped_indices(lengths, "
-                f"batch_size={micro}, mega_batch_mult={m}) or a megabatch of "
-                f"{min(m * micro, n)} examples in your own sampler"
+                f"batch_size={micro}, mega_batch_mult={m}))"
             ),
             "hf_trainer_equivalent": _trainer_equivalent(m, grad_accum),
         },
@@ -867,6 +919,7 @@ def recommend(
             }
             for _, row in summary.loc[summary["strategy"].str.startswith("packing_")].iterrows()
         },
+        "batch_rebalance": _rebalance_point(summary, prefix),
         "attention_note": ATTENTION_NOTE,
         "batch_shapes": {
             "micro_batch_size": micro,
@@ -881,16 +934,47 @@ def recommend(
     }
 
 
+def _rebalance_point(summary: pd.DataFrame, prefix: str) -> dict[str, Any] | None:
+    """Mean over seeds of the batch_rebalance comparison row, or None when it was not run."""
+    rows = summary.loc[summary["strategy"] == BATCH_REBALANCE]
+    if rows.empty:
+        return None
+    row = rows.iloc[0]
+    diversity = min(
+        float(row[f"{prefix}_distinct_sources_rel_random"]),
+        float(row[f"{prefix}_source_entropy_rel_random"]),
+    )
+    return {
+        "token_efficiency": float(row["token_efficiency"]),
+        "attention_efficiency": float(row["attention_efficiency"]),
+        "padded_tokens_saved_vs_random": float(row["padded_tokens_saved_vs_random"]),
+        "attention_cost_saved_vs_random": float(row["attention_cost_saved_vs_random"]),
+        "n_micro_batches": float(row["n_micro_batches"]),
+        "micro_batch_rows_max": float(row["micro_batch_rows_max"]),
+        "micro_batch_padded_tokens_max": float(row["micro_batch_padded_tokens_max"]),
+        "diversity_rel_random": diversity,
+        "micro_distinct_sources_rel_random": float(row["micro_distinct_sources_rel_random"]),
+        "step_distinct_sources_rel_random": float(row["step_distinct_sources_rel_random"]),
+        "order_length_spearman": float(row["order_length_spearman"]),
+        "step_real_tokens_cv": float(row["step_real_tokens_cv"]),
+    }
+
+
 def _trainer_equivalent(m: int, grad_accum: int) -> str:
+    setting = (
+        'TrainingArguments(train_sampling_strategy="group_by_length") (transformers 5; '
+        "group_by_length=True in 4.x)"
+    )
     if m % grad_accum == 0:
         return (
-            f"HF Trainer(group_by_length) groups with batch = micro × grad_accum; this bucket is "
+            f"{setting} groups with batch = micro × grad_accum; this bucket is "
             f"mega_batch_mult={m // grad_accum} there (the Trainer fixes it at "
-            f"min(n // (4 × batch), {HF_MAX_MEGA_BATCH_MULT}); changing it needs a custom sampler)"
+            f"min(n // (4 × batch), {HF_MAX_MEGA_BATCH_MULT}); other sizes need "
+            "probes.sampler.LengthGroupedSampler)"
         )
     return (
-        f"not expressible in HF Trainer(group_by_length): its megabatch is a multiple of micro × "
-        f"grad_accum = {grad_accum} micro-batches; use a custom sampler"
+        f"not expressible with {setting}: its megabatch is a multiple of micro × "
+        f"grad_accum = {grad_accum} micro-batches; use probes.sampler.LengthGroupedSampler"
     )
 
 
@@ -910,6 +994,7 @@ def _point(row: pd.Series, gain_column: str) -> dict[str, Any]:
         "step_source_entropy_rel_random": float(row["step_source_entropy_rel_random"]),
         "order_length_spearman": float(row["order_length_spearman"]),
         "step_real_tokens_cv": float(row["step_real_tokens_cv"]),
+        "micro_batch_padded_tokens_max": float(row["micro_batch_padded_tokens_max"]),
     }
 
 
@@ -946,7 +1031,15 @@ def two_length_control(order_fn: OrderFn = length_grouped_order) -> dict[str, An
     data = LengthSet(lengths, sources, ("a", "b"))
     sizes = [1, 2, 8, 32, 128, 512, n // micro]
     sweep = sweep_bucket_sizes(
-        data, micro, 1, long_, CONTROL_SEEDS, bucket_sizes=sizes, packing=(), order_fn=order_fn
+        data,
+        micro,
+        1,
+        long_,
+        CONTROL_SEEDS,
+        bucket_sizes=sizes,
+        packing=(),
+        order_fn=order_fn,
+        batch_rebalance=False,
     )
     real = int(lengths.sum())
     checks = []
@@ -1065,6 +1158,7 @@ def run_control(order_fn: OrderFn = length_grouped_order) -> dict[str, Any]:
         bucket_sizes=[1, 8, 2048],
         packing=(),
         order_fn=global_sort_collapse,
+        batch_rebalance=False,
     )
     try:
         assert_sweep_varies(collapsed, two["data"], 2)

@@ -38,9 +38,11 @@ LENGTH_GROUPED = "length_grouped"
 # Every example sorted by length before batching (a bucket as large as the dataset).
 GLOBAL_SORT = "global_sort"
 PACKING = "packing"
+# transformers' BatchRebalanceSampler (variable micro-batch size): a comparison row in the sweep.
+BATCH_REBALANCE = "batch_rebalance"
 PAD_TO_MAX_SEQ_LEN = "pad_to_max_seq_len"
 DATASET_ORDER = "dataset_order"
-STRATEGY_ORDER = (RANDOM, LENGTH_GROUPED, GLOBAL_SORT, PACKING)
+STRATEGY_ORDER = (RANDOM, LENGTH_GROUPED, GLOBAL_SORT, PACKING, BATCH_REBALANCE)
 
 # ---------------------------------------------------------------------------------------------
 # Output files per stage (relative to the results directory)
