@@ -269,12 +269,13 @@ def test_summary_is_the_mean_over_seeds_in_report_order(level, prefix):
     sweep = bucket.sweep_bucket_sizes(data, 2, 4, 1024, [0, 1, 2])
     summary = bucket.summarise(sweep, level)
     check_table_columns(summary.columns, "bucket_summary", "summary.parquet")
-    # random first, the sweep by size, global sort, then packing (bucket size NA) by name
+    # random first, the sweep by size, global sort, packing by name, then transformers'
+    # batch_rebalance (the last three with bucket size NA)
     assert summary["strategy"].map(bucket.strategy_rank).is_monotonic_increasing
     assert summary["strategy"].iloc[0] == RANDOM
-    assert list(summary["strategy"].iloc[-2:]) == ["packing_bfd", "packing_ffd"]
+    assert list(summary["strategy"].iloc[-3:]) == ["packing_bfd", "packing_ffd", "batch_rebalance"]
     assert summary["bucket_size_batches"].dropna().is_monotonic_increasing
-    assert summary["bucket_size_batches"].iloc[-2:].isna().all()
+    assert summary["bucket_size_batches"].iloc[-3:].isna().all()
     assert (summary["n_seeds"] == 3).all()
     assert len(summary) == len(sweep) // 3
     size = int(summary["bucket_size_batches"].dropna().iloc[2])

@@ -919,7 +919,7 @@ def recommend(
             }
             for _, row in summary.loc[summary["strategy"].str.startswith("packing_")].iterrows()
         },
-        "batch_rebalance": _rebalance_point(summary, prefix),
+        "batch_rebalance": _rebalance_point(summary),
         "attention_note": ATTENTION_NOTE,
         "batch_shapes": {
             "micro_batch_size": micro,
@@ -934,16 +934,12 @@ def recommend(
     }
 
 
-def _rebalance_point(summary: pd.DataFrame, prefix: str) -> dict[str, Any] | None:
+def _rebalance_point(summary: pd.DataFrame) -> dict[str, Any] | None:
     """Mean over seeds of the batch_rebalance comparison row, or None when it was not run."""
     rows = summary.loc[summary["strategy"] == BATCH_REBALANCE]
     if rows.empty:
         return None
     row = rows.iloc[0]
-    diversity = min(
-        float(row[f"{prefix}_distinct_sources_rel_random"]),
-        float(row[f"{prefix}_source_entropy_rel_random"]),
-    )
     return {
         "token_efficiency": float(row["token_efficiency"]),
         "attention_efficiency": float(row["attention_efficiency"]),
@@ -952,7 +948,7 @@ def _rebalance_point(summary: pd.DataFrame, prefix: str) -> dict[str, Any] | Non
         "n_micro_batches": float(row["n_micro_batches"]),
         "micro_batch_rows_max": float(row["micro_batch_rows_max"]),
         "micro_batch_padded_tokens_max": float(row["micro_batch_padded_tokens_max"]),
-        "diversity_rel_random": diversity,
+        "diversity_rel_random": float(row["diversity_rel_random"]),
         "micro_distinct_sources_rel_random": float(row["micro_distinct_sources_rel_random"]),
         "step_distinct_sources_rel_random": float(row["step_distinct_sources_rel_random"]),
         "order_length_spearman": float(row["order_length_spearman"]),
