@@ -222,7 +222,10 @@ def test_recorded_cpu_profile_leaves_the_harness_range_out():
             optimizer.step()
         wall_s = time.perf_counter() - begin
     averages = prof.key_averages()
-    rows = rows_from_key_averages(averages, device_event_kinds(prof))
+    kinds = device_event_kinds(prof)
+    assert kinds[("harness_step", "CPU")] == "user_annotation"
+    assert kinds[("aten::addmm", "CPU")] == "cpu_op"
+    rows = rows_from_key_averages(averages, kinds)
     recorded = {r.name: r for r in rows}
     assert recorded["harness_step"].kind == "annotation"
     assert recorded["Optimizer.step#AdamW.step"].kind == "annotation"
@@ -233,6 +236,19 @@ def test_recorded_cpu_profile_leaves_the_harness_range_out():
     assert double_count_check(kernel_sum, wall_s, None, tolerance=0.01)["passed"] is True
     # the range's own self time is real and would have been added on top
     assert recorded["harness_step"].self_time_us > 0
+    # without the is_user_annotation flag (older torch) the recorded event kind still says so
+    bare = [
+        SimpleNamespace(
+            key=a.key,
+            device_type=a.device_type,
+            self_device_time_total=0.0,
+            self_cpu_time_total=a.self_cpu_time_total,
+            count=a.count,
+        )
+        for a in averages
+        if a.key == "harness_step"
+    ]
+    assert rows_from_key_averages(bare, kinds)[0].kind == "annotation"
 
 
 @pytest.mark.parametrize(

@@ -146,9 +146,10 @@ def device_event_kinds(prof: Any) -> dict[tuple[str, str], str]:
         try:
             activity = str(event.activity_type())
             name = _rewrite_name(name=event.name(), with_wildcard=True)
+            device_type = str(event.device_type()).rsplit(".", 1)[-1].upper()
         except (AttributeError, RuntimeError, TypeError):
             return {}
-        kinds.setdefault((str(name), _device_type(event)), activity)
+        kinds.setdefault((str(name), device_type), activity)
     return kinds
 
 
