@@ -356,6 +356,7 @@ def flop_counter_control(
     old_six_n_flops: float | None = None,
     shape: Mapping[str, Any] | None = None,
     recomputed_forward: bool = False,
+    counter_error: str | None = None,
 ) -> dict[str, Any]:
     """The positive control for the FLOP count: analytic linear FLOPs / counted matmul FLOPs.
 
@@ -393,6 +394,14 @@ def flop_counter_control(
                 else None
             ),
             "shape": dict(shape or {}),
+            "counter_error": counter_error,
+            "hint": None
+            if passed
+            else (
+                "the count and the convention disagree: if the harness runs the LM head on the "
+                "loss positions only, set LM_HEAD_POSITIONS = 'loss' in it ('all' if it "
+                "computes every position's logits); trainable weights count 6, frozen 4"
+            ),
         },
         "passed": bool(passed),
     }

@@ -307,8 +307,12 @@ def run_flop_control(
     def step(batch: dict[str, Any] = batch) -> None:
         runner.harness.compute_loss(runner.model, batch).backward()
 
+    counter_error = None
     try:
         counted = fl.count_flops_by_op(step)
+    except (RuntimeError, AssertionError) as error:  # e.g. a counter formula refusing a shape
+        LOG.error("FLOP control: FlopCounterMode failed: %s", error)
+        counted, counter_error = {}, f"{type(error).__name__}: {error}"
     finally:
         runner.optimizer.zero_grad(set_to_none=True)
     del batch
@@ -319,6 +323,7 @@ def run_flop_control(
         old_six_n_flops=flop_model.dense_6n_flops(analytic.n_tokens, analytic.attention),
         shape={"batch": settings.micro_batch, "seq_len": length},
         recomputed_forward=_recomputes_forward(runner.model),
+        counter_error=counter_error,
     )
     LOG.info(
         "FLOP control at %d x %d: analytic / counted linear FLOPs %.3f (%s)",
