@@ -36,7 +36,7 @@ BENCHMARKS = Path("benchmarks")
 
 
 def read_benchmarks(directory: Path) -> pd.DataFrame:
-    """One row per rule from benchmarks/<rule>.tsv: wall (s), CPU (cpu_time), peak RSS, load."""
+    """One row per rule from benchmarks/<rule>.tsv: wall (s), CPU (cpu_time), peak RSS."""
     rows = []
     for path in sorted((directory / BENCHMARKS).glob("*.tsv")):
         table = pd.read_csv(path, sep="\t")
@@ -49,28 +49,26 @@ def read_benchmarks(directory: Path) -> pd.DataFrame:
                 "wall_s": float(last["s"]),
                 "cpu_s": float(last["cpu_time"]),
                 "max_rss_mb": float(last.get("max_rss", float("nan"))),
-                "mean_load": float(last.get("mean_load", float("nan"))),
             }
         )
-    return pd.DataFrame(rows, columns=["rule", "wall_s", "cpu_s", "max_rss_mb", "mean_load"])
+    return pd.DataFrame(rows, columns=["rule", "wall_s", "cpu_s", "max_rss_mb"])
 
 
 def format_table(rules: pd.DataFrame, total_wall_s: float | None) -> str:
     """The per-rule table, slowest first, with sums and the run's own wall time."""
     rules = rules.sort_values("wall_s", ascending=False)
-    lines = [f"{'rule':<16}{'wall s':>9}{'cpu s':>9}{'cpu/wall':>9}{'rss MB':>9}{'load':>7}"]
+    lines = [f"{'rule':<16}{'wall s':>9}{'cpu s':>9}{'cpu/wall':>9}{'rss MB':>9}"]
     for row in rules.itertuples():
         ratio = row.cpu_s / row.wall_s if row.wall_s > 0 else float("nan")
         lines.append(
-            f"{row.rule:<16}{row.wall_s:9.1f}{row.cpu_s:9.1f}{ratio:9.2f}"
-            f"{row.max_rss_mb:9.0f}{row.mean_load:7.2f}"
+            f"{row.rule:<16}{row.wall_s:9.1f}{row.cpu_s:9.1f}{ratio:9.2f}{row.max_rss_mb:9.0f}"
         )
     lines.append(f"{'sum of rules':<16}{rules['wall_s'].sum():9.1f}{rules['cpu_s'].sum():9.1f}")
     if total_wall_s is not None:
         verdict = "within" if total_wall_s <= BUDGET_S else "OVER"
         lines.append(
             f"{'whole run':<16}{total_wall_s:9.1f}   ({verdict} the {BUDGET_S:.0f} s budget; "
-            "rules overlap on several cores, and rules without benchmark: are not listed)"
+            "rules overlap on several cores; rules without benchmark: are not listed)"
         )
     return "\n".join(lines)
 
