@@ -28,6 +28,7 @@ from probes import kernels as kn
 from probes.ce import full_logits_cross_entropy, loss_positions_cross_entropy
 from probes.cluster import slurm_environment
 from probes.contracts import STAGE_OUTPUTS
+from probes.dtype_choice import resolve_dtype
 from probes.errors import ProbeError
 from probes.fit import QuadraticFit, fit_control, fit_step_time, term_shares
 from probes.gpu_guard import IdleLimits, probe_card, wait_for_idle_card
@@ -58,6 +59,7 @@ class Settings:
     device: torch.device
     cpu_only: bool
     dtype: torch.dtype
+    dtype_reason: str  # why this dtype: probes.dtype_choice.choose_dtype
     lengths: list[int]
     warmup: int
     repeats: int
@@ -94,11 +96,12 @@ def resolve_settings(profile: Mapping[str, Any], training: Mapping[str, Any]) ->
             f"profile.{device.type}.lengths: {lengths} has {len(lengths)} distinct length(s); the "
             "scaling fit t(T)=aT^2+bT+c needs at least 3."
         )
-    dtype = torch.bfloat16 if profile["dtype"] == "auto" else DTYPES[profile["dtype"]]
+    dtype_name, dtype_reason = resolve_dtype(profile["dtype"], device.type)
     return Settings(
         device=device,
         cpu_only=device.type != "cuda",
-        dtype=dtype,
+        dtype=DTYPES[dtype_name],
+        dtype_reason=dtype_reason,
         lengths=lengths,
         warmup=int(per_device["warmup"]),
         repeats=int(per_device["repeats"]),
@@ -1077,6 +1080,7 @@ def run_profile(
         "device": device_info,
         "cpu_only": settings.cpu_only,
         "dtype": str(settings.dtype).replace("torch.", ""),
+        "dtype_reason": settings.dtype_reason,
         "attn_implementation": profile["attn_implementation"],
         "lengths": settings.lengths,
         "warmup": settings.warmup,
