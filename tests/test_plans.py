@@ -6,14 +6,16 @@ import pytest
 
 from probes import bucket, fit
 from probes import plans as pl
+from probes.contracts import TRAINING_STATUSES
 from probes.io import read_provenance, write_parquet
+from probes.lengths import LengthSet
 
 MICRO, ACCUM, MAX_LEN = 2, 4, 256
 
 
 def _examples(n=301, seed=0) -> pl.PlanExamples:
     frame = bucket.synthetic_lengths_frame(n, seed=seed, max_seq_len=MAX_LEN)
-    used = frame[frame["status"].isin(bucket.USED_STATUSES)]
+    used = frame[frame["status"].isin(TRAINING_STATUSES)]
     lengths = used["n_tokens"].to_numpy(np.int64)
     loss = np.where(np.arange(lengths.size) % 3 == 0, 0, lengths // 2)  # a third carry no loss
     return pl.PlanExamples(used["example_id"].to_numpy(object), lengths, loss)
@@ -66,7 +68,7 @@ def test_orders_are_the_bucket_stages(plans, examples):
 
 
 def test_padded_tokens_match_the_bucket_sweep(plans, examples):
-    data = bucket.LengthSet(examples.lengths, np.zeros(examples.lengths.size, np.int32), ("a",))
+    data = LengthSet(examples.lengths, np.zeros(examples.lengths.size, np.int32), ("a",))
     sweep = bucket.sweep_bucket_sizes(data, MICRO, ACCUM, MAX_LEN, [0], [8], packing=["bfd"])
     by_name = sweep.groupby("strategy")["padded_tokens"].first()
     total = plans.groupby("strategy")["computed_tokens"].sum()
@@ -119,19 +121,21 @@ def test_read_examples_skips_empty_and_error(tmp_path):
     path = tmp_path / "lengths.parquet"
     write_parquet(frame, path, {})
     examples = pl.read_examples(path, MAX_LEN)
-    used = frame["status"].isin(bucket.USED_STATUSES)
+    used = frame["status"].isin(TRAINING_STATUSES)
     assert list(examples.example_ids) == list(frame.loc[used, "example_id"])
     assert (examples.loss_tokens <= examples.lengths).all()
 
 
-def test_write_for_bucket_stage_and_read_back(tmp_path):
+def test_bucket_stage_plans_and_read_back(tmp_path):
+    from probes.settings import TrainingConfig
+
     frame = bucket.synthetic_lengths_frame(120, seed=4, max_seq_len=MAX_LEN)
     lengths = tmp_path / "lengths.parquet"
     write_parquet(frame, lengths, {})
-    out = tmp_path / "plans.parquet"
-    training = {"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": MAX_LEN}
+    training = TrainingConfig(MICRO, ACCUM, MAX_LEN, "assistant")
     rec = {"recommended": {"bucket_size_batches": 4}}
-    pl.write_plans_for_bucket_stage(lengths, rec, training, out, {"config_hash": "x"}, seed=2)
+    out = tmp_path / "plans.parquet"
+    write_parquet(pl.bucket_stage_plans(lengths, rec, training, seed=2), out, {"plan_seed": 2})
     back = pl.read_plans(out)
     assert set(back["strategy"]) == set(pl.STRATEGIES)
     assert read_provenance(out)["plan_seed"] == 2

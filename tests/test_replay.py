@@ -13,7 +13,9 @@ from probes import bucket, fit
 from probes import plans as pl
 from probes import replay as rp
 from probes import replay_stage as rs
-from probes.config import SCHEMA, fill_defaults, load_yaml
+from probes.config import fill_defaults, schema
+from probes.contracts import TRAINING_STATUSES
+from probes.errors import ControlFailedError
 from probes.io import read_json, write_json, write_parquet
 
 MICRO, ACCUM, MAX_LEN = 2, 4, 512
@@ -22,7 +24,7 @@ MICRO, ACCUM, MAX_LEN = 2, 4, 512
 @pytest.fixture(scope="module")
 def plans() -> pd.DataFrame:
     frame = bucket.synthetic_lengths_frame(1500, seed=1, max_seq_len=MAX_LEN)
-    used = frame[frame["status"].isin(bucket.USED_STATUSES)]
+    used = frame[frame["status"].isin(TRAINING_STATUSES)]
     lengths = used["n_tokens"].to_numpy(np.int64)
     loss = np.where(np.arange(lengths.size) % 4 == 0, 0, lengths // 2)
     examples = pl.PlanExamples(used["example_id"].to_numpy(object), lengths, loss)
@@ -214,17 +216,19 @@ def test_packing_validity_reads_the_mask_gate():
     assert "unchecked" in rs.packing_validity({"scenarios": [{"scenario": "train"}]})
 
 
-def test_cpu_dtype_is_float32_unless_asked():
-    assert rs.replay_dtype("auto", torch.device("cpu")) == torch.float32
-    assert rs.replay_dtype("auto", torch.device("cuda", 0)) == torch.bfloat16
-    assert rs.replay_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+def test_dtype_is_the_profile_stages_choice():
+    from probes.dtype_choice import resolve_dtype
+
+    dtype, reason = rs.replay_dtype("auto", torch.device("cpu"))
+    assert str(dtype) == f"torch.{resolve_dtype('auto', 'cpu')[0]}" and reason
+    assert rs.replay_dtype("float32", torch.device("cpu"))[0] == torch.float32
 
 
 # --- the real harness on a tiny model, and the stage ------------------------------------------
 
 
 def _config(model_dir) -> dict:
-    schema = load_yaml(SCHEMA)["properties"]
+    sections = schema()["properties"]
     config = {
         "replay": fill_defaults(
             {
@@ -234,9 +238,9 @@ def _config(model_dir) -> dict:
                 "fit": {"repeats": 3},
                 "control": {"n_strata": 6, "samples_per_stratum": 3},
             },
-            schema["replay"],
+            sections["replay"],
         ),
-        "profile": fill_defaults({"device": "cpu", "ce_chunk_tokens": 16}, schema["profile"]),
+        "profile": fill_defaults({"device": "cpu", "ce_chunk_tokens": 16}, sections["profile"]),
         "training": {
             "micro_batch_size": MICRO,
             "grad_accum": ACCUM,
@@ -290,7 +294,10 @@ def _stage_inputs(tmp_path, gate_violations=0):
     training = {"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": 128}
     rec = {"recommended": {"bucket_size_batches": 4}}
     write_json(rec, tmp_path / "rec.json")
-    pl.write_plans_for_bucket_stage(lengths, rec, training, tmp_path / "plans.parquet", {})
+    from probes.settings import TrainingConfig
+
+    typed = TrainingConfig(training["micro_batch_size"], ACCUM, 128, "assistant")
+    write_parquet(pl.bucket_stage_plans(lengths, rec, typed), tmp_path / "plans.parquet", {})
     write_json(
         {"scenarios": [{"scenario": "packed", "violations": gate_violations}]},
         tmp_path / "gate.json",
@@ -301,15 +308,17 @@ def _stage_inputs(tmp_path, gate_violations=0):
         "recommendation": tmp_path / "rec.json",
         "gate": tmp_path / "gate.json",
     }
-    outputs = {key: tmp_path / "out" / name for key, name in rs.OUTPUT_FILES.items()}
+    outputs = {key: tmp_path / "out" / key for key in rs.OUTPUT_KEYS}
     return inputs, outputs
 
 
 def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
     inputs, outputs = _stage_inputs(tmp_path, gate_violations=2)
-    summary = rs.run(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)
+    summary = rs.run_replay(
+        inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False
+    )
     assert summary["control_passed"] and summary["cpu_only"]
-    table = pd.read_parquet(outputs["replay"])
+    table = pd.read_parquet(outputs["estimates"])
     assert list(table.columns) == list(rp.REPLAY_COLUMNS)
     assert set(table["strategy"]) == set(pl.STRATEGIES)
     assert not table.set_index("strategy").loc[pl.PACKING, "valid"]  # the gate saw a violation
@@ -338,6 +347,6 @@ def test_failed_control_writes_nothing(tmp_path, tiny_model_dir, monkeypatch):
     monkeypatch.setattr(
         rp, "run_synthetic_control", lambda *a, **k: {"passed": False, "observed": {"wall_s": 0}}
     )
-    with pytest.raises(rs.ReplayError, match="positive control failed"):
-        rs.run(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)
+    with pytest.raises(ControlFailedError, match="positive control failed"):
+        rs.run_replay(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)
     assert not any(path.exists() for path in outputs.values())

@@ -31,13 +31,18 @@ import numpy as np
 import pandas as pd
 
 from probes import bucket
+from probes.contracts import (
+    GLOBAL_SORT,
+    LENGTH_GROUPED,
+    PACKING,
+    RANDOM,
+    RANDOM_NO_IDLE,
+    TRAINING_STATUSES,
+)
+from probes.contracts import PAD_TO_MAX_SEQ_LEN as PAD_TO_MAX
+from probes.errors import ProbeError
+from probes.lengths import read_lengths
 
-RANDOM = "random"
-LENGTH_GROUPED = "length_grouped"
-GLOBAL_SORT = "global_sort"
-PACKING = "packing"
-PAD_TO_MAX = "pad_to_max_seq_len"
-RANDOM_NO_IDLE = "random_no_idle"
 STRATEGIES = (RANDOM, LENGTH_GROUPED, GLOBAL_SORT, PACKING, PAD_TO_MAX, RANDOM_NO_IDLE)
 BASELINE = RANDOM
 PADDED, PACKED = "padded", "packed"
@@ -60,7 +65,7 @@ PLAN_COLUMNS = (
 )
 
 
-class PlanInputError(ValueError):
+class PlanInputError(ProbeError, ValueError):
     """The plan's inputs are unusable; the message names the file, key and what to do."""
 
 
@@ -77,9 +82,9 @@ def read_examples(path: str | Path, max_seq_len: int) -> PlanExamples:
     """The lengths table through the bucket stage's own reader and checks, plus ids and loss
     tokens (which the bucket stage's LengthSet does not keep)."""
     path = Path(path)
-    bucket.read_lengths(path, max_seq_len)  # the same contract and error messages as the sweep
+    read_lengths(path, max_seq_len)  # the same contract and error messages as the sweep
     frame = pd.read_parquet(path, columns=["example_id", "status", "n_tokens", "n_loss_tokens"])
-    used = frame.loc[frame["status"].astype(str).isin(bucket.USED_STATUSES)]
+    used = frame.loc[frame["status"].astype(str).isin(TRAINING_STATUSES)]
     lengths = used["n_tokens"].to_numpy(dtype=np.int64)
     loss = pd.to_numeric(used["n_loss_tokens"], errors="coerce").fillna(0).to_numpy(np.int64)
     return PlanExamples(
@@ -247,28 +252,20 @@ def grad_accum_for_same_tokens(
     return max(1, round(grad_accum * baseline_tokens_per_micro_batch / tokens_per_micro_batch))
 
 
-def write_plans_for_bucket_stage(
-    lengths_path: str | Path,
-    recommendation: dict[str, Any],
-    training_cfg: dict[str, Any],
-    out_path: str | Path,
-    provenance: dict[str, Any],
-    seed: int = 0,
+def bucket_stage_plans(
+    lengths_path: str | Path, recommendation: dict[str, Any], training: Any, seed: int = 0
 ) -> pd.DataFrame:
-    """The bucket stage's one call: build every strategy's plan and write plans.parquet."""
-    from probes.io import write_parquet
-
-    max_seq_len = int(training_cfg["max_seq_len"])
-    plans = build_plans(
+    """The bucket stage's one call: every strategy's plan at the recommended bucket size.
+    `training` is the typed training section (micro_batch_size, grad_accum, max_seq_len)."""
+    max_seq_len = int(training.max_seq_len)
+    return build_plans(
         read_examples(lengths_path, max_seq_len),
-        micro_batch_size=int(training_cfg["micro_batch_size"]),
-        grad_accum=int(training_cfg["grad_accum"]),
+        micro_batch_size=int(training.micro_batch_size),
+        grad_accum=int(training.grad_accum),
         max_seq_len=max_seq_len,
         bucket_size_batches=recommended_bucket_size(recommendation),
         seed=seed,
     )
-    write_parquet(plans, out_path, {**provenance, "plan_seed": int(seed)})
-    return plans
 
 
 def read_plans(path: str | Path) -> pd.DataFrame:

@@ -15,7 +15,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +25,14 @@ import torch
 from probes import fit as ft
 from probes import plans as pl
 from probes import replay as rp
-from probes.io import (
-    atomic_path,
-    read_json,
-    read_provenance,
-    run_metadata,
-    write_json,
-    write_parquet,
-)
+from probes.contracts import STAGE_OUTPUTS
+from probes.errors import ControlFailedError, ProbeError
+from probes.io import read_json, read_provenance, run_metadata
+from probes.settings import WorkflowConfig
+from probes.stage import all_or_nothing
 
 LOG = logging.getLogger("probes.replay")
-OUTPUT_FILES = {
-    "replay": "replay.parquet",
-    "steps": "replay_steps.parquet",
-    "fit": "replay_fit.parquet",
-    "control": "replay_control.json",
-}
+OUTPUT_KEYS = tuple(STAGE_OUTPUTS["replay"])
 INPUT_KEYS = ("plans", "lengths", "recommendation", "gate")
 CPU_NOTE = (
     "CPU-only run: lengths capped at {cap} tokens (max_seq_len {max_seq_len}) and small samples; "
@@ -49,7 +40,7 @@ CPU_NOTE = (
 )
 
 
-class ReplayError(RuntimeError):
+class ReplayError(ProbeError, RuntimeError):
     """The stage cannot run as configured, or its control failed; nothing was written."""
 
 
@@ -72,13 +63,14 @@ def packing_validity(gate: Mapping[str, Any], origin: str = "gate.json") -> str 
     return None
 
 
-def replay_dtype(requested: str, device: torch.device) -> torch.dtype:
-    """The dtype the device computes natively: bf16 on CUDA; float32 on CPU (for now, even where
-    mkldnn reports bf16 support: an emulated bf16 CPU path runs ~100x slower)."""
+def replay_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype the profile stage would pick (probes.dtype_choice): bf16 on CUDA; on CPU bf16
+    only where it is computed natively, else float32. Returns the dtype and why."""
+    from probes.dtype_choice import resolve_dtype
+
     names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    if requested != "auto":
-        return names[requested]
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+    name, reason = resolve_dtype(requested, device.type)
+    return names[name], reason
 
 
 def plans_for_device(
@@ -182,6 +174,7 @@ def load_runner(
         device=device,
         cpu_only=device.type != "cuda",
         dtype=dtype,
+        dtype_reason="",
         lengths=[],
         warmup=0,
         repeats=1,
@@ -201,8 +194,14 @@ def load_runner(
     return runner, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), described
 
 
-def run(
-    inputs: Mapping[str, str | Path],
+def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
+    """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
+    summary = run_replay(inputs, outputs, cfg.raw, Path(inputs["tokenizer"][0]).parent)
+    LOG.info("replay summary: %s", summary)
+
+
+def run_replay(
+    inputs: Mapping[str, Any],
     outputs: Mapping[str, str | Path],
     cfg: Mapping[str, Any],
     model_path: str | Path,
@@ -214,7 +213,7 @@ def run(
     workflow config: sections replay, training and profile are read."""
     from probes import profile_stage as ps
 
-    missing = [k for k in OUTPUT_FILES if k not in outputs] + [
+    missing = [k for k in OUTPUT_KEYS if k not in outputs] + [
         k for k in INPUT_KEYS if k not in inputs
     ]
     if missing:
@@ -259,7 +258,9 @@ def run(
         control["observed"]["wall_s"],
     )
     if not control["passed"]:
-        raise ReplayError(f"positive control failed: {control['observed']}")
+        raise ControlFailedError(
+            f"replay: positive control failed, no output written: {control['observed']}"
+        )
 
     invalid = {}
     reason = packing_validity(read_json(inputs["gate"]), str(inputs["gate"]))
@@ -274,7 +275,7 @@ def run(
     if cpu_only:
         torch.set_num_threads(int(replay_cfg["cpu"]["threads"]))
     torch.manual_seed(settings.seed)
-    dtype = replay_dtype(profile["dtype"], device)
+    dtype, dtype_reason = replay_dtype(profile["dtype"], device)
     model_runner, vocab_size, pad_id, harness_info = load_runner(model_path, profile, device, dtype)
     runner = rp.ReplayRunner(
         model_runner, vocab_size, pad_id, settings.seed, int(replay_cfg["repeats"])
@@ -337,6 +338,7 @@ def run(
         "device": ps.device_description(device),
         "cpu_only": cpu_only,
         "dtype": str(dtype).replace("torch.", ""),
+        "dtype_reason": dtype_reason,
         "max_seq_len_replayed": max_len,
         "harness": harness_info,
         "idle_check": idle,
@@ -344,12 +346,11 @@ def run(
         "wall_s": time.perf_counter() - started,
     }
     control["observed"]["cpu_only"] = cpu_only
-    with ExitStack() as stack:
-        tmp = {key: stack.enter_context(atomic_path(outputs[key])) for key in OUTPUT_FILES}
-        write_parquet(table, tmp["replay"], provenance)
-        write_parquet(all_steps, tmp["steps"], provenance)
-        write_parquet(pd.DataFrame([fit_row]), tmp["fit"], provenance)
-        write_json(control, tmp["control"])
+    with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
+        out.parquet("estimates", table, provenance)
+        out.parquet("steps", all_steps, provenance)
+        out.parquet("fit", pd.DataFrame([fit_row]), provenance)
+        out.json("control", control)
     return {
         "cpu_only": cpu_only,
         "wall_s": provenance["wall_s"],

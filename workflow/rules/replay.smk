@@ -2,21 +2,21 @@
 # timed through the harness. Asks for the GPU like profile; both serialise on gpu=1.
 rule replay:
     input:
-        plans="results/bucket/plans.parquet",
-        lengths="results/padding/lengths.parquet",
-        recommendation="results/bucket/recommendation.json",
-        gate="results/mask/gate.json",
+        plans=out("bucket", "plans"),
+        lengths=out("padding", "lengths"),
+        recommendation=out("bucket", "recommendation"),
+        gate=out("mask", "gate"),
         model_config=model_config_json(),
         tokenizer=model_tokenizer_files(),
     output:
-        replay=report(
-            "results/profile/replay.parquet",
+        estimates=report(
+            out("replay", "estimates"),
             category="Profile",
             caption="../report/replay.rst",
         ),
-        steps="results/profile/replay_steps.parquet",
-        fit="results/profile/replay_fit.parquet",
-        control="results/profile/replay_control.json",
+        steps=out("replay", "steps"),
+        fit=out("replay", "fit"),
+        control=out("replay", "control"),
     log:
         "logs/replay.log",
     benchmark:
@@ -26,7 +26,7 @@ rule replay:
     resources:
         gpu=1,
     params:
-        model_path=model_dir_of_input,
+        # the config sections the stage reads: a change reruns it
         replay=config["replay"],
         profile=config["profile"],
         training=config["training"],
