@@ -216,6 +216,10 @@ def test_packing_validity_reads_the_mask_gate():
     assert "unchecked" in rs.packing_validity({"scenarios": [{"scenario": "train"}]})
 
 
+def test_gpu_busy_share_is_not_measured_on_cpu():
+    assert math.isnan(rp.gpu_busy_share(lambda: None, torch.device("cpu")))
+
+
 def test_dtype_is_the_profile_stages_choice():
     from probes.dtype_choice import resolve_dtype
 

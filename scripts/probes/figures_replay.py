@@ -23,14 +23,14 @@ SIZE = (7.0, 4.2)
 
 def _save(fig: plt.Figure, path: str | Path, dpi: int, left: float = 0.1) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.subplots_adjust(left=left, right=0.97, bottom=0.13, top=0.9)
+    fig.subplots_adjust(left=left, right=0.97, bottom=0.13, top=0.87)
     fig.savefig(path, dpi=dpi, metadata={"Software": None})
     plt.close(fig)
 
 
 def _cpu_suffix(frame: pd.DataFrame) -> str:
     if "cpu_only" in frame and bool(frame["cpu_only"].fillna(False).any()):
-        return " (CPU-only, lengths capped: not comparable with a GPU)"
+        return "\nCPU-only, lengths capped: not comparable with a GPU"
     return ""
 
 
@@ -119,6 +119,8 @@ def fit_vs_measured(
         )
     ax.set_xlabel("padded length T (tokens)")
     ax.set_ylabel("forward + backward, s")
+    # the fit's batches carry the data's mean loss share in every row; real micro-batches carry
+    # their own loss tokens (the head + CE over the vocabulary scale with them)
     ax.set_title("Scaling fit vs measured" + _cpu_suffix(fit), fontsize=9)
     ax.legend(fontsize=7, loc="upper left")
     _save(fig, path, dpi)
