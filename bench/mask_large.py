@@ -228,7 +228,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--baseline-ref", default=BASELINE_REF)
     parser.add_argument(
-        "--quick", action="store_true", help="only the breakdown at 2 x 16,384 (no peer, no ablation)"
+        "--quick",
+        action="store_true",
+        help="only the breakdown at 2 x 16,384 (no peer, no ablation)",
     )
     args = parser.parse_args()
     config = Path(args.config)
