@@ -92,3 +92,61 @@ def test_blocks_of_rows_are_stitched_without_gaps(monkeypatch):
     two = structured(padded_doc_ids([56, 30], 56, "right"), window=9)
     assert not two[:, 0, 7:14].numpy().flags.c_contiguous
     assert_same(two, torch.from_numpy(padded_doc_ids([56, 30], 56, "right") < 0))
+
+
+def test_layers_sharing_a_mask_are_measured_once(monkeypatch):
+    # 3 sliding + 1 full layer, right-padded: transformers builds two masks (one per layer type)
+    # and hands the same tensor to every layer of a type, so two measurements, not four
+    from probes import mask
+
+    calls = []
+    original = mask_band.row_intervals
+
+    def counting(mask_tensor, key_is_pad=None):
+        calls.append(mask.mask_identity(mask_tensor))
+        return original(mask_tensor, key_is_pad)
+
+    monkeypatch.setattr(mask_band, "row_intervals", counting)
+    config = {
+        "model_type": "gemma3_text",
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    }
+    mask_cfg = mask.merged_mask_config({"scenarios": ["right_padded"], "confirm_on_cuda": False})
+    table, _ = mask.evaluate(
+        config, mask_cfg, {"micro_batch_size": 2, "max_seq_len": 24}, progress=False
+    )
+    assert len(calls) == len(set(calls)) == 2
+    assert table["mask_present"].all()
+
+
+def test_views_of_one_storage_share_an_identity_and_copies_do_not():
+    from probes.mask import mask_identity
+
+    base = structured(np.zeros((2, 16), dtype=np.int64), window=4)
+    assert mask_identity(base) == mask_identity(base[:, :, :, :])
+    assert mask_identity(base) != mask_identity(base.clone())
+    assert mask_identity(base) != mask_identity(base[:, :, :8])  # another view: another shape
+
+
+def test_heap_reuse_is_scoped_and_leaves_values_alone():
+    from probes import mask_memory
+
+    with mask_memory.reuse_freed_memory(enabled=False) as applied:
+        assert applied is False
+    if mask_memory._glibc() is None:
+        pytest.skip("not glibc: the setting is a no-op here")
+    with mask_memory.reuse_freed_memory() as applied:
+        assert applied is True
+        big = torch.ones(64, 1024, 1024, dtype=torch.bool)  # 64 MiB: above any mmap threshold
+        del big
+        again = torch.zeros(64, 1024, 1024, dtype=torch.bool)
+        assert not again.any()  # a reused block is still zeroed by torch.zeros
