@@ -9,17 +9,15 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
-
-
-rule all:
-    default_target: True
-    input:
-        "results/report/playbook-evidence.md",
-
-
 include: "workflow/rules/assets.smk"
 include: "workflow/rules/mask.smk"
 include: "workflow/rules/padding.smk"
 include: "workflow/rules/bucket.smk"
 include: "workflow/rules/profile.smk"
 include: "workflow/rules/report.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        rules.report.output.markdown,

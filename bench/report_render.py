@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "scripts"), str(REPO / "tests")]
+sys.path.insert(0, str(REPO / "tests"))  # the fixture writers live with the tests
 
 
 def main() -> None:
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    import test_report as fixtures  # the same builders the unit tests render from
+    import stage_fixtures as fixtures  # the same builders the unit tests render from
 
     from probes import report
     from probes.io import run_metadata, write_parquet

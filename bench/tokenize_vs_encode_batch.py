@@ -40,7 +40,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
 
 TARGET_RATIO = 1.3
 

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from probes.config import load_config
+from probes.settings import WorkflowConfig
+
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = REPO / "config" / "chat_templates" / "gemma.jinja"
 CANARY = "CANARY-7f3a9c-DO-NOT-LEAK"
@@ -119,3 +122,11 @@ def copy_workflow(destination: Path) -> Path:
         else:
             shutil.copy(source, destination / name)
     return destination
+
+
+def workflow_config(**sections: dict) -> WorkflowConfig:
+    """The embedded default config, schema-filled, with `sections` merged in (one level deep)."""
+    raw = load_config()
+    for section, values in sections.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    return WorkflowConfig.from_dict(raw)

@@ -1,10 +1,7 @@
 """Bucket sweep: HF-exact orderings, packing, control, collapse guard, edge cases, determinism."""
 
-import importlib.util
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,11 +9,13 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from probes import bucket
+from conftest import CANARY, workflow_config
+from probes import bucket, bucket_stage, lengths
+from probes.contracts import RANDOM, STAGE_OUTPUTS, check_table_columns
+from probes.errors import ControlFailedError
 from probes.io import write_parquet
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "scripts" / "step_bucket.py"
 BUCKET_DEFAULTS = {
     "seeds": [0, 1, 2],
     "bucket_sizes": None,
@@ -29,35 +28,22 @@ BUCKET_DEFAULTS = {
 TRAINING = {"micro_batch_size": 2, "grad_accum": 4, "max_seq_len": 1024, "loss_on": "assistant"}
 
 
-def _step_bucket():
-    spec = importlib.util.spec_from_file_location("step_bucket", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _length_set(lengths, sources=None) -> bucket.LengthSet:
-    lengths = np.asarray(lengths, dtype=np.int64)
+def _length_set(values, sources=None) -> lengths.LengthSet:
+    lengths_array = np.asarray(values, dtype=np.int64)
     if sources is None:
-        sources = np.zeros(lengths.size, dtype=np.int32)
-    codes, names = bucket.encode_sources(np.asarray(sources).astype(str))
-    return bucket.LengthSet(lengths, codes, names)
+        sources = np.zeros(lengths_array.size, dtype=np.int32)
+    codes, names = lengths.encode_sources(np.asarray(sources).astype(str))
+    return lengths.LengthSet(lengths_array, codes, names)
 
 
-def _run_stage(lengths_path: Path, out: Path, config_extra=None, log_path=None) -> dict:
-    bucket_cfg = {**BUCKET_DEFAULTS, **(config_extra or {})}
-    config = {"bucket": bucket_cfg, "training": TRAINING}
-    return _step_bucket().main(
-        lengths_path,
-        out / "sweep.parquet",
-        out / "recommendation.json",
-        out / "control.json",
-        bucket_cfg,
-        TRAINING,
-        config,
-        logging.getLogger("test_bucket"),
-        progress=False,
-    )
+def _outputs(out: Path) -> dict[str, str]:
+    return {key: str(out / Path(rel).name) for key, rel in STAGE_OUTPUTS["bucket"].items()}
+
+
+def _run_stage(lengths_path: Path, out: Path, config_extra=None) -> dict:
+    cfg = workflow_config(bucket={**BUCKET_DEFAULTS, **(config_extra or {})}, training=TRAINING)
+    bucket_stage.run({"lengths": lengths_path}, _outputs(out), cfg, progress=False)
+    return json.loads((out / "recommendation.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +156,7 @@ def test_positive_control_fails_on_collapsing_ordering():
 
 def test_collapse_guard_fires_on_global_sort_injection():
     full, sources = bucket.synthetic_lengths(2000, seed=1)
-    data = bucket.LengthSet(np.minimum(full, 1024), sources, tuple("abcdefgh"))
+    data = lengths.LengthSet(np.minimum(full, 1024), sources, tuple("abcdefgh"))
     collapsed = bucket.sweep_bucket_sizes(
         data, 2, 4, 1024, [0, 1], packing=(), order_fn=bucket.global_sort_collapse
     )
@@ -186,7 +172,7 @@ def test_collapse_guard_fires_on_global_sort_injection():
 def test_collapse_guard_fires_when_sizes_agree_but_ends_are_right():
     """A sweep whose every row equals random would also be caught (spread check + ends)."""
     full, sources = bucket.synthetic_lengths(500, seed=2)
-    data = bucket.LengthSet(np.minimum(full, 1024), sources, tuple("abcdefgh"))
+    data = lengths.LengthSet(np.minimum(full, 1024), sources, tuple("abcdefgh"))
 
     def never_sorts(lengths, perm, batch, mult):
         return bucket.length_grouped_order(lengths, perm, batch, 1)
@@ -229,7 +215,7 @@ def test_one_source_diversity_defined():
 
 def test_micro_batch_one_has_no_padding_and_no_false_alarm():
     full, sources = bucket.synthetic_lengths(200, seed=5)
-    data = bucket.LengthSet(np.minimum(full, 512), sources, tuple("abcdefgh"))
+    data = lengths.LengthSet(np.minimum(full, 512), sources, tuple("abcdefgh"))
     sweep = bucket.sweep_bucket_sizes(data, 1, 2, 512, [0], packing=())
     assert (sweep["token_efficiency"] == 1.0).all()
     assert not bucket.assert_sweep_varies(sweep, data, 1)["applicable"]
@@ -246,7 +232,7 @@ def test_fewer_examples_than_a_micro_batch():
 def test_recommendation_is_smallest_size_meeting_both_thresholds():
     # Sources follow length, so diversity falls as buckets grow.
     full, sources = bucket.synthetic_lengths(4000, seed=6, n_sources=4)
-    data = bucket.LengthSet(np.minimum(full, 2048), sources, tuple("abcd"))
+    data = lengths.LengthSet(np.minimum(full, 2048), sources, tuple("abcd"))
     sweep = bucket.sweep_bucket_sizes(data, 2, 4, 2048, [0, 1, 2], packing=())
     for gain_share, diversity_share in [(0.9, 0.8), (0.5, 0.95), (0.99, 0.0)]:
         rec = bucket.recommend(sweep, gain_share, diversity_share)
@@ -266,7 +252,7 @@ def test_recommendation_is_smallest_size_meeting_both_thresholds():
 
 def test_packing_beats_padding_on_tokens_here():
     full, sources = bucket.synthetic_lengths(3000, seed=7)
-    data = bucket.LengthSet(np.minimum(full, 2048), sources, tuple("abcdefgh"))
+    data = lengths.LengthSet(np.minimum(full, 2048), sources, tuple("abcdefgh"))
     sweep = bucket.sweep_bucket_sizes(data, 2, 4, 2048, [0])
     summary = bucket.summarise(sweep).set_index("strategy")
     for name in ("packing_ffd", "packing_bfd"):
@@ -276,6 +262,42 @@ def test_packing_beats_padding_on_tokens_here():
     assert set(rec["packing"]) == {"packing_ffd", "packing_bfd"}
 
 
+@pytest.mark.parametrize(("level", "prefix"), [("step", "step"), ("micro_batch", "micro")])
+def test_summary_is_the_mean_over_seeds_in_report_order(level, prefix):
+    full, sources = bucket.synthetic_lengths(2000, seed=11, n_sources=4)
+    data = lengths.LengthSet(np.minimum(full, 1024), sources, tuple("abcd"))
+    sweep = bucket.sweep_bucket_sizes(data, 2, 4, 1024, [0, 1, 2])
+    summary = bucket.summarise(sweep, level)
+    check_table_columns(summary.columns, "bucket_summary", "summary.parquet")
+    # random first, the sweep by size, global sort, packing by name, then transformers'
+    # batch_rebalance (the last three with bucket size NA)
+    assert summary["strategy"].map(bucket.strategy_rank).is_monotonic_increasing
+    assert summary["strategy"].iloc[0] == RANDOM
+    assert list(summary["strategy"].iloc[-3:]) == ["packing_bfd", "packing_ffd", "batch_rebalance"]
+    assert summary["bucket_size_batches"].dropna().is_monotonic_increasing
+    assert summary["bucket_size_batches"].iloc[-3:].isna().all()
+    assert (summary["n_seeds"] == 3).all()
+    assert len(summary) == len(sweep) // 3
+    size = int(summary["bucket_size_batches"].dropna().iloc[2])
+    rows = sweep[sweep["bucket_size_batches"] == size]
+    row = summary[summary["bucket_size_batches"] == size].iloc[0]
+    assert row["token_efficiency"] == pytest.approx(rows["token_efficiency"].mean())
+    assert row["attention_efficiency_std"] == pytest.approx(
+        rows["attention_efficiency"].std(ddof=0)
+    )
+    assert row["token_efficiency_std"] > 0  # seeds shuffle differently
+    diversity = min(
+        rows[f"{prefix}_distinct_sources_rel_random"].mean(),
+        rows[f"{prefix}_source_entropy_rel_random"].mean(),
+    )
+    assert row["diversity_rel_random"] == pytest.approx(diversity)
+    # the recommendation judges diversity with the same numbers
+    rec = bucket.recommend(sweep, 0.9, 0.8, diversity_level=level)
+    chosen = rec["recommended"]["bucket_size_batches"]
+    at_chosen = summary.loc[summary["bucket_size_batches"] == chosen, "diversity_rel_random"]
+    assert rec["recommended"]["diversity_rel_random"] == at_chosen.iloc[0]
+
+
 # ----------------------------------------------------------------------------- input contract
 
 
@@ -283,7 +305,7 @@ def test_read_lengths_counts_statuses_and_skips_empty_error(tmp_path):
     frame = bucket.synthetic_lengths_frame(500, seed=8, max_seq_len=256)
     path = tmp_path / "lengths.parquet"
     frame.to_parquet(path)
-    data = bucket.read_lengths(path, 256)
+    data = lengths.read_lengths(path, 256)
     counts = frame["status"].value_counts()
     assert data.lengths.size == counts.get("OK", 0) + counts.get("TRUNCATED", 0)
     assert data.status_counts["EMPTY"] == counts.get("EMPTY", 0) > 0
@@ -304,13 +326,13 @@ def test_bad_lengths_input_names_the_problem(tmp_path, mutate, message):
     frame = mutate(bucket.synthetic_lengths_frame(50, seed=9, max_seq_len=4096))
     path = tmp_path / "lengths.parquet"
     frame.to_parquet(path)
-    with pytest.raises(bucket.LengthsInputError, match=message):
-        bucket.read_lengths(path, 4096)
+    with pytest.raises(lengths.LengthsError, match=message):
+        lengths.read_lengths(path, 4096)
 
 
 def test_missing_lengths_file_is_a_clear_error(tmp_path):
-    with pytest.raises(bucket.LengthsInputError, match="padding"):
-        bucket.read_lengths(tmp_path / "nope.parquet", 4096)
+    with pytest.raises(lengths.LengthsError, match="padding"):
+        lengths.read_lengths(tmp_path / "nope.parquet", 4096)
 
 
 # ----------------------------------------------------------------------------- stage, outputs
@@ -334,8 +356,6 @@ def test_stage_is_deterministic(synthetic_lengths_file, tmp_path):
 
 def test_stage_outputs_and_recommendation_contents(synthetic_lengths_file, tmp_path):
     rec = _run_stage(synthetic_lengths_file, tmp_path)
-    on_disk = json.loads((tmp_path / "recommendation.json").read_text())
-    assert on_disk["recommended"] == rec["recommended"]
     assert rec["status"] == "ok"
     assert rec["recommended"]["gain"] >= 0.9 * rec["best_gain"]["gain"]
     assert rec["thresholds"]["gain_share"] == 0.9
@@ -347,83 +367,36 @@ def test_stage_outputs_and_recommendation_contents(synthetic_lengths_file, tmp_p
         sweep["strategy"]
     )
     assert sweep["seed"].nunique() == 3
+    summary = pd.read_parquet(tmp_path / "summary.parquet")
+    expected = bucket.summarise(sweep, BUCKET_DEFAULTS["diversity_level"])
+    pd.testing.assert_frame_equal(summary, expected)
     control = json.loads((tmp_path / "control.json").read_text())
     assert control["passed"] is True
 
 
-def test_no_data_text_in_outputs_or_log(tmp_path):
-    canary = "CANARY-7f3a-do-not-leak"
+def test_no_data_text_in_outputs_or_log(tmp_path, caplog):
     frame = bucket.synthetic_lengths_frame(400, seed=10, max_seq_len=1024)
-    frame["source"] = frame["source"] + canary  # sources may be prompt text (chitchat)
-    lengths = tmp_path / "lengths.parquet"
-    frame.to_parquet(lengths)
+    frame["source"] = frame["source"] + CANARY  # sources may be prompt text (chitchat)
+    lengths_path = tmp_path / "lengths.parquet"
+    frame.to_parquet(lengths_path)
     out = tmp_path / "out"
-    log_path = tmp_path / "bucket.log"
-    log = logging.getLogger("test_bucket.canary")
-    handler = logging.FileHandler(log_path)
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
-        bucket_cfg = dict(BUCKET_DEFAULTS)
-        _step_bucket().main(
-            lengths,
-            out / "sweep.parquet",
-            out / "recommendation.json",
-            out / "control.json",
-            bucket_cfg,
-            TRAINING,
-            {"bucket": bucket_cfg, "training": TRAINING},
-            log,
-            progress=False,
-        )
-    finally:
-        log.removeHandler(handler)
-        handler.close()
-    assert "recommended bucket size" in log_path.read_text()
-    for path in [*out.iterdir(), log_path]:
-        assert canary.encode() not in path.read_bytes(), path.name
+    with caplog.at_level(logging.INFO, logger="probes.bucket"):
+        _run_stage(lengths_path, out)
+    assert "recommended bucket size" in caplog.text
+    assert CANARY not in caplog.text
+    for path in out.iterdir():
+        assert CANARY.encode() not in path.read_bytes(), path.name
 
 
 def test_failed_control_writes_nothing(synthetic_lengths_file, tmp_path, monkeypatch):
-    module = _step_bucket()
     monkeypatch.setattr(
-        module.bucket,
+        bucket,
         "run_control",
         lambda: {"name": "x", "description": "", "expected": 1, "observed": 0, "passed": False},
     )
-    with pytest.raises(module.ControlFailedError, match="positive control failed"):
-        module.main(
-            synthetic_lengths_file,
-            tmp_path / "s.parquet",
-            tmp_path / "r.json",
-            tmp_path / "c.json",
-            BUCKET_DEFAULTS,
-            TRAINING,
-            {"bucket": BUCKET_DEFAULTS, "training": TRAINING},
-            logging.getLogger("t"),
-        )
-    assert not list(tmp_path.iterdir())
-
-
-def test_cli_help_and_bad_input_exit_code(tmp_path):
-    helped = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True)
-    assert helped.returncode == 0 and "--lengths" in helped.stdout
-    missing = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--lengths",
-            str(tmp_path / "none.parquet"),
-            "--out-dir",
-            str(tmp_path / "out"),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
-    assert missing.returncode == 1
-    assert "padding" in missing.stderr and not (tmp_path / "out").exists()
+    with pytest.raises(ControlFailedError, match="positive control failed"):
+        _run_stage(synthetic_lengths_file, tmp_path / "out")
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
 def test_schema_fills_bucket_defaults_and_rejects_unknown_keys():
@@ -446,7 +419,7 @@ def test_schema_fills_bucket_defaults_and_rejects_unknown_keys():
 )
 def test_recommend_variants_echo_thresholds(gain_metric, diversity_level):
     full, sources = bucket.synthetic_lengths(1500, seed=12)
-    data = bucket.LengthSet(np.minimum(full, 1024), sources, tuple("abcdefgh"))
+    data = lengths.LengthSet(np.minimum(full, 1024), sources, tuple("abcdefgh"))
     sweep = bucket.sweep_bucket_sizes(data, 2, 4, 1024, [0], packing=("bfd",))
     rec = bucket.recommend(sweep, 0.8, 0.5, gain_metric, diversity_level)
     assert rec["thresholds"]["gain_metric"] == gain_metric

@@ -34,7 +34,7 @@ def test_snakemake_bucket_sweep_end_to_end(tmp_path):
     run = _snakemake(work, "--cores", "1", "bucket_sweep")
     assert run.returncode == 0, run.stderr[-3000:]
     results = work / "results" / "bucket"
-    for name in ("sweep.parquet", "recommendation.json", "control.json"):
+    for name in ("sweep.parquet", "summary.parquet", "recommendation.json", "control.json"):
         assert (results / name).is_file()
     control = json.loads((results / "control.json").read_text())
     assert control["passed"] is True

@@ -1,6 +1,7 @@
 """The entry script: outputs, failure without partial outputs, --help, and the Snakemake rule."""
 
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+
+from conftest import workflow_config
+from probes import mask_stage
+from probes.contracts import STAGE_OUTPUTS
+from probes.stage import call_stage
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "step0_mask.py"
@@ -25,15 +31,6 @@ TINY_GEMMA3 = {
 }
 
 
-def load_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("step0_mask", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def tiny_config(tmp_path: Path) -> Path:
     path = tmp_path / "model" / "config.json"
@@ -43,18 +40,11 @@ def tiny_config(tmp_path: Path) -> Path:
 
 
 def run_main(config_path: Path, outdir: Path, **mask_cfg) -> int:
-    script = load_script()
-    training = {"micro_batch_size": 2, "max_seq_len": 24}
-    return script.main(
-        str(config_path),
-        str(outdir / "layers.parquet"),
-        str(outdir / "gate.json"),
-        str(outdir / "control.json"),
-        mask_cfg,
-        training,
-        {"test": True},
-        str(outdir / "mask.log"),
-    )
+    """The stage through the one entry (probes.stage.call_stage), as its script runs it."""
+    cfg = workflow_config(mask=mask_cfg, training={"micro_batch_size": 2, "max_seq_len": 24})
+    outputs = {key: str(outdir / Path(rel).name) for key, rel in STAGE_OUTPUTS["mask"].items()}
+    inputs = {"model_config": str(config_path)}
+    return call_stage(mask_stage.run, inputs, outputs, cfg, logging.getLogger("probes.mask"))
 
 
 def test_main_writes_layers_gate_and_control(tiny_config: Path, tmp_path: Path):
@@ -71,11 +61,14 @@ def test_main_writes_layers_gate_and_control(tiny_config: Path, tmp_path: Path):
     assert "provenance" in gate and gate["provenance"]["config_hash"]
 
 
-def test_main_fails_without_partial_outputs_on_a_violation(tiny_config: Path, tmp_path: Path):
+def test_main_fails_without_partial_outputs_on_a_violation(
+    tiny_config: Path, tmp_path: Path, caplog
+):
     outdir = tmp_path / "out"
-    assert run_main(tiny_config, outdir, scenarios=["train"], expected_sliding_window=9) == 1
+    with caplog.at_level(logging.INFO):
+        assert run_main(tiny_config, outdir, scenarios=["train"], expected_sliding_window=9) == 1
     assert not (outdir / "gate.json").exists() and not (outdir / "layers.parquet").exists()
-    log = (outdir / "mask.log").read_text()
+    log = caplog.text
     assert "mask gate FAILED" in log and "layer 0 (sliding_attention, expected window 9)" in log
 
 
@@ -89,20 +82,36 @@ def test_main_can_write_a_failing_gate_when_asked(tiny_config: Path, tmp_path: P
     assert gate["passed"] is False and gate["violations_total"] == 3
 
 
-def test_bad_config_json_names_the_file(tmp_path: Path):
+def test_bad_config_json_names_the_file(tmp_path: Path, caplog):
     bad = tmp_path / "config.json"
     bad.write_text('{"hidden_size": 3}')
     outdir = tmp_path / "out"
     assert run_main(bad, outdir) == 1
-    assert "key 'model_type' missing" in (outdir / "mask.log").read_text()
+    assert "key 'model_type' missing" in caplog.text and str(bad) in caplog.text
     assert not outdir.joinpath("gate.json").exists()
 
 
-def test_help_runs_standalone():
-    out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, check=True
+def test_standalone_run_on_the_shipped_example(tiny_config: Path, tmp_path: Path):
+    """The documented standalone form: --set model.config_path=... with the uniform flags."""
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--results",
+            str(tmp_path),
+            "--set",
+            f"model.config_path={tiny_config}",
+            "--set",
+            "training.max_seq_len=24",
+            "--set",
+            "mask.scenarios=[train]",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
     )
-    assert "--model-config" in out.stdout
+    assert run.returncode == 0, run.stderr
+    assert json.loads((tmp_path / "mask" / "gate.json").read_text())["passed"]
 
 
 def test_example_config_validates_against_the_schema():

@@ -10,10 +10,11 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
-import step2_padding
 import yaml
 
-from conftest import CANARY, REPO, chat_rows, copy_workflow, write_jsonl
+from conftest import CANARY, REPO, chat_rows, copy_workflow, workflow_config, write_jsonl
+from probes import padding_stage
+from probes.contracts import STAGE_OUTPUTS
 from probes.data import DataError
 
 OUTPUTS = ("lengths.parquet", "summary.parquet", "distribution.parquet", "ce_chunks.parquet")
@@ -22,23 +23,22 @@ PADDING = {"waste_seeds": 3, "histogram_bins": 8, "reference_check_examples": 8}
 
 
 def outputs_in(directory: Path) -> dict[str, str]:
-    names = dict(zip(step2_padding.OUTPUT_NAMES, OUTPUTS + ("control.json",), strict=True))
-    return {key: str(directory / name) for key, name in names.items()}
+    return {key: str(directory / Path(rel).name) for key, rel in STAGE_OUTPUTS["padding"].items()}
 
 
 def run_stage(model_dir: Path, files: list[dict], outdir: Path, **training) -> dict:
-    return step2_padding.run(
-        model_path=str(model_dir),
-        model_config_path=str(model_dir / "config.json"),
-        chat_template=None,
+    cfg = workflow_config(
+        model={"path": str(model_dir)},
         data={"files": files},
         padding=PADDING,
         training={**TRAINING, **training},
-        outputs=outputs_in(outdir),
-        config_for_provenance={"test": True},
-        log_path=str(outdir / "padding.log"),
-        progress=False,
     )
+    inputs = {
+        "model_config": str(model_dir / "config.json"),
+        "tokenizer": [str(model_dir / "tokenizer.json")],
+    }
+    padding_stage.run(inputs, outputs_in(outdir), cfg, progress=False)
+    return json.loads((outdir / "control.json").read_text())
 
 
 @pytest.fixture
@@ -66,10 +66,11 @@ def messy_jsonl(tmp_path: Path) -> Path:
 
 
 def test_every_bad_row_is_counted_in_its_bucket_and_the_run_goes_on(
-    tiny_model_dir, messy_jsonl, tmp_path
+    tiny_model_dir, messy_jsonl, tmp_path, caplog
 ):
     outdir = tmp_path / "out"
-    control = run_stage(tiny_model_dir, [{"path": str(messy_jsonl), "source": "s"}], outdir)
+    with caplog.at_level("INFO", logger="probes.padding"):
+        control = run_stage(tiny_model_dir, [{"path": str(messy_jsonl), "source": "s"}], outdir)
     assert control["passed"]
     lengths = pd.read_parquet(outdir / "lengths.parquet")
     by_row = lengths.set_index("row")
@@ -109,8 +110,7 @@ def test_every_bad_row_is_counted_in_its_bucket_and_the_run_goes_on(
     ce = pd.read_parquet(outdir / "ce_chunks.parquet")
     assert set(ce["shape"]) == {"max_seq_len", "p50", "p90", "p99", "max"}
     assert json.loads((outdir / "control.json").read_text())["passed"] is True
-    log = (outdir / "padding.log").read_text()
-    assert "messy.jsonl:4 unknown_role" in log
+    assert "messy.jsonl:4 unknown_role" in caplog.text
 
 
 def test_file_with_no_usable_example_fails_and_writes_nothing(tiny_model_dir, tmp_path):
@@ -133,9 +133,13 @@ def test_cli_exits_non_zero_with_a_message_naming_the_file(tiny_model_dir, tmp_p
     configfile = tmp_path / "config.yaml"
     configfile.write_text(yaml.safe_dump(config))
     outdir = tmp_path / "out"
-    code = step2_padding.main(["--configfile", str(configfile), "--outdir", str(outdir)])
-    assert code == 1
-    assert not outdir.exists() or not any(outdir.iterdir())
+    script = REPO / "scripts" / "step2_padding.py"
+    command = [sys.executable, str(script), "--configfile", str(configfile)]
+    command += ["--results", str(outdir), "--input", f"gate={configfile}"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 1
+    assert "bad.jsonl" in done.stderr and "Traceback" not in done.stderr
+    assert not outdir.exists() or not any(outdir.rglob("*.*"))
 
 
 def test_canary_reaches_no_output_log_or_stream(tiny_model_dir, tmp_path):
@@ -155,10 +159,10 @@ def test_canary_reaches_no_output_log_or_stream(tiny_model_dir, tmp_path):
     log = tmp_path / "padding.log"
     script = REPO / "scripts" / "step2_padding.py"
     command = [sys.executable, str(script), "--configfile", str(configfile)]
-    command += ["--outdir", str(outdir), "--log", str(log)]
+    command += ["--results", str(outdir), "--log", str(log)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    produced = sorted(outdir.iterdir())
+    produced = sorted((outdir / "padding").iterdir())
     assert len(produced) == 5
     assert CANARY not in done.stdout and CANARY not in done.stderr
     assert CANARY not in log.read_text()

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from probes.config import SCHEMA, fill_defaults, load_yaml
+from probes.contracts import STAGE_OUTPUTS
 from probes.gpu_guard import CardBusyError, CardState, GpuProcess
 from probes.io import read_provenance
-from probes.profile_stage import OUTPUT_FILES, OUTPUT_KEYS, run_profile
+from probes.profile_stage import OUTPUT_KEYS, run_profile
 
 CANARY = "CANARY-7f3a9c-DO-NOT-LEAK"
 LENGTHS = [8, 16, 24]
@@ -59,7 +60,7 @@ def stage_config(**profile):
 
 
 def outputs_in(directory: Path) -> dict[str, Path]:
-    return {key: directory / name for key, name in OUTPUT_FILES.items()}
+    return {key: directory / Path(rel).name for key, rel in STAGE_OUTPUTS["profile"].items()}
 
 
 def run(tmp_path, lengths_path, model_dir, **profile):

@@ -19,6 +19,7 @@ from probes.flops import (
     peak_tflops_for,
 )
 from probes.harness import HarnessError, load_harness
+from probes.lengths import LengthsError, read_training_lengths
 
 # --- FLOPs ----------------------------------------------------------------------------------
 
@@ -116,12 +117,14 @@ def lengths_frame(n=40):
 def test_training_lengths_exclude_empty_and_error(tmp_path):
     path = tmp_path / "lengths.parquet"
     lengths_frame().to_parquet(path)
-    train = bt.read_training_lengths(path, max_seq_len=200)
+    train = read_training_lengths(path, max_seq_len=400)
     assert set(train["status"]) == {"OK", "TRUNCATED"}
-    assert train["n_tokens"].max() == 200
-    with pytest.raises(bt.LengthsError, match="missing column"):
+    assert len(train) == len(lengths_frame()) - 2
+    with pytest.raises(LengthsError, match="max_seq_len=200"):  # the one reader's check
+        read_training_lengths(path, max_seq_len=200)
+    with pytest.raises(LengthsError, match="missing column"):
         lengths_frame().drop(columns="n_loss_tokens").to_parquet(path)
-        bt.read_training_lengths(path, 200)
+        read_training_lengths(path, 400)
 
 
 def test_padding_pick_is_deterministic_and_fits():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import subprocess
@@ -13,371 +12,42 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from stage_fixtures import (
+    BATCH,
+    FIT,
+    NOT_RUN_REASON,
+    mask_layers,
+    padding_lengths,
+    padding_tables,
+    write_results,
+)
 
+from conftest import CANARY, workflow_config
 from probes import report as rep
-from probes.io import read_json, run_metadata, write_json, write_parquet
+from probes import report_format as fmt
+from probes import report_load as load
+from probes import report_savings as savings
+from probes import report_sections as sections
+from probes import report_stage
+from probes.contracts import STAGES, TABLES, TRAINING_STATUSES, table_columns
+from probes.io import read_json, write_json, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))  # render_report, the entry script
 TEMPLATE = REPO / "workflow" / "templates" / "playbook-evidence.md.j2"
 SCRIPT = REPO / "scripts" / "render_report.py"
-CANARY = "CANARY-7f3a9c-DO-NOT-LEAK"
-NOT_RUN_REASON = "no GPU and profile.cpu_fallback is false"
-FIT = {"a": 2e-9, "b": 1e-4, "c": 0.05}  # seconds per micro-batch of 2 rows
-BATCH = 2
 
 
-# ------------------------------------------------------------------------------------------
-# Fixture tables: the columns of probes.report.TABLES, plus planted extras that must never show
-# ------------------------------------------------------------------------------------------
-
-
-def mask_layers() -> pd.DataFrame:
-    rows = []
-    scenarios = [
-        ("training", 2, 4096, "none", False),
-        ("right_padded", 2, 4096, "right", False),
-        ("packed", 1, 8192, "none", True),
-        ("short", 2, 256, "none", False),
-    ]
-    for scenario, batch, seq_len, padding, packed in scenarios:
-        for layer in range(6):
-            sliding = layer % 6 != 5
-            masked = padding != "none" or packed or (sliding and seq_len > 512)
-            rows.append(
-                {
-                    "scenario": scenario,
-                    "batch": batch,
-                    "seq_len": seq_len,
-                    "padding": padding,
-                    "packed": packed,
-                    "layer_idx": layer,
-                    "layer_type": "sliding_attention" if sliding else "full_attention",
-                    "head_dim": 256,
-                    "mask_present": masked,
-                    "is_causal": not masked,
-                    "band_lower": (511 if sliding else seq_len - 1) if masked else np.nan,
-                    "band_upper": 0 if masked else np.nan,
-                    "backend": "efficient" if masked else "flash",
-                    "excluded_by": "flash: attn_mask present; cudnn: attn_mask present"
-                    if masked
-                    else None,
-                    "violation": None,
-                }
-            )
-    return pd.DataFrame(rows)
-
-
-def padding_lengths(n: int = 240, n_sources: int = 3) -> pd.DataFrame:
-    """probes.tokenize.LENGTH_COLUMNS, every status, plus a planted text column."""
-    rng = np.random.default_rng(0)
-    names = np.array(["chitchat", "support", "code"] + [f"topic-{i}" for i in range(n_sources)])
-    sources = names[:n_sources][rng.integers(0, n_sources, n)]
-    full = np.exp(rng.normal(6.0, 1.0, n)).astype(int) + 20
-    status = np.where(full > 4096, "TRUNCATED", "OK").astype(object)
-    status[:3] = "EMPTY"
-    status[3:6] = "ERROR"
-    bad = np.isin(status, ["EMPTY", "ERROR"])
-    full = np.where(bad, 0, full)
-    tokens = np.minimum(full, 4096)
-    reason = np.array([""] * n, dtype=object)
-    reason[:3] = "no_content"
-    reason[3:5] = "invalid_json"
-    reason[5] = f"parse failed near '{CANARY}'"  # must be hidden: not a code
-    reason[status == "TRUNCATED"] = "longer_than_max_seq_len"
-    return pd.DataFrame(
-        {
-            "example_id": [f"{i:016x}" for i in range(n)],
-            "file": "data.jsonl",
-            "row": np.arange(1, n + 1),
-            "source": sources,
-            "status": status,
-            "reason": reason,
-            "n_tokens": tokens,
-            "n_tokens_full": full,
-            "n_loss_tokens": tokens // 2,
-            "n_turns": 4,
-            "n_truncated_tokens": full - tokens,
-            "text": CANARY,  # a column the report must never render
-        }
-    )
-
-
-def padding_tables(lengths: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """summary / distribution / ce_chunks in probes.padding's long formats."""
-    usable = lengths[lengths["status"].isin(["OK", "TRUNCATED"])]
-    summary = []
-    waste = {
-        "pad_to_max_seq_len": (0.91, 0.99, 0.0),
-        "dataset_order": (0.44, 0.63, 0.0),
-        "random": (0.42, 0.61, 0.01),
-        "sorted": (0.02, 0.03, 0.0),
-    }
-    for strategy, (token, attention, std) in waste.items():
-        for metric, value in (("token_waste", token), ("attention_waste", attention)):
-            summary.append(
-                {"section": "waste", "strategy": strategy, "metric": metric, "value": value}
-                | {"std": std, "expected": value, "n_seeds": 8 if std else 1}
-            )
-    for status in ("OK", "EMPTY", "ERROR", "TRUNCATED"):
-        count = float((lengths["status"] == status).sum())
-        summary.append({"section": "status", "status": status, "metric": "count", "value": count})
-    lost = float(lengths["n_truncated_tokens"].sum())
-    summary.append(
-        {"section": "status", "status": "TRUNCATED", "metric": "tokens_lost", "value": lost}
-    )
-    reasons = lengths[lengths["reason"] != ""].groupby(["status", "reason"]).size()
-    for (status, reason), count in reasons.items():
-        summary.append(
-            {"section": "reason", "status": status, "reason": reason, "metric": "count"}
-            | {"value": float(count)}
-        )
-    summary = pd.DataFrame(summary)
-    for column in ("strategy", "status", "reason"):
-        summary[column] = summary[column].fillna("")
-
-    dist = []
-    edges = np.geomspace(1, 4097, 21)
-    groups = [
-        ("overall", "(all)", usable),
-        *(("source", k, g) for k, g in usable.groupby("source")),
-    ]
-    for scope, source, group in groups:
-        t = group["n_tokens"].to_numpy()
-        base = {"scope": scope, "source": source, "measure": "n_tokens"}
-        stats = {"count": len(t), "tokens": t.sum(), "p50": np.percentile(t, 50)}
-        stats |= {"p90": np.percentile(t, 90), "p99": np.percentile(t, 99), "max": t.max()}
-        for statistic, value in stats.items():
-            dist.append(base | {"kind": "stat", "statistic": statistic, "value": float(value)})
-        hist, _ = np.histogram(t, bins=edges)
-        for i, count in enumerate(hist):
-            dist.append(
-                base
-                | {"kind": "bin", "statistic": "bin", "bin_index": i, "value": float(count)}
-                | {"bin_lo": edges[i], "bin_hi": edges[i + 1]}
-            )
-    vocab, hidden = 262144, 640
-    ce = []
-    for shape, seq_len in (("max_seq_len", 4096), ("p50", 450), ("p99", 3000)):
-        tokens = 2 * seq_len
-        chunk = min(819, tokens)
-        ce.append(
-            {
-                "shape": shape,
-                "seq_len": seq_len,
-                "tokens": tokens,
-                "vocab_source": "tokenizer",
-                "vocab_size": vocab,
-                "hidden_size": hidden,
-                "logits_bf16_bytes": tokens * vocab * 2,
-                "logits_fp32_bytes": tokens * vocab * 4,
-                "stock_loss_bytes": tokens * vocab * 10,
-                "budget_gib": 2.0,
-                "stock_fits_budget": tokens * vocab * 10 <= 2 * 2**30,
-                "chunk_tokens": chunk,
-                "n_chunks": -(-tokens // chunk),
-                "liger_chunk_tokens": 32,
-            }
-        )
-    return {"summary": summary, "distribution": pd.DataFrame(dist), "ce_chunks": pd.DataFrame(ce)}
-
-
-def bucket_sweep() -> pd.DataFrame:
-    """probes.bucket.sweep_bucket_sizes' columns: random, length_grouped, global_sort, packing."""
-    rows = []
-    sizes = [1, 2, 4, 8, 16, 60]
-    for seed in range(3):
-        jitter = 0.002 * seed
-        for i, m in enumerate(sizes):
-            strategy = "random" if m == 1 else "global_sort" if m == 60 else "length_grouped"
-            token = 0.58 + 0.07 * i + jitter
-            diversity = (1 - 0.1 * i, 1 - 0.12 * i, 1 - 0.05 * i, 1 - 0.06 * i)
-            rows.append((strategy, m, seed, token, 0.39 + 0.1 * i, 120, *diversity, 0.15 * i))
-        rows.append(("packing_ffd", None, seed, 0.97, 0.5, 40, 1.0, 1.0, 1.0, 1.0, 0.0))
-    frame = pd.DataFrame(rows, columns=list(rep.TABLES["bucket_sweep"].required))
-    frame["bucket_size_batches"] = frame["bucket_size_batches"].astype("Int64")
-    random = frame.loc[frame["strategy"] == "random", "token_efficiency"].mean()
-    frame["padded_tokens_saved_vs_random"] = 1 - random / frame["token_efficiency"]
-    frame["top_kernels_like_list"] = [[CANARY]] * len(frame)  # never rendered
-    return frame
-
-
-def bucket_recommendation() -> dict:
-    return {
-        "status": "ok",
-        "thresholds": {
-            "gain_share": 0.9,
-            "min_diversity_share": 0.8,
-            "gain_metric": "tokens",
-            "diversity_level": "step",
-        },
-        "recommended": {
-            "bucket_size_batches": 4,
-            "bucket_size_examples": 8,
-            "how_to_use": "get_length_grouped_indices(lengths, batch_size=2, mega_batch_mult=4)",
-            "hf_trainer_equivalent": "not expressible in HF Trainer(group_by_length)",
-        },
-        "attention_note": "attention efficiency is what a dense kernel computes",
-    }
-
-
-def profile_tables() -> dict[str, pd.DataFrame]:
-    """probes.profile_stage's tables (scaling with term shares, fit row, penalty, ce, kernels)."""
-    lengths = [1024, 2048, 4096, 8192]
-    rows = []
-    for t in lengths:
-        time_s = FIT["a"] * t * t + FIT["b"] * t + FIT["c"]
-        oom = t == 8192
-        rows.append(
-            {
-                "seq_len": t,
-                "batch": BATCH,
-                "tokens": BATCH * t,
-                "status": "OOM" if oom else "OK",
-                "time_s": np.nan if oom else time_s,
-                "time_std_s": np.nan if oom else 0.002,
-                "peak_mem_bytes": np.nan if oom else 1.2e9 * t / 1024,
-                "mfu": np.nan if oom else 0.31,
-                "quadratic_share": np.nan if oom else FIT["a"] * t * t / time_s,
-                "linear_share": np.nan if oom else FIT["b"] * t / time_s,
-                "fixed_share": np.nan if oom else FIT["c"] / time_s,
-                "error": "" if not oom else "CUDA out of memory",
-            }
-        )
-    fit = pd.DataFrame(
-        [
-            {**FIT, "n_points": 3, "method": "exact", "condition_number": 17.0}
-            | {"residual_rms_s": np.nan, "max_rel_residual": np.nan, "r_squared": np.nan}
-            | {"message": "exact through 3 points; not fitted: 8192:OOM"}
-        ]
-    )
-    penalty = pd.DataFrame(
-        [
-            {
-                "variant": variant,
-                "status": "OK",
-                "padded_time_s": 0.61,
-                "unpadded_time_s": unpadded,
-                "measured_penalty": 0.61 / unpadded - 1,
-                "predicted_penalty": 0.48,
-                "example_ids": ["0000000000000001", "0000000000000002"],
-            }
-            for variant, unpadded in (("one_by_one", 0.40), ("packed", 0.42))
-        ]
-    )
-    ce = pd.DataFrame(
-        {
-            "variant": ["train_step", "chunked", "unchunked"],
-            "status": ["OK", "OK", "OOM"],
-            "time_s": [0.39, 0.081, np.nan],
-            "step_share": [1.0, 0.21, np.nan],
-            "chunk_tokens": [np.nan, 1024, np.nan],
-            "peak_mem_bytes": [np.nan, 2.1e9, np.nan],
-        }
-    )
-    kernels = pd.DataFrame(
-        {
-            "category": ["GEMM", "attention", "elementwise", "GEMM"],
-            "device_type": ["CUDA", "CUDA", "CUDA", "CPU"],  # the ATen twin must be dropped
-            "device_time_s": [0.31, 0.12, 0.05, 0.31],
-            "share": [0.646, 0.25, 0.104, 0.646],
-            "share_of_wall": [0.55, 0.21, 0.09, 0.55],
-            "n_kernels": [12, 3, 40, 12],
-            "n_calls": [120, 36, 400, 120],
-            "top_kernels": [["sm90_xmma_gemm"], ["flash_fwd"], ["elementwise"], ["aten::mm"]],
-        }
-    )
-    return {
-        "scaling": pd.DataFrame(rows),
-        "fit": fit,
-        "padding_penalty": penalty,
-        "ce": ce,
-        "kernels": kernels,
-    }
-
-
-def control(name: str, passed: bool = True, checks: int = 0) -> dict:
-    entry = {
-        "name": name,
-        "description": f"{name} recovers a known answer",
-        "expected": {"value": 1.0},
-        "observed": {"value": 1.0 if passed else 0.5},
-        "passed": passed,
-    }
-    if checks:
-        entry["checks"] = [
-            {"name": f"check {i}", "expected": i, "observed": i, "passed": True}
-            for i in range(checks)
-        ]
-        entry["checks"][-1]["passed"] = passed
-    return entry
-
-
-def write_stage(
-    stage: str,
-    paths: dict[str, Path],
-    profile: str = "gpu",  # gpu | cpu | not_run
-    failed: tuple[str, ...] = (),
-) -> None:
-    """Write one stage's outputs (keys as in probes.report.INPUT_FILES) the way the stage would."""
-    meta = run_metadata({"fixture": True})
-    if stage == "mask":
-        write_parquet(mask_layers(), paths["mask_layers"], meta)
-        gate = {
-            "passed": True,
-            "violations_total": 0,
-            "violations": [],
-            "headline": "1 of 6 decoder layers keep SDPA's is_causal fast path at 2x4096",
-        }
-        write_json(gate, paths["mask_gate"])
-    elif stage == "padding":
-        lengths = padding_lengths()
-        write_parquet(lengths, paths["padding_lengths"], meta)
-        for name, frame in padding_tables(lengths).items():
-            write_parquet(frame, paths[f"padding_{name}"], meta)
-    elif stage == "bucket":
-        write_parquet(bucket_sweep(), paths["bucket_sweep"], meta)
-        write_json(bucket_recommendation(), paths["bucket_recommendation"])
-    elif profile == "not_run":
-        for name in ("scaling", "fit", "padding_penalty", "ce", "kernels"):
-            write_parquet(pd.DataFrame(), paths[f"profile_{name}"], meta)
-        note = {"status": "not_run", "reason": NOT_RUN_REASON}
-        write_json(note, paths["profile_provenance"])
-        write_json({**note, "name": "profile_controls"}, paths["profile_control"])
-        return
-    else:
-        for name, frame in profile_tables().items():
-            write_parquet(frame, paths[f"profile_{name}"], meta)
-        provenance = {
-            "device": {"type": "cpu", "name": "x86_64"}
-            if profile == "cpu"
-            else {"type": "cuda", "name": "NVIDIA H200", "capability": "9.0"},
-            "cpu_only": profile == "cpu",
-            "harness": {"spec": "probes.reference_harness", "functions": {}},
-            "slurm": {"job_id": "1234", "gpus": None},
-        }
-        write_json(provenance, paths["profile_provenance"])
-    name = "profile_controls" if stage == "profile" else f"{stage}_control"
-    checks = {"padding": 3, "profile": 2}.get(stage, 0)
-    write_json(control(name, stage not in failed, checks), paths[f"{stage}_control"])
-
-
-def write_results(root: Path, **kwargs) -> dict[str, Path]:
-    """Write every stage output the report reads under root/ (the workflow's results layout)."""
-    paths = rep.default_input_paths(root)
-    for stage in rep.STAGES:
-        write_stage(stage, paths, **kwargs)
-    return paths
+def render_report(paths, out: Path, dpi: int = 40) -> None:
+    """The report stage as its script runs it, on fixture inputs."""
+    outputs = {"markdown": str(out), "figures": str(out.parent / "figures")}
+    inputs = {**paths, "template": TEMPLATE}
+    report_stage.run(inputs, outputs, workflow_config(report={"figure_dpi": dpi}))
 
 
 def render(tmp_path: Path, **kwargs) -> tuple[str, Path]:
-    sys.path.insert(0, str(REPO / "scripts"))
-    from render_report import render_report
-
     paths = write_results(tmp_path / "results", **kwargs)
     out = tmp_path / "results" / "report" / "playbook-evidence.md"
-    figures = out.parent / "figures"
-    render_report(paths, TEMPLATE, out, figures, {"report": {"figure_dpi": 40}})
+    render_report(paths, out)
     return out.read_text(), out
 
 
@@ -405,7 +75,7 @@ def section(markdown: str, title: str) -> str:
 def test_all_sections_present_in_order(rendered):
     markdown, _ = rendered
     titles = re.findall(r"^## (.+)$", markdown, re.M)
-    assert titles == list(rep.SECTION_TITLES)
+    assert titles == list(sections.SECTION_TITLES)
 
 
 def test_every_linked_figure_exists(rendered):
@@ -486,7 +156,7 @@ def test_mask_violations_are_listed():
     layers = mask_layers()
     layers.loc[2, "violation"] = "training layer 2: band 600 != window 512"
     gate = {"passed": False, "violations_total": 1, "violations": [layers.loc[2, "violation"]]}
-    mask = rep.mask_section({"mask_layers": layers}, {}, {"mask_gate": gate})
+    mask = sections.mask_section({"mask_layers": layers}, {}, {"mask_gate": gate})
     assert not mask["passed"] and mask["violations"] == [layers.loc[2, "violation"]]
     assert [s["n_violations"] for s in mask["scenarios"]] == [1, 0, 0, 0]
 
@@ -503,7 +173,7 @@ def test_padding_counts_every_bucket(rendered):
 def test_controls_and_provenance(rendered):
     markdown, _ = rendered
     controls = section(markdown, "Controls")
-    for stage in rep.STAGES:
+    for stage in STAGES:
         assert re.search(rf"^\| {stage} \| .* \| passed \|$", controls, re.M)
     provenance = section(markdown, "Provenance")
     for what in ("config hash", "git commit", "command line", "transformers", "NVIDIA H200"):
@@ -523,7 +193,7 @@ def test_canary_never_rendered(rendered):
 
 def test_profile_not_run_renders_not_run(rendered_not_run):
     markdown, out = rendered_not_run
-    assert re.findall(r"^## (.+)$", markdown, re.M) == list(rep.SECTION_TITLES)
+    assert re.findall(r"^## (.+)$", markdown, re.M) == list(sections.SECTION_TITLES)
     for title in ("Scaling", "Kernels"):
         assert f"**Not run.** {NOT_RUN_REASON}" in section(markdown, title)
     assert f"Wall clock: **Not run.** {NOT_RUN_REASON}" in section(markdown, "Cross-entropy")
@@ -566,9 +236,9 @@ def test_many_sources_show_top_n_and_other(tmp_path):
     distribution = padding_tables(lengths)["distribution"]
     drawn = figures.length_histogram(distribution, 30, tmp_path / "lengths.png", top_n=5, dpi=30)
     assert len(drawn) == 6 and drawn[-1] == "other (25 sources)"
-    rows, more = rep.distribution_rows(distribution, top_sources=5)
+    rows, more = sections.distribution_rows(distribution, top_sources=5)
     assert rows[0]["scope"] == "overall" and len(rows) == 6 and more == 25
-    padding = rep.padding_section(
+    padding = sections.padding_section(
         {"padding_lengths": lengths, "padding_summary": padding_tables(lengths)["summary"]}
         | {"padding_distribution": distribution},
         {},
@@ -582,46 +252,43 @@ def test_many_sources_show_top_n_and_other(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(rep.TABLES))
+@pytest.mark.parametrize("name", sorted(TABLES))
 def test_missing_column_fails_naming_file_and_column(tmp_path, name):
     paths = write_results(tmp_path)
     frame = pd.read_parquet(paths[name])
-    dropped = rep.TABLES[name].required[-1]
+    dropped = TABLES[name].required[-1]
     write_parquet(frame.drop(columns=[dropped]), paths[name], {})
-    with pytest.raises(rep.ReportInputError) as err:
-        rep.load_inputs(paths)
+    with pytest.raises(load.ReportInputError) as err:
+        load.load_inputs(paths)
     message = str(err.value)
     assert str(paths[name]) in message and f"'{dropped}'" in message
-    assert rep.TABLES[name].section in message
+    assert TABLES[name].section in message
 
 
 def test_missing_json_key_and_bad_json_fail_clearly(tmp_path):
     paths = write_results(tmp_path)
     write_json({"status": "ok", "thresholds": {}}, paths["bucket_recommendation"])
     match = r"recommendation.json: key\(s\) \['recommended'\]"
-    with pytest.raises(rep.ReportInputError, match=match):
-        rep.load_inputs(paths)
+    with pytest.raises(load.ReportInputError, match=match):
+        load.load_inputs(paths)
     paths["bucket_recommendation"].write_text("{not json")
-    with pytest.raises(rep.ReportInputError, match="not valid JSON"):
-        rep.load_inputs(paths)
+    with pytest.raises(load.ReportInputError, match="not valid JSON"):
+        load.load_inputs(paths)
 
 
 def test_control_without_its_keys_fails(tmp_path):
     paths = write_results(tmp_path)
     write_json({"name": "c", "passed": True}, paths["mask_control"])
-    with pytest.raises(rep.ReportInputError, match=r"mask/control.json: key\(s\) \['descr"):
-        rep.load_inputs(paths)
+    with pytest.raises(load.ReportInputError, match=r"mask/control.json: key\(s\) \['descr"):
+        load.load_inputs(paths)
 
 
 def test_failed_render_leaves_no_output(tmp_path):
     paths = write_results(tmp_path / "results")
     paths["mask_gate"].unlink()
-    sys.path.insert(0, str(REPO / "scripts"))
-    from render_report import render_report
-
     out = tmp_path / "results" / "report" / "playbook-evidence.md"
-    with pytest.raises(rep.ReportInputError, match="gate.json: not found"):
-        render_report(paths, TEMPLATE, out, out.parent / "figures", {})
+    with pytest.raises(load.ReportInputError, match="gate.json: not found"):
+        render_report(paths, out)
     assert not out.exists() and not (out.parent / "figures").exists()
     assert list(out.parent.iterdir()) == [] if out.parent.exists() else True
 
@@ -634,25 +301,25 @@ def test_failed_render_leaves_no_output(tmp_path):
 @pytest.mark.parametrize(
     ("func", "value", "expected"),
     [
-        (rep.fmt_seconds, 0.0123, "12.3 ms"),
-        (rep.fmt_seconds, 4.2e-5, "42 µs"),
-        (rep.fmt_seconds, 1.5, "1.5 s"),
-        (rep.fmt_seconds, 600, "10 min"),
-        (rep.fmt_seconds, float("nan"), "—"),
-        (rep.fmt_bytes, 1.5 * 2**30, "1.50 GiB"),
-        (rep.fmt_bytes, 512, "512 B"),
-        (rep.fmt_bytes, None, "—"),
-        (rep.fmt_pct, 0.1234, "12.3%"),
-        (rep.fmt_count, 7168, "7,168"),
-        (rep.fmt_tokens, 4096.0, "4,096 tokens"),
-        (rep.fmt_ratio, 0.5, "0.50×"),
-        (rep.fmt_signed_pct, -0.04, "-4.0%"),
-        (rep.fmt_number, 1.7e3, "1.7e+03"),
-        (rep.fmt_value, {"a": 1}, '{"a": 1}'),
-        (rep.fmt_value, True, "true"),
-        (rep.cell, "a|b\nc", "a\\|b c"),
-        (rep.reason_code, "invalid_json", "invalid_json"),
-        (rep.reason_code, "line 3: 'hello there'", "other_reason"),
+        (fmt.fmt_seconds, 0.0123, "12.3 ms"),
+        (fmt.fmt_seconds, 4.2e-5, "42 µs"),
+        (fmt.fmt_seconds, 1.5, "1.5 s"),
+        (fmt.fmt_seconds, 600, "10 min"),
+        (fmt.fmt_seconds, float("nan"), "—"),
+        (fmt.fmt_bytes, 1.5 * 2**30, "1.50 GiB"),
+        (fmt.fmt_bytes, 512, "512 B"),
+        (fmt.fmt_bytes, None, "—"),
+        (fmt.fmt_pct, 0.1234, "12.3%"),
+        (fmt.fmt_count, 7168, "7,168"),
+        (fmt.fmt_tokens, 4096.0, "4,096 tokens"),
+        (fmt.fmt_ratio, 0.5, "0.50×"),
+        (fmt.fmt_signed_pct, -0.04, "-4.0%"),
+        (fmt.fmt_number, 1.7e3, "1.7e+03"),
+        (fmt.fmt_value, {"a": 1}, '{"a": 1}'),
+        (fmt.fmt_value, True, "true"),
+        (fmt.cell, "a|b\nc", "a\\|b c"),
+        (fmt.reason_code, "invalid_json", "invalid_json"),
+        (fmt.reason_code, "line 3: 'hello there'", "other_reason"),
     ],
 )
 def test_formatters(func, value, expected):
@@ -660,39 +327,39 @@ def test_formatters(func, value, expected):
 
 
 def test_label_is_short_and_table_safe():
-    assert rep.label("x" * 100) == "x" * 39 + "…"
-    assert rep.label("a|b\tc") == "a\\|b c"
+    assert fmt.label("x" * 100) == "x" * 39 + "…"
+    assert fmt.label("a|b\tc") == "a\\|b c"
 
 
 def test_workload_time_of_uniform_batches_is_n_times_step_time():
-    fit = rep.StepFit(**FIT, batch=BATCH)
+    fit = savings.StepFit(**FIT, batch=BATCH)
     n, length = 10, 1000.0
-    total = rep.workload_time(fit, n * BATCH * length, n * BATCH * length**2, 1.0, 1.0, n)
+    total = savings.workload_time(fit, n * BATCH * length, n * BATCH * length**2, 1.0, 1.0, n)
     assert total == pytest.approx(n * (FIT["a"] * length**2 + FIT["b"] * length + FIT["c"]))
 
 
 def test_expected_saving_lies_between_its_limits():
-    fit = rep.StepFit(**FIT, batch=BATCH)
-    before, after = rep.Efficiency(0.5, 0.3, 100), rep.Efficiency(0.9, 0.8, 100)
+    fit = savings.StepFit(**FIT, batch=BATCH)
+    before, after = savings.Efficiency(0.5, 0.3, 100), savings.Efficiency(0.9, 0.8, 100)
     s1, s2 = 1e6, 2e9
-    result = rep.expected_saving(before, after, fit, s1, s2)
+    result = savings.expected_saving(before, after, fit, s1, s2)
     assert result["linear_limit"] == pytest.approx(1 - 0.5 / 0.9)
     assert result["quadratic_limit"] == pytest.approx(1 - 0.3 / 0.8)
     # a fixed per-batch cost c dilutes the saving below the linear limit's mix
-    t_before = rep.workload_time(fit, s1, s2, 0.5, 0.3, 100)
-    t_after = rep.workload_time(fit, s1, s2, 0.9, 0.8, 100)
+    t_before = savings.workload_time(fit, s1, s2, 0.5, 0.3, 100)
+    t_after = savings.workload_time(fit, s1, s2, 0.9, 0.8, 100)
     assert result["saving"] == pytest.approx(1 - t_after / t_before)
     assert 0 < result["saving"] < result["quadratic_limit"]
-    assert rep.expected_saving(before, after, None, s1, s2)["saving"] is None
+    assert savings.expected_saving(before, after, None, s1, s2)["saving"] is None
 
 
 def test_fit_with_a_negative_coefficient_prices_nothing(tmp_path):
     paths = write_results(tmp_path)
     fit = pd.read_parquet(paths["profile_fit"]).assign(b=-0.4)
     write_parquet(fit, paths["profile_fit"], {})
-    inputs = rep.load_inputs(paths)
-    assert "negative coefficient (b = -0.4)" in rep.fit_problem(inputs["tables"], {})
-    assert rep.usable_fit(inputs["tables"], {}) is None
+    inputs = load.load_inputs(paths)
+    assert "negative coefficient (b = -0.4)" in savings.fit_problem(inputs["tables"], {})
+    assert savings.usable_fit(inputs["tables"], {}) is None
 
 
 def test_examples_without_loss_tokens_are_a_recommendation(tmp_path):
@@ -701,27 +368,25 @@ def test_examples_without_loss_tokens_are_a_recommendation(tmp_path):
     idle = lengths.index[lengths["status"] == "OK"][:46]  # 46 of 234 examples that train
     lengths.loc[idle, "n_loss_tokens"] = 0
     write_parquet(lengths, paths["padding_lengths"], {})
-    inputs = rep.load_inputs(paths)
-    recs = rep.recommendations(inputs["tables"], inputs["json"], {}, limit=10)
+    inputs = load.load_inputs(paths)
+    recs = savings.recommendations(inputs["tables"], inputs["json"], {}, limit=10)
     drop = next(r for r in recs if r["title"].startswith("Drop the 46 examples"))
     assert "19.7% of the examples that train" in drop["detail"]
     kept = lengths.drop(index=idle)
-    kept = kept.loc[kept["status"].isin(rep.OK_STATUSES), "n_tokens"]
-    every = lengths.loc[lengths["status"].isin(rep.OK_STATUSES), "n_tokens"]
+    kept = kept.loc[kept["status"].isin(TRAINING_STATUSES), "n_tokens"]
+    every = lengths.loc[lengths["status"].isin(TRAINING_STATUSES), "n_tokens"]
     assert drop["linear_limit"] == pytest.approx(1 - kept.sum() / every.sum())
     assert 0 < drop["saving"] < 1
 
 
 def test_insufficient_fit_renders_no_fit(tmp_path):
-    from render_report import render_report
-
     paths = write_results(tmp_path / "results")
     fit = pd.read_parquet(paths["profile_fit"])
     fit = fit.assign(a=np.nan, b=np.nan, c=np.nan, n_points=2, method="insufficient_points")
     fit["message"] = "only 2 distinct length(s) with a measured time"
     write_parquet(fit, paths["profile_fit"], {})
     out = tmp_path / "results/report/playbook-evidence.md"
-    render_report(paths, TEMPLATE, out, out.parent / "figures", {"report": {"figure_dpi": 30}})
+    render_report(paths, out, dpi=30)
     scaling = section(out.read_text(), "Scaling")
     assert "**No fit:** fewer than 3 usable points" in scaling
     assert "only 2 distinct length(s)" in scaling
@@ -733,20 +398,39 @@ def test_fit_with_fewer_than_three_points_is_not_used(tmp_path):
     paths = write_results(tmp_path)
     fit = pd.read_parquet(paths["profile_fit"]).assign(n_points=2)
     write_parquet(fit, paths["profile_fit"], {})
-    inputs = rep.load_inputs(paths)
-    assert rep.usable_fit(inputs["tables"], inputs["not_run"]) is None
-    recs = rep.recommendations(inputs["tables"], inputs["json"], inputs["not_run"])
+    inputs = load.load_inputs(paths)
+    assert savings.usable_fit(inputs["tables"], inputs["not_run"]) is None
+    recs = savings.recommendations(inputs["tables"], inputs["json"], inputs["not_run"])
     assert all(r["saving"] is None for r in recs)
 
 
-def test_sweep_means_average_over_seeds_random_first_packing_last():
-    means = rep.sweep_means(bucket_sweep())
-    assert means["strategy"].iloc[0] == "random" and means["strategy"].iloc[-1] == "packing_ffd"
-    random = means.iloc[0]
-    assert random["token_efficiency"] == pytest.approx(0.582)
-    assert random["n_seeds"] == 3
-    assert math.isnan(means.iloc[-1]["bucket_size_batches"])
-    assert "top_kernels_like_list" not in means  # only contract columns travel on
+def test_bucket_numbers_come_from_the_stage_summary_not_the_sweep(tmp_path):
+    """The report renders bucket/summary.parquet as the stage wrote it: a value planted there
+    shows in the bucketing table, the figure and the summary; the sweep is not re-averaged."""
+    paths = write_results(tmp_path / "results")
+    summary = pd.read_parquet(paths["bucket_summary"])
+    assert summary["strategy"].iloc[0] == "random" and summary["strategy"].iloc[-1] == "packing_ffd"
+    random = summary["strategy"] == "random"
+    planted = summary.assign(token_efficiency=summary["token_efficiency"].mask(random, 0.123))
+    write_parquet(planted, paths["bucket_summary"], {})
+    out = tmp_path / "results" / "report" / "playbook-evidence.md"
+    render_report(paths, out)
+    bucketing = section(out.read_text(), "Bucketing")
+    random_row = next(line for line in bucketing.splitlines() if line.startswith("| random |"))
+    assert "| 12.3% |" in random_row
+    summary_text = section(out.read_text(), "Summary")
+    assert "token efficiency 12.3% →" in summary_text
+
+
+def test_bucket_section_rows_carry_only_contract_columns(tmp_path):
+    paths = write_results(tmp_path)
+    summary = pd.read_parquet(paths["bucket_summary"]).assign(planted=CANARY)
+    write_parquet(summary, paths["bucket_summary"], {})
+    inputs = load.load_inputs(paths)
+    built = sections.bucket_section(inputs["tables"], inputs["not_run"], inputs["json"])
+    assert all(set(row) == set(table_columns("bucket_summary")) for row in built["rows"])
+    assert built["n_seeds"] == 3 and built["level"] == "optimizer step"
+    assert [row["strategy"] for row in built["packing"]] == ["packing_ffd"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -781,12 +465,12 @@ def test_script_bad_input_exits_nonzero_with_message(tmp_path):
     done = subprocess.run(
         [sys.executable, SCRIPT, "--results", tmp_path / "results"], capture_output=True, text=True
     )
-    assert done.returncode == 2
+    assert done.returncode == 1
     assert "sweep.parquet: column(s) ['order_length_spearman'] missing" in done.stderr
     assert not (tmp_path / "results/report/playbook-evidence.md").exists()
 
 
 def test_not_run_json_convention_round_trips(tmp_path):
     paths = write_results(tmp_path, profile="not_run")
-    assert rep.not_run_reason(read_json(paths["profile_provenance"])) == NOT_RUN_REASON
-    assert json.loads(paths["profile_control"].read_text())["status"] == rep.NOT_RUN
+    assert load.not_run_reason(read_json(paths["profile_provenance"])) == NOT_RUN_REASON
+    assert json.loads(paths["profile_control"].read_text())["status"] == load.NOT_RUN

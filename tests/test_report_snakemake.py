@@ -7,6 +7,7 @@ real stages end to end are the lead's tests/test_workflow_e2e.py.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -23,12 +24,10 @@ STAGE_SCRIPTS = {
     "profile": "step1_profile.py",
 }
 STUB = """\
-# a stand-in for the {stage} stage: writes fixture outputs from tests/test_report.py
-import sys
+# a stand-in for the {stage} stage: writes fixture outputs from tests/stage_fixtures.py
 from pathlib import Path
 
-sys.path.insert(0, {tests!r})
-from test_report import write_stage
+from stage_fixtures import write_stage  # tests/ is on PYTHONPATH (see snakemake() below)
 
 outputs = {{"{stage}_" + key: Path(value) for key, value in snakemake.output.items()}}
 for path in outputs.values():
@@ -63,7 +62,7 @@ def make_workdir(tmp_path: Path, profile: str) -> Path:
         copy(original, source / item)
     shutil.copytree(REPO / "scripts", source / "scripts", ignore=shutil.ignore_patterns("step*"))
     for stage, script in STAGE_SCRIPTS.items():
-        text = STUB.format(stage=stage, tests=str(REPO / "tests"), profile=profile)
+        text = STUB.format(stage=stage, profile=profile)
         (source / "scripts" / script).write_text(text)
     snakefile = source / "Snakefile"
     if WORKFLOW_RST_LINE not in snakefile.read_text():  # the lead adds it to the real Snakefile
@@ -81,7 +80,12 @@ def snakemake(work: Path, *args: str) -> subprocess.CompletedProcess:
     snakefile = work.parent / "wf" / "Snakefile"
     command = [sys.executable, "-m", "snakemake", *args, "--snakefile", str(snakefile)]
     command += ["--directory", str(work), "--configfile", str(work / "test.yaml")]
-    done = subprocess.run(command, cwd=work, capture_output=True, text=True, timeout=600)
+    # this checkout's package first (the editable install may point at another checkout)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO / "scripts"), str(REPO / "tests")]),
+    }
+    done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 

@@ -1,5 +1,7 @@
-"""The workflow rejects a bad config before any job runs, naming the key or path."""
+"""The workflow rejects a bad config before any job runs, naming the key or path; the default
+config and CI's `.test/` config lint clean and dry-run."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -7,13 +9,20 @@ from pathlib import Path
 import pytest
 import yaml
 
+from conftest import copy_workflow
+
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+TEST_CONFIG = Path(".test") / "config" / "config.yaml"  # relative to the workflow directory
+# `--configfile` takes several files: it goes after the target, or it swallows the target.
+CONFIGS = {"default": [], "test-config": ["--configfile", str(TEST_CONFIG)]}
 
 
-def snakemake(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def snakemake(
+    *args: str, cwd: Path = REPO, snakefile: Path = REPO / "Snakefile"
+) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(cwd), *args],
+        [*SNAKEMAKE, "--snakefile", str(snakefile), "--directory", str(cwd), *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -51,13 +60,55 @@ def test_bad_config_fails_before_any_job_naming_the_key(tmp_path, changes, expec
     assert not (tmp_path / "results").exists()
 
 
-def test_dry_run_lists_the_chain_in_order():
-    result = snakemake("-n", "report", "--forceall", "--quiet", "rules")
+@pytest.mark.parametrize("config_args", CONFIGS.values(), ids=CONFIGS.keys())
+def test_dry_run_lists_the_chain_in_order(config_args):
+    result = snakemake("-n", "report", "--forceall", *config_args, "--quiet", "rules")
     assert result.returncode == 0, result.stderr
     for rule in ("mask", "padding", "bucket_sweep", "profile", "report"):
         assert rule in result.stdout
 
 
-def test_lint_passes():
-    result = snakemake("--lint")
+@pytest.mark.parametrize("config_args", CONFIGS.values(), ids=CONFIGS.keys())
+def test_lint_passes(config_args):
+    # snakemake --lint exits 1 when it prints any lint
+    result = snakemake("--lint", *config_args)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_test_config_uses_its_own_data():
+    config = yaml.safe_load((REPO / TEST_CONFIG).read_text())
+    paths = [entry["path"] for entry in config["data"]["files"]]
+    assert paths and all(path.startswith(".test/") and (REPO / path).is_file() for path in paths)
+
+
+@pytest.fixture(scope="module")
+def workflow_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = copy_workflow(tmp_path_factory.mktemp("workflow"))
+    shutil.copytree(REPO / ".test", directory / ".test")
+    return directory
+
+
+def dry_run_in(workflow: Path, config: Path) -> subprocess.CompletedProcess:
+    return snakemake(
+        "-n", "report", "--configfile", str(config), cwd=workflow, snakefile=workflow / "Snakefile"
+    )
+
+
+@pytest.mark.parametrize("harness", ["/nonexistent.py", "no_such_package_7f3a.train"])
+def test_harness_that_cannot_be_found_fails_the_dry_run_naming_the_key(
+    tmp_path, workflow_copy, harness
+):
+    result = dry_run_in(workflow_copy, write_config(tmp_path, **{"profile.harness": harness}))
+    assert result.returncode != 0
+    assert "config key profile.harness: " in result.stdout + result.stderr
+    assert harness in result.stdout + result.stderr
+    assert not (workflow_copy / "results").exists()
+
+
+@pytest.mark.parametrize(
+    "harness", ["probes.reference_harness", "scripts/probes/reference_harness.py"]
+)
+def test_harness_import_path_or_file_passes_the_dry_run(tmp_path, workflow_copy, harness):
+    result = dry_run_in(workflow_copy, write_config(tmp_path, **{"profile.harness": harness}))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "profile" in result.stdout

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,35 +15,7 @@ import pandas as pd
 import torch
 
 from probes.ce import IGNORE_INDEX
-
-LENGTH_COLUMNS = ("example_id", "status", "n_tokens", "n_loss_tokens")
-TRAINING_STATUSES = ("OK", "TRUNCATED")
-
-
-class LengthsError(ValueError):
-    """The lengths table is unusable; the message names the file and what to do."""
-
-
-def read_training_lengths(path: str | Path, max_seq_len: int) -> pd.DataFrame:
-    """Examples that train (OK, TRUNCATED), lengths capped at max_seq_len; EMPTY/ERROR never do."""
-    path = Path(path)
-    if not path.is_file():
-        raise LengthsError(f"{path}: lengths table missing; run the padding stage first.")
-    frame = pd.read_parquet(path)
-    missing = [c for c in LENGTH_COLUMNS if c not in frame.columns]
-    if missing:
-        raise LengthsError(
-            f"{path}: missing column(s) {missing}; expected the padding stage's lengths.parquet "
-            f"with {list(LENGTH_COLUMNS)}."
-        )
-    train = frame[frame["status"].isin(TRAINING_STATUSES)].copy()
-    if train.empty:
-        raise LengthsError(f"{path}: no example with status OK or TRUNCATED; nothing trains.")
-    train["n_tokens"] = train["n_tokens"].astype("int64").clip(upper=max_seq_len)
-    train["n_loss_tokens"] = (
-        train["n_loss_tokens"].astype("int64").clip(lower=0).clip(upper=train["n_tokens"])
-    )
-    return train.reset_index(drop=True)
+from probes.lengths import LengthsError
 
 
 def loss_fraction(train: pd.DataFrame) -> float:

@@ -33,29 +33,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-USED_STATUSES = ("OK", "TRUNCATED")
-SKIPPED_STATUSES = ("EMPTY", "ERROR")
-KNOWN_STATUSES = USED_STATUSES + SKIPPED_STATUSES
-UNKNOWN_SOURCE = "none"
-LENGTHS_COLUMNS = (
-    "example_id",
-    "file",
-    "row",
-    "source",
-    "status",
-    "n_tokens",
-    "n_tokens_full",
-    "n_loss_tokens",
-    "n_turns",
-    "n_truncated_tokens",
-)
+from probes.contracts import BATCH_REBALANCE, SKIPPED_STATUSES, STRATEGY_ORDER
+from probes.errors import ProbeError
+from probes.lengths import LengthSet
+
 # HF's cap on mega_batch_mult when the Trainer leaves it unset.
 HF_MAX_MEGA_BATCH_MULT = 50
 PACKING_ALGORITHMS = ("ffd", "bfd")
@@ -72,110 +58,8 @@ _ROW_SORT_MIN = 64
 OrderFn = Callable[[np.ndarray, np.ndarray, int, int], np.ndarray]
 
 
-class LengthsInputError(ValueError):
-    """lengths.parquet violates the padding stage's contract; the message names file, row, key."""
-
-
-class SweepCollapsedError(AssertionError):
+class SweepCollapsedError(ProbeError, AssertionError):
     """The sweep did not vary with bucket size although the lengths say it must."""
-
-
-# --------------------------------------------------------------------------------------------
-# Input
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LengthSet:
-    """Token lengths of the usable examples, their sources as codes, and what was left out."""
-
-    lengths: np.ndarray  # int64, tokens kept per example (≤ max_seq_len)
-    sources: np.ndarray  # int32 codes into source_names
-    source_names: tuple[str, ...]
-    status_counts: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def n_sources(self) -> int:
-        return len(self.source_names)
-
-    @property
-    def sources_known(self) -> bool:
-        return any(name != UNKNOWN_SOURCE for name in self.source_names)
-
-
-def encode_sources(names: Sequence[str] | np.ndarray) -> tuple[np.ndarray, tuple[str, ...]]:
-    """Integer codes for source names, in sorted-name order so codes are deterministic."""
-    uniques, codes = np.unique(np.asarray(names, dtype=object).astype(str), return_inverse=True)
-    return codes.astype(np.int32), tuple(str(u) for u in uniques)
-
-
-def lengths_from_frame(frame: pd.DataFrame, max_seq_len: int, origin: str = "lengths") -> LengthSet:
-    """Check the padding stage's table and keep rows with status OK or TRUNCATED.
-
-    EMPTY and ERROR rows are counted, never folded into the distribution.
-    """
-    missing = [c for c in LENGTHS_COLUMNS if c not in frame.columns]
-    if missing:
-        raise LengthsInputError(
-            f"{origin}: missing column(s) {missing}; expected the padding stage's lengths table "
-            f"with columns {list(LENGTHS_COLUMNS)}. Rerun the `padding` rule."
-        )
-    status = frame["status"].astype(str)
-    bad_status = ~status.isin(KNOWN_STATUSES)
-    if bad_status.any():
-        where = _row_ref(frame, int(np.flatnonzero(bad_status.to_numpy())[0]))
-        raise LengthsInputError(
-            f"{origin}: {where}: column 'status' has {sorted(set(status[bad_status]))}; "
-            f"allowed are {list(KNOWN_STATUSES)}."
-        )
-    counts = {s: int((status == s).sum()) for s in KNOWN_STATUSES}
-    used = frame.loc[status.isin(USED_STATUSES).to_numpy()]
-    if used.empty:
-        raise LengthsInputError(
-            f"{origin}: no row has status OK or TRUNCATED (counts {counts}); nothing to batch. "
-            "Check the data files and the padding stage's log."
-        )
-    n_tokens = pd.to_numeric(used["n_tokens"], errors="coerce")
-    bad = n_tokens.isna() | (n_tokens < 1) | (n_tokens > max_seq_len) | (n_tokens % 1 != 0)
-    if bad.any():
-        pos = int(np.flatnonzero(bad.to_numpy())[0])
-        value = used["n_tokens"].iloc[pos]
-        raise LengthsInputError(
-            f"{origin}: {_row_ref(used, pos)}: n_tokens={value} for a {used['status'].iloc[pos]} "
-            f"example; it must be an integer in [1, training.max_seq_len={max_seq_len}]. Rerun "
-            "`padding` with the same training.max_seq_len (a changed config reruns it)."
-        )
-    sources = used["source"].fillna(UNKNOWN_SOURCE).astype(str).to_numpy()
-    codes, names = encode_sources(sources)
-    return LengthSet(
-        lengths=n_tokens.to_numpy(dtype=np.int64),
-        sources=codes,
-        source_names=names,
-        status_counts=counts,
-    )
-
-
-def read_lengths(path: str | Path, max_seq_len: int) -> LengthSet:
-    """Read results/padding/lengths.parquet (or any file with its schema)."""
-    path = Path(path)
-    if not path.is_file():
-        raise LengthsInputError(
-            f"{path}: no such file; it is written by the `padding` rule "
-            "(run `snakemake bucket_sweep`, which runs it first)."
-        )
-    try:
-        frame = pd.read_parquet(path, columns=list(LENGTHS_COLUMNS))
-    except (ValueError, KeyError, OSError) as error:  # missing column or not Parquet
-        raise LengthsInputError(
-            f"{path}: cannot read the lengths table ({type(error).__name__}: {error}); expected "
-            f"Parquet with columns {list(LENGTHS_COLUMNS)}. Rerun the `padding` rule."
-        ) from error
-    return lengths_from_frame(frame, max_seq_len, origin=str(path))
-
-
-def _row_ref(frame: pd.DataFrame, pos: int) -> str:
-    row = frame.iloc[pos]
-    return f"example_id={row['example_id']} (file={row['file']}, row={row['row']})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -550,27 +434,55 @@ def padded_metrics(
     micro_batch_size: int,
     grad_accum: int,
     n_sources: int,
+    rows_per_micro_batch: np.ndarray | None = None,
 ) -> dict[str, float | int]:
-    """Metrics of consecutive micro-batches of an ordering, each padded to its longest row."""
+    """Metrics of consecutive micro-batches of an ordering, each padded to its longest row.
+
+    Micro-batches hold ``micro_batch_size`` rows (the last may hold fewer) unless
+    ``rows_per_micro_batch`` gives each one's row count (a sampler with a variable micro-batch
+    size, e.g. transformers' BatchRebalanceSampler); ``grad_accum`` micro-batches make a step.
+    """
     n = ordered_lengths.size
-    starts = np.arange(0, n, micro_batch_size)
-    rows = np.diff(np.r_[starts, n])
+    if rows_per_micro_batch is None:
+        starts = np.arange(0, n, micro_batch_size)
+        rows = np.diff(np.r_[starts, n])
+    else:
+        rows = np.asarray(rows_per_micro_batch, dtype=np.int64)
+        if rows.sum() != n or (rows < 1).any():
+            raise ValueError(
+                f"rows_per_micro_batch sums to {int(rows.sum())} with minimum "
+                f"{int(rows.min()) if rows.size else 0}; it must cover all {n} ordered examples "
+                "with at least one row per micro-batch"
+            )
+        starts = np.r_[0, np.cumsum(rows)[:-1]].astype(np.int64)
     batch_len = np.maximum.reduceat(ordered_lengths, starts)
     batch_padded = rows * batch_len
     step_starts = np.arange(0, starts.size, grad_accum)
     step_padded = np.add.reduceat(batch_padded, step_starts)
-    step_real = np.add.reduceat(ordered_lengths, step_starts * micro_batch_size)
+    step_real = np.add.reduceat(ordered_lengths, starts[step_starts])
     spearman, lag1 = order_follows_length(batch_len)
-    micro_distinct, micro_entropy = fixed_group_diversity(
-        ordered_sources, micro_batch_size, n_sources
-    )
-    step_distinct, step_entropy = fixed_group_diversity(
-        ordered_sources, micro_batch_size * grad_accum, n_sources
-    )
+    if rows_per_micro_batch is None:
+        micro_distinct, micro_entropy = fixed_group_diversity(
+            ordered_sources, micro_batch_size, n_sources
+        )
+        step_distinct, step_entropy = fixed_group_diversity(
+            ordered_sources, micro_batch_size * grad_accum, n_sources
+        )
+    else:
+        micro_of_row = np.repeat(np.arange(starts.size, dtype=np.int64), rows)
+        step_of_row = micro_of_row // grad_accum
+        micro_distinct, micro_entropy = group_diversity(
+            micro_of_row, ordered_sources, starts.size, n_sources
+        )
+        step_distinct, step_entropy = group_diversity(
+            step_of_row, ordered_sources, step_starts.size, n_sources
+        )
     return {
         "n_micro_batches": int(starts.size),
         "n_steps": int(step_starts.size),
         "padded_tokens": int(batch_padded.sum()),
+        "micro_batch_rows_max": int(rows.max()),
+        "micro_batch_padded_tokens_max": int(batch_padded.max()),
         "attention_cost": int((rows * batch_len * batch_len).sum()),
         "batch_len_mean": float(batch_len.mean()),
         "batch_len_p50": _quantile_of_ints(batch_len, 0.5),
@@ -618,6 +530,8 @@ def packed_metrics(
         "n_micro_batches": int(n_micro),
         "n_steps": int(n_steps),
         "padded_tokens": int(n_bins * capacity),
+        "micro_batch_rows_max": int(min(micro_batch_size, n_bins)),
+        "micro_batch_padded_tokens_max": int(min(micro_batch_size, n_bins) * capacity),
         "attention_cost": int(n_bins * capacity * capacity),
         "batch_len_mean": float(capacity),
         "batch_len_p50": int(capacity),
@@ -662,13 +576,19 @@ def sweep_bucket_sizes(
     packing: Sequence[str] = PACKING_ALGORITHMS,
     order_fn: OrderFn = length_grouped_order,
     progress: bool = False,
+    batch_rebalance: bool = True,
 ) -> pd.DataFrame:
     """One row per strategy × bucket size × seed (packing: per algorithm × seed).
 
     Every bucket size of one seed shares that seed's shuffle, as HF's sampler would (its shuffle
     does not depend on mega_batch_mult), so differences between sizes are not shuffle noise.
+    ``batch_rebalance`` adds a comparison row per seed from transformers' own
+    BatchRebalanceSampler (``probes.rebalance``; same shuffle as the seed's), where the installed
+    transformers has it. It has no bucket size: the guard and the recommendation skip it.
     """
     from tqdm import tqdm
+
+    from probes import rebalance
 
     lengths, sources = data.lengths, data.sources
     n = lengths.size
@@ -679,8 +599,9 @@ def sweep_bucket_sizes(
     real_tokens = int(lengths.sum())
     attention_useful = int((lengths * lengths).sum())
     rows: list[dict[str, Any]] = []
+    with_rebalance = batch_rebalance and rebalance.unavailable_reason() is None
     bar = tqdm(
-        total=len(seeds) * (len(sizes) + len(packings)),
+        total=len(seeds) * (len(sizes) + len(packings) + int(with_rebalance)),
         desc="bucket sweep",
         disable=not progress,
         file=None,
@@ -728,6 +649,20 @@ def sweep_bucket_sizes(
                 }
             )
             bar.update()
+        if with_rebalance:
+            metrics = rebalance.rebalance_metrics(data, micro_batch_size, grad_accum, int(seed))
+            metrics.pop("examples_fed")
+            rows.append(
+                {
+                    "strategy": BATCH_REBALANCE,
+                    "bucket_size_batches": None,
+                    "bucket_size_examples": None,
+                    "is_hf_trainer_default": False,
+                    "seed": int(seed),
+                    **metrics,
+                }
+            )
+            bar.update()
     bar.close()
     frame = pd.DataFrame(rows)
     frame["bucket_size_batches"] = frame["bucket_size_batches"].astype("Int64")
@@ -763,18 +698,43 @@ def _add_relative_to_random(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-def summarise(sweep: pd.DataFrame) -> pd.DataFrame:
-    """Mean over seeds per strategy × bucket size (packing rows: per algorithm)."""
+def strategy_rank(strategy: str) -> int:
+    """Random first (the baseline), the sweep, global sort, then packing and anything else."""
+    for rank, prefix in enumerate(STRATEGY_ORDER):
+        if str(strategy).startswith(prefix):
+            return rank
+    return len(STRATEGY_ORDER)
+
+
+def summarise(sweep: pd.DataFrame, diversity_level: str = "step") -> pd.DataFrame:
+    """Mean over seeds per strategy × bucket size (packing rows: per algorithm, bucket size NA).
+
+    Adds the spread over seeds of both efficiencies (std, ddof 0), the number of seeds, and
+    `diversity_rel_random`: the lower of distinct sources and source entropy relative to random,
+    per micro-batch (`diversity_level` "micro_batch") or per optimizer step ("step"), as the
+    recommendation judges it. Rows in the report's order: contracts.STRATEGY_ORDER, then bucket
+    size. This is `results/bucket/summary.parquet`.
+    """
     keys = ["strategy", "bucket_size_batches"]
     numeric = sweep.drop(columns=["seed"]).select_dtypes(include="number").columns.difference(keys)
     table = sweep.assign(bucket_size_batches=sweep["bucket_size_batches"].fillna(-1))
-    summary = table.groupby(keys, sort=False)[list(numeric)].mean().reset_index()
-    summary["is_hf_trainer_default"] = (
-        table.groupby(keys, sort=False)["is_hf_trainer_default"].any().to_numpy()
-    )
+    grouped = table.groupby(keys, sort=False)
+    summary = grouped[list(numeric)].mean()
+    spread = grouped[["token_efficiency", "attention_efficiency"]].std(ddof=0).fillna(0.0)
+    summary["token_efficiency_std"] = spread["token_efficiency"]
+    summary["attention_efficiency_std"] = spread["attention_efficiency"]
+    summary["n_seeds"] = grouped["seed"].nunique()
+    if "is_hf_trainer_default" in table:
+        summary["is_hf_trainer_default"] = grouped["is_hf_trainer_default"].any()
+    summary = summary.reset_index()
+    prefix = "micro" if diversity_level == "micro_batch" else "step"
+    diversity = [f"{prefix}_distinct_sources_rel_random", f"{prefix}_source_entropy_rel_random"]
+    summary["diversity_rel_random"] = summary[diversity].min(axis=1, skipna=False)
     summary["bucket_size_batches"] = summary["bucket_size_batches"].astype("Int64")
     summary.loc[summary["bucket_size_batches"] < 0, "bucket_size_batches"] = pd.NA
-    return summary
+    summary["_rank"] = summary["strategy"].map(strategy_rank)
+    summary = summary.sort_values(["_rank", "bucket_size_batches", "strategy"], na_position="last")
+    return summary.drop(columns="_rank").reset_index(drop=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -892,19 +852,13 @@ def recommend(
     seeds. Diversity = the lower of distinct-sources and source-entropy relative to random, at
     the micro-batch or optimizer-step level. Smaller buckets keep batches closer to random.
     """
-    summary = summarise(sweep)
+    summary = summarise(sweep, diversity_level)
     grouped = summary.loc[summary["bucket_size_batches"].notna()].sort_values("bucket_size_batches")
     gain_column = (
         "padded_tokens_saved_vs_random"
         if gain_metric == "tokens"
         else "attention_cost_saved_vs_random"
     )
-    prefix = "micro" if diversity_level == "micro_batch" else "step"
-    diversity = np.minimum(
-        grouped[f"{prefix}_distinct_sources_rel_random"],
-        grouped[f"{prefix}_source_entropy_rel_random"],
-    )
-    grouped = grouped.assign(diversity_rel_random=diversity.to_numpy())
     best = grouped.loc[grouped[gain_column].idxmax()]
     best_gain = float(best[gain_column])
     meets_gain = grouped[gain_column] >= gain_share * best_gain
@@ -940,9 +894,10 @@ def recommend(
             **_point(chosen, gain_column),
             "bucket_size_examples": min(m * micro, n),
             "how_to_use": (
+                f"probes.sampler.LengthGroupedSampler(lengths, micro_batch_size={micro}, "
+                f"bucket_size_batches={m}, seed=...) (the ordering measured here; = "
                 "transformers.trainer_pt_utils.get_length_grouped_indices(lengths, "
-                f"batch_size={micro}, mega_batch_mult={m}) or a megabatch of "
-                f"{min(m * micro, n)} examples in your own sampler"
+                f"batch_size={micro}, mega_batch_mult={m}))"
             ),
             "hf_trainer_equivalent": _trainer_equivalent(m, grad_accum),
         },
@@ -964,6 +919,7 @@ def recommend(
             }
             for _, row in summary.loc[summary["strategy"].str.startswith("packing_")].iterrows()
         },
+        "batch_rebalance": _rebalance_point(summary),
         "attention_note": ATTENTION_NOTE,
         "batch_shapes": {
             "micro_batch_size": micro,
@@ -978,16 +934,43 @@ def recommend(
     }
 
 
+def _rebalance_point(summary: pd.DataFrame) -> dict[str, Any] | None:
+    """Mean over seeds of the batch_rebalance comparison row, or None when it was not run."""
+    rows = summary.loc[summary["strategy"] == BATCH_REBALANCE]
+    if rows.empty:
+        return None
+    row = rows.iloc[0]
+    return {
+        "token_efficiency": float(row["token_efficiency"]),
+        "attention_efficiency": float(row["attention_efficiency"]),
+        "padded_tokens_saved_vs_random": float(row["padded_tokens_saved_vs_random"]),
+        "attention_cost_saved_vs_random": float(row["attention_cost_saved_vs_random"]),
+        "n_micro_batches": float(row["n_micro_batches"]),
+        "micro_batch_rows_max": float(row["micro_batch_rows_max"]),
+        "micro_batch_padded_tokens_max": float(row["micro_batch_padded_tokens_max"]),
+        "diversity_rel_random": float(row["diversity_rel_random"]),
+        "micro_distinct_sources_rel_random": float(row["micro_distinct_sources_rel_random"]),
+        "step_distinct_sources_rel_random": float(row["step_distinct_sources_rel_random"]),
+        "order_length_spearman": float(row["order_length_spearman"]),
+        "step_real_tokens_cv": float(row["step_real_tokens_cv"]),
+    }
+
+
 def _trainer_equivalent(m: int, grad_accum: int) -> str:
+    setting = (
+        'TrainingArguments(train_sampling_strategy="group_by_length") (transformers 5; '
+        "group_by_length=True in 4.x)"
+    )
     if m % grad_accum == 0:
         return (
-            f"HF Trainer(group_by_length) groups with batch = micro × grad_accum; this bucket is "
+            f"{setting} groups with batch = micro × grad_accum; this bucket is "
             f"mega_batch_mult={m // grad_accum} there (the Trainer fixes it at "
-            f"min(n // (4 × batch), {HF_MAX_MEGA_BATCH_MULT}); changing it needs a custom sampler)"
+            f"min(n // (4 × batch), {HF_MAX_MEGA_BATCH_MULT}); other sizes need "
+            "probes.sampler.LengthGroupedSampler)"
         )
     return (
-        f"not expressible in HF Trainer(group_by_length): its megabatch is a multiple of micro × "
-        f"grad_accum = {grad_accum} micro-batches; use a custom sampler"
+        f"not expressible with {setting}: its megabatch is a multiple of micro × "
+        f"grad_accum = {grad_accum} micro-batches; use probes.sampler.LengthGroupedSampler"
     )
 
 
@@ -1007,6 +990,7 @@ def _point(row: pd.Series, gain_column: str) -> dict[str, Any]:
         "step_source_entropy_rel_random": float(row["step_source_entropy_rel_random"]),
         "order_length_spearman": float(row["order_length_spearman"]),
         "step_real_tokens_cv": float(row["step_real_tokens_cv"]),
+        "micro_batch_padded_tokens_max": float(row["micro_batch_padded_tokens_max"]),
     }
 
 
@@ -1043,7 +1027,15 @@ def two_length_control(order_fn: OrderFn = length_grouped_order) -> dict[str, An
     data = LengthSet(lengths, sources, ("a", "b"))
     sizes = [1, 2, 8, 32, 128, 512, n // micro]
     sweep = sweep_bucket_sizes(
-        data, micro, 1, long_, CONTROL_SEEDS, bucket_sizes=sizes, packing=(), order_fn=order_fn
+        data,
+        micro,
+        1,
+        long_,
+        CONTROL_SEEDS,
+        bucket_sizes=sizes,
+        packing=(),
+        order_fn=order_fn,
+        batch_rebalance=False,
     )
     real = int(lengths.sum())
     checks = []
@@ -1162,6 +1154,7 @@ def run_control(order_fn: OrderFn = length_grouped_order) -> dict[str, Any]:
         bucket_sizes=[1, 8, 2048],
         packing=(),
         order_fn=global_sort_collapse,
+        batch_rebalance=False,
     )
     try:
         assert_sweep_varies(collapsed, two["data"], 2)

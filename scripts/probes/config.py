@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.machinery
+import importlib.util
+import sys
+from collections.abc import Mapping
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
+
+from probes.errors import ProbeError
+from probes.harness import is_file_spec as is_harness_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -15,7 +24,7 @@ DEFAULT_MODEL_DIR = "resources/model/gemma-3-270m"
 DEFAULT_DATA_FILE = "resources/data/chitchat.parquet"
 
 
-class ConfigError(ValueError):
+class ConfigError(ProbeError, ValueError):
     """A config value that cannot work; the message names the key and what to do."""
 
 
@@ -51,6 +60,59 @@ def check_config_paths(config: dict[str, Any], workdir: Path | None = None) -> N
             raise ConfigError(
                 f"config key data.files[{index}].path: '{path}' is neither .jsonl nor .parquet."
             )
+    harness = config.get("profile", {}).get("harness")
+    if harness:
+        check_harness(harness, base)
+
+
+def find_module_spec(dotted: str) -> ModuleSpec | None:
+    """Where the module `dotted` would be imported from, or None where it cannot be found.
+
+    Nothing is imported: the top-level name goes through importlib.util.find_spec, each further
+    part through the path finder over its parent's search locations (an already imported parent's
+    `__path__`), so checking a user's package never runs its code at parse time.
+    """
+    parts = dotted.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return None
+    try:
+        spec = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):  # ValueError: a loaded module without __spec__
+        return None
+    for depth in range(1, len(parts)):
+        if spec is None:
+            return None
+        parent = sys.modules.get(".".join(parts[:depth]))
+        search = getattr(parent, "__path__", None) if parent else spec.submodule_search_locations
+        if search is None:  # the parent is a plain module, not a package
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: depth + 1]), list(search))
+    return spec
+
+
+def check_harness(harness: str, base: Path) -> None:
+    """profile.harness names a .py file that exists or an import path that can be found, checked
+    without running the harness (the profile job imports it)."""
+    what = (
+        "give your training module as a .py file path or an import path (e.g. my_package.train) "
+        "that defines discover_target_modules(model) and compute_loss(model, batch)"
+    )
+    if is_harness_file(harness):
+        if not harness.endswith(".py"):
+            raise ConfigError(f"config key profile.harness: '{harness}' is not a .py file; {what}.")
+        if not (base / harness).is_file():
+            raise ConfigError(
+                f"config key profile.harness: file '{harness}' does not exist (a relative path "
+                f"starts at the working directory {base}); {what}."
+            )
+    elif find_module_spec(harness) is None:
+        raise ConfigError(
+            f"config key profile.harness: no module '{harness}' on this Python path (the "
+            "workflow's scripts/, PYTHONPATH, installed packages); install the package or add "
+            f"its directory to PYTHONPATH, or {what}. A module installed only in the job's own "
+            "environment (e.g. --software-deployment-method conda) is not visible here: give its "
+            ".py path instead."
+        )
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -62,7 +124,9 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def fill_defaults(instance: Any, schema: dict[str, Any]) -> Any:
     """Deep copy of `instance` with every missing property that has a schema default filled in
-    (recursively, also inside defaults that are themselves objects)."""
+    (recursively: inside defaults that are objects, and in each item of an array of objects)."""
+    if isinstance(instance, list) and isinstance(schema.get("items"), dict):
+        return [fill_defaults(item, schema["items"]) for item in instance]
     if not isinstance(instance, dict) or schema.get("type") != "object":
         return copy.deepcopy(instance)
     out = copy.deepcopy(instance)
@@ -74,24 +138,44 @@ def fill_defaults(instance: Any, schema: dict[str, Any]) -> Any:
     return out
 
 
-def load_config(configfile: str | Path | None = None) -> dict[str, Any]:
+@functools.cache
+def schema() -> dict[str, Any]:
+    """The workflow's JSON schema: the one place config defaults are written."""
+    return load_yaml(SCHEMA)
+
+
+def apply_overrides(config: dict[str, Any], assignments: Mapping[str, str]) -> dict[str, Any]:
+    """`{"training.max_seq_len": "2048"}` -> config with that value (parsed as YAML) set."""
+    import yaml
+
+    for dotted, text in assignments.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(text)
+    return config
+
+
+def load_config(
+    configfile: str | Path | None = None, overrides: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """The workflow config for a standalone (non-Snakemake) run: validated against the
     workflow's schema and default-filled from it, so both paths run with one set of defaults.
 
     Validation needs jsonschema; on a bare GPU machine without it only the defaults are filled.
     """
     path = Path(configfile or DEFAULT_CONFIG)
-    raw = load_yaml(path)
-    schema = load_yaml(SCHEMA)
+    raw = apply_overrides(load_yaml(path), overrides or {})
     try:
         import jsonschema
     except ImportError:
         jsonschema = None
     if jsonschema is not None:
         error = jsonschema.exceptions.best_match(
-            jsonschema.Draft202012Validator(schema).iter_errors(raw)
+            jsonschema.Draft202012Validator(schema()).iter_errors(raw)
         )
         if error is not None:
             key = ".".join(str(part) for part in error.absolute_path) or "(top level)"
             raise ConfigError(f"{path}: config key {key}: {error.message}")
-    return fill_defaults(raw, schema)
+    return fill_defaults(raw, schema())

@@ -4,6 +4,25 @@ Formats: JSONL or Parquet rows holding OpenAI-style `messages` [{role, content}]
 `conversations` [{from, value}] or plain `text`. Each row becomes one `Example` whose status is
 OK, EMPTY or ERROR; malformed rows keep their file and line/row number and a reason code, and are
 never dropped. Reason codes never contain text from the data.
+
+Reason codes (stable: summaries and users' scripts match on them). In the turn codes, `role` and
+`content` also stand for ShareGPT's `from` and `value`; a null field counts as missing, because
+Parquet cannot tell the two apart.
+
+| code | status | the row |
+|---|---|---|
+| `not_utf8`, `invalid_json` | ERROR | a JSONL line that is not UTF-8 / not JSON |
+| `row_not_an_object` | ERROR | is not a JSON object |
+| `no_messages_conversations_or_text` | ERROR | has none of the three fields |
+| `text_null`, `text_empty` | EMPTY | `text` is null / only whitespace |
+| `text_not_a_string` | ERROR | `text` is not a string |
+| `turns_not_a_list` | ERROR | `messages` / `conversations` is not a list |
+| `turn_not_an_object` | ERROR | a turn is not an object |
+| `role_missing` | ERROR | a turn has no role (`role` / `from`) |
+| `unknown_role` | ERROR | a turn's role is not a string or not one of ROLE_ALIASES |
+| `content_missing` | ERROR | a turn has no content (`content` / `value`) |
+| `content_not_a_string` | ERROR | a turn's content is not a string (e.g. a list of parts) |
+| `no_content` | EMPTY | no turns, or every turn's content is only whitespace |
 """
 
 from __future__ import annotations
@@ -18,8 +37,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-OK, EMPTY, ERROR, TRUNCATED = "OK", "EMPTY", "ERROR", "TRUNCATED"
-STATUSES = (OK, EMPTY, ERROR, TRUNCATED)
+from probes.contracts import EMPTY, ERROR, OK, STATUSES
+from probes.errors import ProbeError
+
 NO_SOURCE = "none"
 
 # ShareGPT and other common spellings, mapped onto the chat-template roles.
@@ -34,7 +54,7 @@ ROLE_ALIASES = {
 }
 
 
-class DataError(ValueError):
+class DataError(ProbeError, ValueError):
     """The data cannot be used at all; the message names the file and what to do."""
 
 
@@ -61,6 +81,24 @@ def example_id(file_name: str, row: int, payload: str) -> str:
     """A stable id from where the row is and what it holds; never the text itself."""
     digest = hashlib.sha256(f"{file_name}\x00{row}\x00{payload}".encode()).hexdigest()
     return digest[:16]
+
+
+def turn_reason(turn: Any, role_key: str, content_key: str) -> str:
+    """The reason code of a malformed turn, or "" for a usable one. Checked in this order, so a
+    turn with several faults gets the first: object, role (missing, then known), content."""
+    if not isinstance(turn, dict):
+        return "turn_not_an_object"
+    role = turn.get(role_key)
+    if role is None:
+        return "role_missing"
+    if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
+        return "unknown_role"
+    content = turn.get(content_key)
+    if content is None:
+        return "content_missing"
+    if not isinstance(content, str):
+        return "content_not_a_string"
+    return ""
 
 
 def parse_record(record: Any, file_name: str, row: int, source: str, payload: str) -> Example:
@@ -92,17 +130,10 @@ def parse_record(record: Any, file_name: str, row: int, source: str, payload: st
         return bad("turns_not_a_list")
     messages: list[tuple[str, str]] = []
     for turn in turns:
-        if not isinstance(turn, dict):
-            return bad("turn_not_an_object")
-        role = turn.get(role_key)
-        content = turn.get(content_key)
-        if not isinstance(role, str) or role.strip().lower() not in ROLE_ALIASES:
-            return bad("unknown_role")
-        if content is None:
-            content = ""
-        if not isinstance(content, str):
-            return bad("content_not_a_string")
-        messages.append((ROLE_ALIASES[role.strip().lower()], content))
+        reason = turn_reason(turn, role_key, content_key)
+        if reason:
+            return bad(reason)
+        messages.append((ROLE_ALIASES[turn[role_key].strip().lower()], turn[content_key]))
     if not messages or not any(content.strip() for _, content in messages):
         return Example(ident, file_name, row, source, EMPTY, "no_content")
     return Example(

@@ -16,16 +16,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from probes.report import (  # noqa: E402
-    OK_STATUSES,
-    OTHER_SOURCES,
-    device_rows,
-    diversity,
-    diversity_prefix,
-    fit_problem,
-    label,
-    sweep_means,
-)
+from probes.contracts import PACKING, TRAINING_STATUSES  # noqa: E402
+from probes.report_format import label  # noqa: E402
+from probes.report_load import diversity_level_name  # noqa: E402
+from probes.report_savings import fit_problem  # noqa: E402
+from probes.report_sections import OTHER_SOURCES, device_rows  # noqa: E402
 
 DPI = 110
 SIZE = (7.0, 4.2)
@@ -124,7 +119,7 @@ def scaling_curve(
 
 
 def bucket_tradeoff(
-    means: pd.DataFrame,
+    summary: pd.DataFrame,
     recommended_size: float | None,
     level: str,
     path: str | Path,
@@ -132,27 +127,28 @@ def bucket_tradeoff(
 ):
     """Efficiency against source diversity (relative to random) over the bucket-size sweep.
 
-    `means` holds a `diversity` column (the bucket stage's measure at `level`).
+    `summary` is the bucket stage's summary.parquet (probes.bucket.summarise): mean over seeds,
+    with `diversity_rel_random` judged at `level`.
     """
     fig, ax = plt.subplots(figsize=SIZE)
-    sweep = means[means["bucket_size_batches"].notna()].sort_values("bucket_size_batches")
+    sweep = summary[summary["bucket_size_batches"].notna()].sort_values("bucket_size_batches")
     for column, style, name in (
         ("token_efficiency", "o-", "token efficiency"),
         ("attention_efficiency", "s--", "attention efficiency"),
     ):
-        ax.plot(sweep["diversity"], sweep[column], style, markersize=4, label=name)
+        ax.plot(sweep["diversity_rel_random"], sweep[column], style, markersize=4, label=name)
     for _, row in sweep.iterrows():
         ax.annotate(
             f"{row['bucket_size_batches']:g}",
-            (row["diversity"], row["token_efficiency"]),
+            (row["diversity_rel_random"], row["token_efficiency"]),
             textcoords="offset points",
             xytext=(3, 4),
             fontsize=7,
         )
-    packing = means[means["strategy"].str.startswith("packing")]
+    packing = summary[summary["strategy"].str.startswith(PACKING)]
     for i, (_, row) in enumerate(packing.iterrows()):
         ax.plot(
-            row["diversity"],
+            row["diversity_rel_random"],
             row["token_efficiency"],
             "*P"[i % 2],
             markersize=11,
@@ -162,7 +158,7 @@ def bucket_tradeoff(
     if recommended_size is not None:
         chosen = sweep[sweep["bucket_size_batches"] == recommended_size]
         ax.plot(
-            chosen["diversity"],
+            chosen["diversity_rel_random"],
             chosen["token_efficiency"],
             "o",
             markersize=14,
@@ -205,7 +201,7 @@ def draw_all(
     drawn: dict[str, str | None] = dict.fromkeys(FIGURES)
     if "padding" not in not_run:
         lengths = tables["padding_lengths"]
-        n_sources = lengths.loc[lengths["status"].isin(OK_STATUSES), "source"].nunique()
+        n_sources = lengths.loc[lengths["status"].isin(TRAINING_STATUSES), "source"].nunique()
         length_histogram(
             tables["padding_distribution"], n_sources, directory / "lengths.png", top_n, dpi
         )
@@ -217,14 +213,11 @@ def draw_all(
         problem = fit_problem(tables, not_run)
         scaling_curve(tables["profile_scaling"], fit_row, directory / "scaling.png", dpi, problem)
         drawn["scaling"] = "scaling.png"
-    if "bucket" not in not_run and not tables["bucket_sweep"].empty:
+    if "bucket" not in not_run and not tables["bucket_summary"].empty:
         rec = jsons["bucket_recommendation"]
         size = (rec.get("recommended") or {}).get("bucket_size_batches")
-        prefix = diversity_prefix(rec)
-        means = sweep_means(tables["bucket_sweep"])
-        means["diversity"] = diversity(means, prefix)
-        level = "micro-batch" if prefix == "micro" else "optimizer step"
-        bucket_tradeoff(means, size, level, directory / "bucket.png", dpi)
+        level = diversity_level_name(rec)
+        bucket_tradeoff(tables["bucket_summary"], size, level, directory / "bucket.png", dpi)
         drawn["bucket"] = "bucket.png"
     if "profile" not in not_run and not tables["profile_kernels"].empty:
         cpu_only = bool(jsons["profile_provenance"].get("cpu_only"))

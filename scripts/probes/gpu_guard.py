@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from probes.errors import ProbeError
+
 LOG = logging.getLogger("probes.gpu_guard")
 
 
@@ -45,7 +47,7 @@ class IdleLimits:
     allow_other_processes: bool = False
 
 
-class CardBusyError(RuntimeError):
+class CardBusyError(ProbeError, RuntimeError):
     """The card stayed busy for the whole wait; the message names what holds it."""
 
 

@@ -18,12 +18,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from probes.errors import ProbeError
+
 REQUIRED = ("discover_target_modules", "compute_loss")
 OPTIONAL = ("apply_adapters", "build_optimizer", "loss_from_hidden", "configure")
 DEFAULT_HARNESS = "probes.reference_harness"
 
 
-class HarnessError(ValueError):
+class HarnessError(ProbeError, ValueError):
     """The harness cannot be imported or lacks a required function; the message says what to do."""
 
 
@@ -63,7 +65,7 @@ def qualified_name(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def _is_file_spec(spec: str) -> bool:
+def is_file_spec(spec: str) -> bool:
     return spec.endswith(".py") or "/" in spec or "\\" in spec
 
 
@@ -97,7 +99,7 @@ def _import_file(path: Path) -> ModuleType:
 def load_harness(spec: str | None) -> Harness:
     """Import the harness named by `spec` (a .py path or a dotted import path)."""
     spec = spec or DEFAULT_HARNESS
-    if _is_file_spec(spec):
+    if is_file_spec(spec):
         module = _import_file(Path(spec))
     else:
         try:

@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 from probes import mask_band, sdpa_backend
+from probes.errors import ProbeError
 from probes.mask_memory import reuse_freed_memory
 from probes.mask_trace import AttentionRecord, ProbeModel, build_probe_model, trace_attention
 
@@ -107,7 +108,7 @@ def layers_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return frame.astype(LAYER_COLUMNS)
 
 
-class GateError(RuntimeError):
+class GateError(ProbeError, RuntimeError):
     """The gate (or its positive control) failed; the message says where and what differed."""
 
 

@@ -29,13 +29,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from probes.errors import ProbeError
 from probes.sdpa_backend import SdpaCall
 
 SHRUNK_VOCAB = 512  # embedding tables are the only weights materialised; values never matter
 SKIP_SUBTREES = ("vision", "visual", "audio", "image", "video", "speech")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(ProbeError, ValueError):
     """A config.json that cannot be turned into a model; the message names file and key."""
 
 

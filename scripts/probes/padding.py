@@ -19,9 +19,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from probes.data import EMPTY, ERROR, OK, STATUSES, TRUNCATED
+from probes.contracts import EMPTY, ERROR, OK, STATUSES, TRAINING_STATUSES, TRUNCATED
 
-USABLE = (OK, TRUNCATED)
 WASTE_STRATEGIES = ("pad_to_max_seq_len", "dataset_order", "random", "sorted")
 WASTE_METRICS = {"token_waste": 1, "attention_waste": 2}  # metric -> power of the length
 PERCENTILES = {"p50": 50, "p90": 90, "p99": 99}
@@ -58,7 +57,7 @@ SUMMARY_COLUMNS = (
 
 def usable_lengths(lengths: pd.DataFrame) -> np.ndarray:
     """Kept token counts of the examples training would see (OK and TRUNCATED), in data order."""
-    mask = lengths["status"].isin(USABLE).to_numpy()
+    mask = lengths["status"].isin(TRAINING_STATUSES).to_numpy()
     return lengths.loc[mask, "n_tokens"].to_numpy(dtype=np.int64)
 
 
@@ -295,7 +294,7 @@ def distribution_table(lengths: pd.DataFrame, n_bins: int, max_sources: int) -> 
     n_zero. kind 'bin' rows: statistic 'bin', bin_index, [bin_lo, bin_hi) log-spaced edges shared
     by every source of a measure, value = examples in the bin (zeros only in n_zero).
     """
-    usable = lengths[lengths["status"].isin(USABLE)]
+    usable = lengths[lengths["status"].isin(TRAINING_STATUSES)]
     counts = usable["source"].value_counts()
     keep = set(counts.index[:max_sources])
     source = usable["source"].where(usable["source"].isin(keep), OTHER_SOURCES)
@@ -429,7 +428,7 @@ def model_dims(model_config: dict[str, Any]) -> tuple[int, int | None]:
 
 def no_usable_files(lengths: pd.DataFrame) -> list[str]:
     """Files left with no usable example after tokenization (e.g. every row failed the template)."""
-    usable = lengths["status"].isin(USABLE)
+    usable = lengths["status"].isin(TRAINING_STATUSES)
     per_file = usable.groupby(lengths["file"]).any()
     return sorted(per_file.index[~per_file.to_numpy()])
 

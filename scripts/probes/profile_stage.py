@@ -13,7 +13,6 @@ import os
 import platform
 import time
 from collections.abc import Callable, Mapping
-from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,30 +26,24 @@ from probes import flops as fl
 from probes import kernels as kn
 from probes.ce import full_logits_cross_entropy
 from probes.cluster import slurm_environment
+from probes.contracts import STAGE_OUTPUTS
+from probes.errors import ProbeError
 from probes.fit import QuadraticFit, fit_control, fit_step_time, term_shares
 from probes.gpu_guard import IdleLimits, probe_card, wait_for_idle_card
 from probes.harness import Harness, load_harness
-from probes.io import atomic_path, read_json, run_metadata, write_json, write_parquet, write_text
+from probes.io import read_json, run_metadata
+from probes.lengths import LengthsError, read_training_lengths
+from probes.settings import WorkflowConfig
+from probes.stage import all_or_nothing
 from probes.timing import OK, Timing, release_memory, synchronize, time_repeats
 
 LOG = logging.getLogger("probes.profile")
-# The stage's outputs by key, with their file names under results/profile/ (the rule's contract).
-OUTPUT_FILES = {
-    "scaling": "scaling.parquet",
-    "fit": "fit.parquet",
-    "padding_penalty": "padding_penalty.parquet",
-    "ce": "ce.parquet",
-    "kernels": "kernels.parquet",
-    "raw": "profile-output.txt",
-    "provenance": "provenance.json",
-    "control": "control.json",
-}
-OUTPUT_KEYS = tuple(OUTPUT_FILES)
+OUTPUT_KEYS = tuple(STAGE_OUTPUTS["profile"])
 SKIPPED = "SKIPPED"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class ProfileError(RuntimeError):
+class ProfileError(ProbeError, RuntimeError):
     """The stage cannot run as configured, or one of its controls failed."""
 
 
@@ -716,7 +709,7 @@ def run_profile(
     if not controls[0]["passed"]:
         raise ProfileError(f"positive control failed: {controls[0]}")
 
-    train = bt.read_training_lengths(lengths_path, settings.max_seq_len)
+    train = read_training_lengths(lengths_path, settings.max_seq_len)
     # which tokens carry loss (training.loss_on): the padding stage counted them per example
     if profile.get("loss_fraction") is not None:
         loss_share, loss_source = float(profile["loss_fraction"]), "config profile.loss_fraction"
@@ -803,7 +796,7 @@ def run_profile(
             profile["padding_waste_quantile"],
         )
         penalty = run_padding_penalty(runner, settings, pick, fit, vocab_size, pad_id)
-    except bt.LengthsError as error:
+    except LengthsError as error:
         LOG.warning("padding penalty skipped: %s", error)
         penalty = skipped_penalty(str(error))
     # CE and kernel probes at one length: the longest on a GPU (where attention and the head
@@ -874,18 +867,15 @@ def run_profile(
         raise ProfileError(f"control(s) failed: {failed}: {[c['observed'] for c in controls]}")
 
     text = evidence_text(provenance, scaling, fit, penalty, ce, kernels, raw_table, controls)
-    # every output goes to a temporary file first; all are renamed into place only if all
-    # were written, so a failure leaves none of them behind
-    with ExitStack() as stack:
-        tmp = {key: stack.enter_context(atomic_path(outputs[key])) for key in OUTPUT_KEYS}
-        write_parquet(scaling, tmp["scaling"], run)
-        write_parquet(fit_frame(fit, scaling), tmp["fit"], run)
-        write_parquet(penalty, tmp["padding_penalty"], run)
-        write_parquet(ce, tmp["ce"], run)
-        write_parquet(kernels, tmp["kernels"], run)
-        write_text(text, tmp["raw"])
-        write_json(provenance, tmp["provenance"])
-        write_json(control, tmp["control"])
+    with all_or_nothing(outputs) as out:
+        out.parquet("scaling", scaling, run)
+        out.parquet("fit", fit_frame(fit, scaling), run)
+        out.parquet("padding_penalty", penalty, run)
+        out.parquet("ce", ce, run)
+        out.parquet("kernels", kernels, run)
+        out.text("raw", text)
+        out.json("provenance", provenance)
+        out.json("control", control)
     return {
         "device": device_info["name"],
         "cpu_only": settings.cpu_only,
@@ -898,3 +888,15 @@ def run_profile(
         "kernel_sum_s": float(kernels["device_time_s"].sum()),
         "kernel_wall_s": float(kernels["wall_s"].iloc[0]) if len(kernels) else float("nan"),
     }
+
+
+def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
+    """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
+    summary = run_profile(
+        inputs["lengths"],
+        inputs.get("recommendation"),
+        Path(inputs["tokenizer"][0]).parent,
+        outputs,
+        cfg.raw,
+    )
+    LOG.info("profile summary: %s", summary)

@@ -27,7 +27,9 @@ import numpy as np
 import pandas as pd
 from tqdm.auto import tqdm
 
-from probes.data import ERROR, OK, TRUNCATED, Example
+from probes.contracts import ERROR, OK, TRUNCATED
+from probes.data import Example
+from probes.errors import ProbeError
 
 GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 LOSS_ON = ("assistant", "all")
@@ -37,22 +39,8 @@ REASON_TEMPLATE_ERROR = "chat_template_error"
 REASON_TRUNCATED = "longer_than_max_seq_len"
 REASON_NO_LOSS_TOKENS = "no_loss_tokens"
 
-LENGTH_COLUMNS = (
-    "example_id",
-    "file",
-    "row",
-    "source",
-    "status",
-    "reason",
-    "n_tokens",
-    "n_tokens_full",
-    "n_loss_tokens",
-    "n_turns",
-    "n_truncated_tokens",
-)
 
-
-class TokenizeError(ValueError):
+class TokenizeError(ProbeError, ValueError):
     """Tokenizer or template cannot serve this data; the message says which config key to fix."""
 
 

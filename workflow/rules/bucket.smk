@@ -1,14 +1,15 @@
 rule bucket_sweep:
     input:
-        lengths="results/padding/lengths.parquet",
+        lengths=out("padding", "lengths"),
     output:
         sweep=report(
-            "results/bucket/sweep.parquet",
+            out("bucket", "sweep"),
             category="Bucketing",
             caption="../report/bucket.rst",
         ),
-        recommendation="results/bucket/recommendation.json",
-        control="results/bucket/control.json",
+        summary=out("bucket", "summary"),
+        recommendation=out("bucket", "recommendation"),
+        control=out("bucket", "control"),
     log:
         "logs/bucket_sweep.log",
     benchmark:
@@ -16,6 +17,7 @@ rule bucket_sweep:
     conda:
         "../envs/probes.yaml"
     params:
+        # the config sections the stage reads: a change reruns it
         bucket=config["bucket"],
         training=config["training"],
     script:

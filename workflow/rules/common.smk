@@ -1,18 +1,24 @@
-import sys
 from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
-min_version("8.20")
-
-# The shared package lives beside the entry scripts; rules and scripts import the same code.
-sys.path.insert(0, str(Path(workflow.basedir) / "scripts"))
 from probes.config import check_config_paths, model_file
+from probes.contracts import report_inputs, stage_outputs
+
+min_version("8.20")
 
 # Fills defaults and rejects unknown keys and bad types before any job runs.
 validate(config, schema="../schemas/config.schema.yaml")
 # A user path that does not exist fails here, at parse time, naming its key.
 check_config_paths(config)
+
+
+def out(stage, key):
+    """An output path of a stage, from the contract (probes.contracts.STAGE_OUTPUTS).
+
+    Downstream inputs use it too, not `rules.X.output.Y`: a rule reference makes Snakemake run
+    the upstream rule even under `--allowed-rules`, which users rely on to rerun one stage."""
+    return stage_outputs(stage)[key]
 
 
 def model_config_json():
@@ -28,8 +34,3 @@ def model_tokenizer_files():
 
 def data_files():
     return [entry["path"] for entry in config["data"]["files"]]
-
-
-def model_dir_of_input(wildcards, input):
-    # Derived from the input, not the config, so it also holds without a shared filesystem.
-    return str(Path(input.tokenizer[0]).parent)

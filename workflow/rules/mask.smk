@@ -3,12 +3,12 @@ rule mask:
         model_config=model_config_json(),
     output:
         layers=report(
-            "results/mask/layers.parquet",
+            out("mask", "layers"),
             category="Mask gate",
             caption="../report/mask.rst",
         ),
-        gate="results/mask/gate.json",
-        control="results/mask/control.json",
+        gate=out("mask", "gate"),
+        control=out("mask", "control"),
     log:
         "logs/mask.log",
     benchmark:
@@ -16,6 +16,7 @@ rule mask:
     conda:
         "../envs/probes.yaml"
     params:
+        # the config sections the stage reads: a change reruns it
         mask=config["mask"],
         training=config["training"],
     script:

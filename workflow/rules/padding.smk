@@ -1,19 +1,19 @@
 rule padding:
     input:
-        gate="results/mask/gate.json",
+        gate=out("mask", "gate"),
         model_config=model_config_json(),
         tokenizer=model_tokenizer_files(),
         data=data_files(),
     output:
-        lengths="results/padding/lengths.parquet",
+        lengths=out("padding", "lengths"),
         summary=report(
-            "results/padding/summary.parquet",
+            out("padding", "summary"),
             category="Padding",
             caption="../report/padding.rst",
         ),
-        distribution="results/padding/distribution.parquet",
-        ce_chunks="results/padding/ce_chunks.parquet",
-        control="results/padding/control.json",
+        distribution=out("padding", "distribution"),
+        ce_chunks=out("padding", "ce_chunks"),
+        control=out("padding", "control"),
     log:
         "logs/padding.log",
     benchmark:
@@ -22,10 +22,10 @@ rule padding:
         "../envs/probes.yaml"
     threads: 2
     params:
-        model_path=model_dir_of_input,
-        chat_template=config["model"]["chat_template"],
+        # the config sections the stage reads: a change reruns it
         data=config["data"],
         padding=config["padding"],
         training=config["training"],
+        model=config["model"],
     script:
         "../../scripts/step2_padding.py"

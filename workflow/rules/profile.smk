@@ -2,23 +2,23 @@
 # profile turns gpu=1 into --gpus=1. It checks the card is idle before loading weights.
 rule profile:
     input:
-        lengths="results/padding/lengths.parquet",
-        recommendation="results/bucket/recommendation.json",
+        lengths=out("padding", "lengths"),
+        recommendation=out("bucket", "recommendation"),
         model_config=model_config_json(),
         tokenizer=model_tokenizer_files(),
     output:
-        scaling="results/profile/scaling.parquet",
-        fit="results/profile/fit.parquet",
-        padding_penalty="results/profile/padding_penalty.parquet",
-        ce="results/profile/ce.parquet",
+        scaling=out("profile", "scaling"),
+        fit=out("profile", "fit"),
+        padding_penalty=out("profile", "padding_penalty"),
+        ce=out("profile", "ce"),
         kernels=report(
-            "results/profile/kernels.parquet",
+            out("profile", "kernels"),
             category="Profile",
             caption="../report/profile.rst",
         ),
-        raw="results/profile/profile-output.txt",
-        provenance="results/profile/provenance.json",
-        control="results/profile/control.json",
+        raw=out("profile", "raw"),
+        provenance=out("profile", "provenance"),
+        control=out("profile", "control"),
     log:
         "logs/profile.log",
     benchmark:
@@ -28,7 +28,7 @@ rule profile:
     resources:
         gpu=1,
     params:
-        model_path=model_dir_of_input,
+        # the config sections the stage reads: a change reruns it
         profile=config["profile"],
         training=config["training"],
     script:

@@ -1,33 +1,17 @@
 rule report:
     input:
-        mask_layers="results/mask/layers.parquet",
-        mask_gate="results/mask/gate.json",
-        mask_control="results/mask/control.json",
-        padding_lengths="results/padding/lengths.parquet",
-        padding_summary="results/padding/summary.parquet",
-        padding_distribution="results/padding/distribution.parquet",
-        padding_ce_chunks="results/padding/ce_chunks.parquet",
-        padding_control="results/padding/control.json",
-        bucket_sweep="results/bucket/sweep.parquet",
-        bucket_recommendation="results/bucket/recommendation.json",
-        bucket_control="results/bucket/control.json",
-        profile_scaling="results/profile/scaling.parquet",
-        profile_fit="results/profile/fit.parquet",
-        profile_padding_penalty="results/profile/padding_penalty.parquet",
-        profile_ce="results/profile/ce.parquet",
-        profile_kernels="results/profile/kernels.parquet",
-        profile_provenance="results/profile/provenance.json",
-        profile_control="results/profile/control.json",
+        # every probe output, keyed <stage>_<key> (probes.contracts.report_inputs)
+        **report_inputs(),
         # from the workflow source, not the working directory (--directory elsewhere)
         template=workflow.source_path("../templates/playbook-evidence.md.j2"),
     output:
         markdown=report(
-            "results/report/playbook-evidence.md",
+            out("report", "markdown"),
             category="Report",
             caption="../report/report.rst",
         ),
         figures=report(
-            directory("results/report/figures"),
+            directory(out("report", "figures")),
             patterns=["{name}.png"],
             category="Report",
             labels={"figure": "{name}"},
@@ -40,6 +24,7 @@ rule report:
     conda:
         "../envs/probes.yaml"
     params:
+        # the config sections the stage reads: a change reruns it
         report=config["report"],
     script:
         "../../scripts/render_report.py"

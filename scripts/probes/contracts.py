@@ -1,0 +1,303 @@
+"""The contract between stages: every output file, table column, status and strategy name.
+
+One home per fact. Rules (`workflow/rules/common.smk`), entry scripts, the report and the tests
+import these names instead of retyping them; adding a column or an output file is one edit here
+plus the code that writes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from probes.errors import ProbeError
+
+RESULTS_DIR = "results"
+
+# ---------------------------------------------------------------------------------------------
+# Example statuses (one row per example in lengths.parquet, none ever dropped)
+# ---------------------------------------------------------------------------------------------
+
+OK, TRUNCATED, EMPTY, ERROR = "OK", "TRUNCATED", "EMPTY", "ERROR"
+STATUSES = (OK, TRUNCATED, EMPTY, ERROR)
+# The examples that train (TRUNCATED ones train on their first max_seq_len tokens).
+TRAINING_STATUSES = (OK, TRUNCATED)
+# Counted in their own buckets, never folded into a distribution.
+SKIPPED_STATUSES = (EMPTY, ERROR)
+
+# The source label of an example whose file gives none.
+UNKNOWN_SOURCE = "none"
+
+# ---------------------------------------------------------------------------------------------
+# Batching strategies (one name per strategy in every stage, table and figure)
+# ---------------------------------------------------------------------------------------------
+
+RANDOM = "random"
+LENGTH_GROUPED = "length_grouped"
+# Every example sorted by length before batching (a bucket as large as the dataset).
+GLOBAL_SORT = "global_sort"
+PACKING = "packing"
+# transformers' BatchRebalanceSampler (variable micro-batch size): a comparison row in the sweep.
+BATCH_REBALANCE = "batch_rebalance"
+PAD_TO_MAX_SEQ_LEN = "pad_to_max_seq_len"
+DATASET_ORDER = "dataset_order"
+STRATEGY_ORDER = (RANDOM, LENGTH_GROUPED, GLOBAL_SORT, PACKING, BATCH_REBALANCE)
+
+# ---------------------------------------------------------------------------------------------
+# Output files per stage (relative to the results directory)
+# ---------------------------------------------------------------------------------------------
+
+STAGE_OUTPUTS: dict[str, dict[str, str]] = {
+    "mask": {
+        "layers": "mask/layers.parquet",
+        "gate": "mask/gate.json",
+        "control": "mask/control.json",
+    },
+    "padding": {
+        "lengths": "padding/lengths.parquet",
+        "summary": "padding/summary.parquet",
+        "distribution": "padding/distribution.parquet",
+        "ce_chunks": "padding/ce_chunks.parquet",
+        "control": "padding/control.json",
+    },
+    "bucket": {
+        "sweep": "bucket/sweep.parquet",
+        "summary": "bucket/summary.parquet",
+        "recommendation": "bucket/recommendation.json",
+        "control": "bucket/control.json",
+    },
+    "profile": {
+        "scaling": "profile/scaling.parquet",
+        "fit": "profile/fit.parquet",
+        "padding_penalty": "profile/padding_penalty.parquet",
+        "ce": "profile/ce.parquet",
+        "kernels": "profile/kernels.parquet",
+        "raw": "profile/profile-output.txt",
+        "provenance": "profile/provenance.json",
+        "control": "profile/control.json",
+    },
+    "report": {
+        "markdown": "report/playbook-evidence.md",
+        "figures": "report/figures",
+    },
+}
+# The probe stages in chain order; the report reads all of their outputs.
+STAGES = ("mask", "padding", "bucket", "profile")
+
+
+def stage_outputs(stage: str, results_dir: str | Path = RESULTS_DIR) -> dict[str, str]:
+    """Output key -> path of one stage (what its rule declares and its `run` writes)."""
+    return {key: str(Path(results_dir) / rel) for key, rel in STAGE_OUTPUTS[stage].items()}
+
+
+def report_inputs(results_dir: str | Path = RESULTS_DIR) -> dict[str, str]:
+    """`<stage>_<key>` -> path of every probe output (the report rule's inputs)."""
+    return {
+        f"{stage}_{key}": path
+        for stage in STAGES
+        for key, path in stage_outputs(stage, results_dir).items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Tables: the columns each one must have (required) and may have (optional). A reader that gets a
+# file without a required column fails naming file, columns and section.
+# ---------------------------------------------------------------------------------------------
+
+# lengths.parquet: one row per example, every status, in data order.
+LENGTH_COLUMNS = (
+    "example_id",
+    "file",
+    "row",
+    "source",
+    "status",
+    "reason",
+    "n_tokens",
+    "n_tokens_full",
+    "n_loss_tokens",
+    "n_turns",
+    "n_truncated_tokens",
+)
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    stage: str
+    section: str
+    required: tuple[str, ...]
+    optional: tuple[str, ...] = ()
+
+
+TABLES: dict[str, TableSpec] = {
+    "mask_layers": TableSpec(
+        "mask",
+        "Mask gate",
+        (
+            "scenario",
+            "batch",
+            "seq_len",
+            "padding",
+            "packed",
+            "layer_idx",
+            "layer_type",
+            "head_dim",
+            "mask_present",
+            "is_causal",
+            "band_lower",
+            "band_upper",
+            "backend",
+            "excluded_by",
+        ),
+        ("fast_path", "violation", "band_source"),
+    ),
+    # one row per example, every status (probes.tokenize.LENGTH_COLUMNS)
+    "padding_lengths": TableSpec(
+        "padding",
+        "Padding",
+        ("example_id", "source", "status", "reason", "n_tokens", "n_loss_tokens"),
+        ("n_truncated_tokens", "n_tokens_full", "n_turns"),
+    ),
+    # long format: section waste (strategy x metric), status (status x metric), reason
+    "padding_summary": TableSpec(
+        "padding",
+        "Padding",
+        ("section", "strategy", "status", "reason", "metric", "value", "std"),
+        ("expected", "n_seeds", "n_batches", "micro_batch_size", "max_seq_len"),
+    ),
+    # long format: scope/source/measure, kind stat (statistic) or bin (bin_lo, bin_hi)
+    "padding_distribution": TableSpec(
+        "padding",
+        "Padding",
+        ("scope", "source", "measure", "kind", "statistic", "bin_lo", "bin_hi", "value"),
+    ),
+    "padding_ce_chunks": TableSpec(
+        "padding",
+        "Cross-entropy",
+        (
+            "shape",
+            "seq_len",
+            "tokens",
+            "vocab_source",
+            "vocab_size",
+            "hidden_size",
+            "logits_bf16_bytes",
+            "logits_fp32_bytes",
+            "stock_loss_bytes",
+            "chunk_tokens",
+            "n_chunks",
+            "liger_chunk_tokens",
+        ),
+        ("budget_gib", "stock_fits_budget", "chunk_bytes", "liger_n_chunks", "liger_fits_budget"),
+    ),
+    "bucket_sweep": TableSpec(
+        "bucket",
+        "Bucketing",
+        (
+            "strategy",
+            "bucket_size_batches",
+            "seed",
+            "token_efficiency",
+            "attention_efficiency",
+            "n_micro_batches",
+            "micro_distinct_sources_rel_random",
+            "micro_source_entropy_rel_random",
+            "step_distinct_sources_rel_random",
+            "step_source_entropy_rel_random",
+            "order_length_spearman",
+        ),
+        ("n_steps", "is_hf_trainer_default", "padded_tokens_saved_vs_random"),
+    ),
+    # mean over seeds per strategy x bucket size, in STRATEGY_ORDER (probes.bucket.summarise)
+    "bucket_summary": TableSpec(
+        "bucket",
+        "Bucketing",
+        (
+            "strategy",
+            "bucket_size_batches",
+            "n_seeds",
+            "token_efficiency",
+            "token_efficiency_std",
+            "attention_efficiency",
+            "attention_efficiency_std",
+            "n_micro_batches",
+            "micro_distinct_sources_rel_random",
+            "micro_source_entropy_rel_random",
+            "step_distinct_sources_rel_random",
+            "step_source_entropy_rel_random",
+            "diversity_rel_random",
+            "order_length_spearman",
+        ),
+        ("is_hf_trainer_default", "padded_tokens_saved_vs_random"),
+    ),
+    "profile_scaling": TableSpec(
+        "profile",
+        "Scaling",
+        ("seq_len", "batch", "status", "time_s", "peak_mem_bytes", "quadratic_share", "mfu"),
+        ("time_std_s", "tokens_per_s", "linear_share", "fixed_share", "residual_s"),
+    ),
+    "profile_fit": TableSpec(
+        "profile",
+        "Scaling",
+        ("a", "b", "c", "n_points", "method", "condition_number"),
+        ("residual_rms_s", "max_rel_residual", "r_squared", "message"),
+    ),
+    "profile_padding_penalty": TableSpec(
+        "profile",
+        "Scaling",
+        (
+            "variant",
+            "status",
+            "padded_time_s",
+            "unpadded_time_s",
+            "measured_penalty",
+            "predicted_penalty",
+        ),
+        ("batch", "longest", "n_real_tokens", "padding_waste"),
+    ),
+    "profile_ce": TableSpec(
+        "profile",
+        "Cross-entropy",
+        ("variant", "status", "time_s", "step_share"),
+        ("chunk_tokens", "peak_mem_bytes", "seq_len", "batch", "loss_tokens"),
+    ),
+    "profile_kernels": TableSpec(
+        "profile",
+        "Kernels",
+        ("category", "device_type", "device_time_s", "share"),
+        ("share_of_wall", "n_kernels", "n_calls"),
+    ),
+}
+
+CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
+# JSON outputs and the keys the report reads (a not-run stage may carry only status + reason).
+JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "mask_gate": ("mask", ("passed",)),
+    "bucket_recommendation": ("bucket", ("status", "recommended", "thresholds")),
+    "profile_provenance": ("profile", ("device", "cpu_only", "harness")),
+    "mask_control": ("mask", CONTROL_KEYS),
+    "padding_control": ("padding", CONTROL_KEYS),
+    "bucket_control": ("bucket", CONTROL_KEYS),
+    "profile_control": ("profile", CONTROL_KEYS),
+}
+
+
+def table_columns(name: str) -> tuple[str, ...]:
+    """Every column a table may carry, required first."""
+    spec = TABLES[name]
+    return spec.required + spec.optional
+
+
+def check_table_columns(columns: Mapping | list | tuple, name: str, path: str | Path) -> None:
+    """Raise ContractError naming the file and what is missing when a required column is absent."""
+    missing = [c for c in TABLES[name].required if c not in set(columns)]
+    if missing:
+        spec = TABLES[name]
+        raise ContractError(
+            f"{path}: the {spec.section} table lacks column(s) {missing}; rerun the "
+            f"`{spec.stage}` rule with this version of the workflow."
+        )
+
+
+class ContractError(ProbeError, ValueError):
+    """A stage output that does not follow this contract; the message names file and columns."""

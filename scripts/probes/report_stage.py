@@ -1,0 +1,59 @@
+"""The report stage: load every stage output, draw the figures, render the markdown, write both."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from probes.config import REPO_ROOT
+from probes.io import run_metadata
+from probes.report import linked_figures, render_markdown
+from probes.report_load import ReportInputError, load_inputs
+from probes.report_sections import build_context
+from probes.settings import WorkflowConfig
+from probes.stage import all_or_nothing
+
+LOG = logging.getLogger("probes.report")
+# The template ships with the workflow; standalone runs use it unless --input template=... says.
+DEFAULT_TEMPLATE = REPO_ROOT / "workflow" / "templates" / "playbook-evidence.md.j2"
+
+
+def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
+    """Load, draw, render; the figures directory and the markdown are written together or not."""
+    from probes import figures as figs  # matplotlib is imported here, inside the timed render
+
+    start = time.perf_counter()
+    paths = {key: path for key, path in inputs.items() if key != "template"}
+    loaded = load_inputs(paths)
+    markdown_out, figures_out = Path(outputs["markdown"]), Path(outputs["figures"])
+    options = cfg.report
+    with all_or_nothing(outputs) as out:
+        staging = out.directory("figures")
+        drawn = figs.draw_all(loaded, staging, options.histogram_top_sources, options.figure_dpi)
+        # links are relative to the markdown, so the report reads the same wherever it is copied
+        prefix = Path(os.path.relpath(figures_out, markdown_out.parent))
+        links = {name: (prefix / f).as_posix() if f else None for name, f in drawn.items()}
+        context = build_context(
+            loaded,
+            links,
+            run_metadata(dict(cfg.raw)),
+            top_sources=options.histogram_top_sources,
+            max_recommendations=options.max_recommendations,
+        )
+        markdown = render_markdown(context, inputs.get("template", DEFAULT_TEMPLATE))
+        for link in linked_figures(markdown):
+            if not (staging / Path(link).relative_to(prefix)).is_file():
+                raise ReportInputError(f"the report links {link} but no such figure was drawn")
+        out.text("markdown", markdown)
+    LOG.info(
+        "rendered %s (%d chars) and %d figures in %.2f s; stages not run: %s",
+        markdown_out,
+        len(markdown),
+        sum(1 for f in drawn.values() if f),
+        time.perf_counter() - start,
+        sorted(loaded["not_run"]) or "none",
+    )

@@ -1,0 +1,368 @@
+"""Stage outputs written the way each stage writes them, small and hand-checkable.
+
+The one home of these fixture writers: the report tests render from them, the Snakemake report
+test stands in for each stage with them, and bench/report_render.py scales them up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from conftest import CANARY
+from probes import bucket
+from probes.contracts import STAGES, TABLES, report_inputs
+from probes.io import run_metadata, write_json, write_parquet
+
+NOT_RUN_REASON = "no GPU and profile.cpu_fallback is false"
+FIT = {"a": 2e-9, "b": 1e-4, "c": 0.05}  # seconds per micro-batch of 2 rows
+BATCH = 2
+
+
+# ------------------------------------------------------------------------------------------
+# Fixture tables: the columns of probes.contracts.TABLES, plus planted extras that must never show
+# ------------------------------------------------------------------------------------------
+
+
+def mask_layers() -> pd.DataFrame:
+    rows = []
+    scenarios = [
+        ("training", 2, 4096, "none", False),
+        ("right_padded", 2, 4096, "right", False),
+        ("packed", 1, 8192, "none", True),
+        ("short", 2, 256, "none", False),
+    ]
+    for scenario, batch, seq_len, padding, packed in scenarios:
+        for layer in range(6):
+            sliding = layer % 6 != 5
+            masked = padding != "none" or packed or (sliding and seq_len > 512)
+            rows.append(
+                {
+                    "scenario": scenario,
+                    "batch": batch,
+                    "seq_len": seq_len,
+                    "padding": padding,
+                    "packed": packed,
+                    "layer_idx": layer,
+                    "layer_type": "sliding_attention" if sliding else "full_attention",
+                    "head_dim": 256,
+                    "mask_present": masked,
+                    "is_causal": not masked,
+                    "band_lower": (511 if sliding else seq_len - 1) if masked else np.nan,
+                    "band_upper": 0 if masked else np.nan,
+                    "backend": "efficient" if masked else "flash",
+                    "excluded_by": "flash: attn_mask present; cudnn: attn_mask present"
+                    if masked
+                    else None,
+                    "violation": None,
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def padding_lengths(n: int = 240, n_sources: int = 3) -> pd.DataFrame:
+    """probes.tokenize.LENGTH_COLUMNS, every status, plus a planted text column."""
+    rng = np.random.default_rng(0)
+    names = np.array(["chitchat", "support", "code"] + [f"topic-{i}" for i in range(n_sources)])
+    sources = names[:n_sources][rng.integers(0, n_sources, n)]
+    full = np.exp(rng.normal(6.0, 1.0, n)).astype(int) + 20
+    status = np.where(full > 4096, "TRUNCATED", "OK").astype(object)
+    status[:3] = "EMPTY"
+    status[3:6] = "ERROR"
+    bad = np.isin(status, ["EMPTY", "ERROR"])
+    full = np.where(bad, 0, full)
+    tokens = np.minimum(full, 4096)
+    reason = np.array([""] * n, dtype=object)
+    reason[:3] = "no_content"
+    reason[3:5] = "invalid_json"
+    reason[5] = f"parse failed near '{CANARY}'"  # must be hidden: not a code
+    reason[status == "TRUNCATED"] = "longer_than_max_seq_len"
+    return pd.DataFrame(
+        {
+            "example_id": [f"{i:016x}" for i in range(n)],
+            "file": "data.jsonl",
+            "row": np.arange(1, n + 1),
+            "source": sources,
+            "status": status,
+            "reason": reason,
+            "n_tokens": tokens,
+            "n_tokens_full": full,
+            "n_loss_tokens": tokens // 2,
+            "n_turns": 4,
+            "n_truncated_tokens": full - tokens,
+            "text": CANARY,  # a column the report must never render
+        }
+    )
+
+
+def padding_tables(lengths: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """summary / distribution / ce_chunks in probes.padding's long formats."""
+    usable = lengths[lengths["status"].isin(["OK", "TRUNCATED"])]
+    summary = []
+    waste = {
+        "pad_to_max_seq_len": (0.91, 0.99, 0.0),
+        "dataset_order": (0.44, 0.63, 0.0),
+        "random": (0.42, 0.61, 0.01),
+        "sorted": (0.02, 0.03, 0.0),
+    }
+    for strategy, (token, attention, std) in waste.items():
+        for metric, value in (("token_waste", token), ("attention_waste", attention)):
+            summary.append(
+                {"section": "waste", "strategy": strategy, "metric": metric, "value": value}
+                | {"std": std, "expected": value, "n_seeds": 8 if std else 1}
+            )
+    for status in ("OK", "EMPTY", "ERROR", "TRUNCATED"):
+        count = float((lengths["status"] == status).sum())
+        summary.append({"section": "status", "status": status, "metric": "count", "value": count})
+    lost = float(lengths["n_truncated_tokens"].sum())
+    summary.append(
+        {"section": "status", "status": "TRUNCATED", "metric": "tokens_lost", "value": lost}
+    )
+    reasons = lengths[lengths["reason"] != ""].groupby(["status", "reason"]).size()
+    for (status, reason), count in reasons.items():
+        summary.append(
+            {"section": "reason", "status": status, "reason": reason, "metric": "count"}
+            | {"value": float(count)}
+        )
+    summary = pd.DataFrame(summary)
+    for column in ("strategy", "status", "reason"):
+        summary[column] = summary[column].fillna("")
+
+    dist = []
+    edges = np.geomspace(1, 4097, 21)
+    groups = [
+        ("overall", "(all)", usable),
+        *(("source", k, g) for k, g in usable.groupby("source")),
+    ]
+    for scope, source, group in groups:
+        t = group["n_tokens"].to_numpy()
+        base = {"scope": scope, "source": source, "measure": "n_tokens"}
+        stats = {"count": len(t), "tokens": t.sum(), "p50": np.percentile(t, 50)}
+        stats |= {"p90": np.percentile(t, 90), "p99": np.percentile(t, 99), "max": t.max()}
+        for statistic, value in stats.items():
+            dist.append(base | {"kind": "stat", "statistic": statistic, "value": float(value)})
+        hist, _ = np.histogram(t, bins=edges)
+        for i, count in enumerate(hist):
+            dist.append(
+                base
+                | {"kind": "bin", "statistic": "bin", "bin_index": i, "value": float(count)}
+                | {"bin_lo": edges[i], "bin_hi": edges[i + 1]}
+            )
+    vocab, hidden = 262144, 640
+    ce = []
+    for shape, seq_len in (("max_seq_len", 4096), ("p50", 450), ("p99", 3000)):
+        tokens = 2 * seq_len
+        chunk = min(819, tokens)
+        ce.append(
+            {
+                "shape": shape,
+                "seq_len": seq_len,
+                "tokens": tokens,
+                "vocab_source": "tokenizer",
+                "vocab_size": vocab,
+                "hidden_size": hidden,
+                "logits_bf16_bytes": tokens * vocab * 2,
+                "logits_fp32_bytes": tokens * vocab * 4,
+                "stock_loss_bytes": tokens * vocab * 10,
+                "budget_gib": 2.0,
+                "stock_fits_budget": tokens * vocab * 10 <= 2 * 2**30,
+                "chunk_tokens": chunk,
+                "n_chunks": -(-tokens // chunk),
+                "liger_chunk_tokens": 32,
+            }
+        )
+    return {"summary": summary, "distribution": pd.DataFrame(dist), "ce_chunks": pd.DataFrame(ce)}
+
+
+def bucket_sweep() -> pd.DataFrame:
+    """probes.bucket.sweep_bucket_sizes' columns: random, length_grouped, global_sort, packing."""
+    rows = []
+    sizes = [1, 2, 4, 8, 16, 60]
+    for seed in range(3):
+        jitter = 0.002 * seed
+        for i, m in enumerate(sizes):
+            strategy = "random" if m == 1 else "global_sort" if m == 60 else "length_grouped"
+            token = 0.58 + 0.07 * i + jitter
+            diversity = (1 - 0.1 * i, 1 - 0.12 * i, 1 - 0.05 * i, 1 - 0.06 * i)
+            rows.append((strategy, m, seed, token, 0.39 + 0.1 * i, 120, *diversity, 0.15 * i))
+        rows.append(("packing_ffd", None, seed, 0.97, 0.5, 40, 1.0, 1.0, 1.0, 1.0, 0.0))
+    frame = pd.DataFrame(rows, columns=list(TABLES["bucket_sweep"].required))
+    frame["bucket_size_batches"] = frame["bucket_size_batches"].astype("Int64")
+    random = frame.loc[frame["strategy"] == "random", "token_efficiency"].mean()
+    frame["padded_tokens_saved_vs_random"] = 1 - random / frame["token_efficiency"]
+    frame["top_kernels_like_list"] = [[CANARY]] * len(frame)  # never rendered
+    return frame
+
+
+def bucket_recommendation() -> dict:
+    return {
+        "status": "ok",
+        "thresholds": {
+            "gain_share": 0.9,
+            "min_diversity_share": 0.8,
+            "gain_metric": "tokens",
+            "diversity_level": "step",
+        },
+        "recommended": {
+            "bucket_size_batches": 4,
+            "bucket_size_examples": 8,
+            "how_to_use": "get_length_grouped_indices(lengths, batch_size=2, mega_batch_mult=4)",
+            "hf_trainer_equivalent": "not expressible in HF Trainer(group_by_length)",
+        },
+        "attention_note": "attention efficiency is what a dense kernel computes",
+    }
+
+
+def profile_tables() -> dict[str, pd.DataFrame]:
+    """probes.profile_stage's tables (scaling with term shares, fit row, penalty, ce, kernels)."""
+    lengths = [1024, 2048, 4096, 8192]
+    rows = []
+    for t in lengths:
+        time_s = FIT["a"] * t * t + FIT["b"] * t + FIT["c"]
+        oom = t == 8192
+        rows.append(
+            {
+                "seq_len": t,
+                "batch": BATCH,
+                "tokens": BATCH * t,
+                "status": "OOM" if oom else "OK",
+                "time_s": np.nan if oom else time_s,
+                "time_std_s": np.nan if oom else 0.002,
+                "peak_mem_bytes": np.nan if oom else 1.2e9 * t / 1024,
+                "mfu": np.nan if oom else 0.31,
+                "quadratic_share": np.nan if oom else FIT["a"] * t * t / time_s,
+                "linear_share": np.nan if oom else FIT["b"] * t / time_s,
+                "fixed_share": np.nan if oom else FIT["c"] / time_s,
+                "error": "" if not oom else "CUDA out of memory",
+            }
+        )
+    fit = pd.DataFrame(
+        [
+            {**FIT, "n_points": 3, "method": "exact", "condition_number": 17.0}
+            | {"residual_rms_s": np.nan, "max_rel_residual": np.nan, "r_squared": np.nan}
+            | {"message": "exact through 3 points; not fitted: 8192:OOM"}
+        ]
+    )
+    penalty = pd.DataFrame(
+        [
+            {
+                "variant": variant,
+                "status": "OK",
+                "padded_time_s": 0.61,
+                "unpadded_time_s": unpadded,
+                "measured_penalty": 0.61 / unpadded - 1,
+                "predicted_penalty": 0.48,
+                "example_ids": ["0000000000000001", "0000000000000002"],
+            }
+            for variant, unpadded in (("one_by_one", 0.40), ("packed", 0.42))
+        ]
+    )
+    ce = pd.DataFrame(
+        {
+            "variant": ["train_step", "chunked", "unchunked"],
+            "status": ["OK", "OK", "OOM"],
+            "time_s": [0.39, 0.081, np.nan],
+            "step_share": [1.0, 0.21, np.nan],
+            "chunk_tokens": [np.nan, 1024, np.nan],
+            "peak_mem_bytes": [np.nan, 2.1e9, np.nan],
+        }
+    )
+    kernels = pd.DataFrame(
+        {
+            "category": ["GEMM", "attention", "elementwise", "GEMM"],
+            "device_type": ["CUDA", "CUDA", "CUDA", "CPU"],  # the ATen twin must be dropped
+            "device_time_s": [0.31, 0.12, 0.05, 0.31],
+            "share": [0.646, 0.25, 0.104, 0.646],
+            "share_of_wall": [0.55, 0.21, 0.09, 0.55],
+            "n_kernels": [12, 3, 40, 12],
+            "n_calls": [120, 36, 400, 120],
+            "top_kernels": [["sm90_xmma_gemm"], ["flash_fwd"], ["elementwise"], ["aten::mm"]],
+        }
+    )
+    return {
+        "scaling": pd.DataFrame(rows),
+        "fit": fit,
+        "padding_penalty": penalty,
+        "ce": ce,
+        "kernels": kernels,
+    }
+
+
+def control(name: str, passed: bool = True, checks: int = 0) -> dict:
+    entry = {
+        "name": name,
+        "description": f"{name} recovers a known answer",
+        "expected": {"value": 1.0},
+        "observed": {"value": 1.0 if passed else 0.5},
+        "passed": passed,
+    }
+    if checks:
+        entry["checks"] = [
+            {"name": f"check {i}", "expected": i, "observed": i, "passed": True}
+            for i in range(checks)
+        ]
+        entry["checks"][-1]["passed"] = passed
+    return entry
+
+
+def write_stage(
+    stage: str,
+    paths: dict[str, Path],
+    profile: str = "gpu",  # gpu | cpu | not_run
+    failed: tuple[str, ...] = (),
+) -> None:
+    """Write one stage's outputs (keys as in contracts.report_inputs) as the stage would."""
+    meta = run_metadata({"fixture": True})
+    if stage == "mask":
+        write_parquet(mask_layers(), paths["mask_layers"], meta)
+        gate = {
+            "passed": True,
+            "violations_total": 0,
+            "violations": [],
+            "headline": "1 of 6 decoder layers keep SDPA's is_causal fast path at 2x4096",
+        }
+        write_json(gate, paths["mask_gate"])
+    elif stage == "padding":
+        lengths = padding_lengths()
+        write_parquet(lengths, paths["padding_lengths"], meta)
+        for name, frame in padding_tables(lengths).items():
+            write_parquet(frame, paths[f"padding_{name}"], meta)
+    elif stage == "bucket":
+        sweep, recommendation = bucket_sweep(), bucket_recommendation()
+        level = recommendation["thresholds"]["diversity_level"]
+        write_parquet(sweep, paths["bucket_sweep"], meta)
+        # as probes.bucket_stage writes it: the one function that summarises the sweep
+        write_parquet(bucket.summarise(sweep, level), paths["bucket_summary"], meta)
+        write_json(recommendation, paths["bucket_recommendation"])
+    elif profile == "not_run":
+        for name in ("scaling", "fit", "padding_penalty", "ce", "kernels"):
+            write_parquet(pd.DataFrame(), paths[f"profile_{name}"], meta)
+        note = {"status": "not_run", "reason": NOT_RUN_REASON}
+        write_json(note, paths["profile_provenance"])
+        write_json({**note, "name": "profile_controls"}, paths["profile_control"])
+        return
+    else:
+        for name, frame in profile_tables().items():
+            write_parquet(frame, paths[f"profile_{name}"], meta)
+        provenance = {
+            "device": {"type": "cpu", "name": "x86_64"}
+            if profile == "cpu"
+            else {"type": "cuda", "name": "NVIDIA H200", "capability": "9.0"},
+            "cpu_only": profile == "cpu",
+            "harness": {"spec": "probes.reference_harness", "functions": {}},
+            "slurm": {"job_id": "1234", "gpus": None},
+        }
+        write_json(provenance, paths["profile_provenance"])
+    name = "profile_controls" if stage == "profile" else f"{stage}_control"
+    checks = {"padding": 3, "profile": 2}.get(stage, 0)
+    write_json(control(name, stage not in failed, checks), paths[f"{stage}_control"])
+
+
+def write_results(root: Path, **kwargs) -> dict[str, Path]:
+    """Write every stage output the report reads under root/ (the workflow's results layout)."""
+    paths = {key: Path(path) for key, path in report_inputs(root).items()}
+    for stage in STAGES:
+        write_stage(stage, paths, **kwargs)
+    return paths

@@ -1,0 +1,200 @@
+"""The bucket sweep's prediction holds on the real transformers.Trainer.
+
+A tiny random-init causal LM (2 layers, CPU) trains one epoch over ~200 heavy-tailed lengths with
+(a) the drop-in ``probes.sampler`` at a chosen bucket size, (b) the Trainer's own
+``train_sampling_strategy="group_by_length"`` and (c) ``"batch_rebalance"``. A collator that
+pads to the longest row records every micro-batch's shape as it is fed; the padded tokens must
+match what the sweep's metric function (``bucket.padded_metrics`` on the sweep's ordering)
+predicts within 1%, and every micro-batch's shape must be the predicted one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from probes import bucket, rebalance
+from probes.sampler import length_grouped_trainer, trainer_group_by_length_permutation
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+N_EXAMPLES = 192
+MAX_LEN = 512
+MICRO = 4
+GRAD_ACCUM = 2
+SEED = 11
+VOCAB = 64
+TOLERANCE = 0.01
+TRAINER_REBALANCE_SEED = 42  # BatchRebalanceSampler's default; the Trainer passes none
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine this tiny model trains ~6x faster."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Examples of the given lengths (random token ids; only shapes matter)."""
+
+    def __init__(self, lengths: np.ndarray, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.examples = [
+            {"input_ids": rng.integers(1, VOCAB, size=int(n)).tolist()} for n in lengths
+        ]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.examples[index]
+
+
+class RecordingCollator:
+    """Pads each micro-batch to its longest row and records the shape fed to the model."""
+
+    def __init__(self) -> None:
+        self.shapes: list[tuple[int, int]] = []
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        width = max(len(f["input_ids"]) for f in features)
+        ids = torch.zeros((len(features), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, feature in enumerate(features):
+            n = len(feature["input_ids"])
+            ids[row, :n] = torch.tensor(feature["input_ids"])
+            mask[row, :n] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        self.shapes.append(tuple(ids.shape))
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(sum(rows * width for rows, width in self.shapes))
+
+
+def real_lengths() -> np.ndarray:
+    """A heavy-tailed sample (the sweep's synthetic mixture), capped at MAX_LEN."""
+    full, _ = bucket.synthetic_lengths(N_EXAMPLES, seed=5)
+    return np.minimum(full, MAX_LEN)
+
+
+def tiny_model() -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=MAX_LEN,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def train_one_epoch(tmp_path: Any, lengths: np.ndarray, **kwargs: Any) -> RecordingCollator:
+    bucket_size = kwargs.pop("bucket_size_batches", None)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=MICRO,
+        gradient_accumulation_steps=GRAD_ACCUM,
+        num_train_epochs=1,
+        learning_rate=1e-3,
+        seed=SEED,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        **kwargs,
+    )
+    collator = RecordingCollator()
+    common = {
+        "model": tiny_model(),
+        "args": args,
+        "train_dataset": TokenDataset(lengths),
+        "data_collator": collator,
+    }
+    if bucket_size is None:
+        trainer = transformers.Trainer(**common)
+    else:
+        trainer = length_grouped_trainer(transformers.Trainer)(
+            **common, bucket_size_batches=bucket_size
+        )
+    trainer.train()
+    return collator
+
+
+def predicted(lengths: np.ndarray, bucket_size: int, perm: np.ndarray) -> dict[str, Any]:
+    """The sweep's own prediction for this configuration and shuffle."""
+    order = bucket.length_grouped_order(lengths, perm, MICRO, bucket_size)
+    metrics = bucket.padded_metrics(
+        lengths[order], np.zeros(lengths.size, dtype=np.int32), MICRO, GRAD_ACCUM, 1
+    )
+    starts = np.arange(0, lengths.size, MICRO)
+    widths = np.maximum.reduceat(lengths[order], starts)
+    rows = np.diff(np.r_[starts, lengths.size])
+    return {**metrics, "shapes": list(zip(rows.tolist(), widths.tolist(), strict=True))}
+
+
+def assert_matches(fed: RecordingCollator, prediction: dict[str, Any]) -> None:
+    assert len(fed.shapes) == prediction["n_micro_batches"]
+    relative = abs(fed.padded_tokens - prediction["padded_tokens"]) / prediction["padded_tokens"]
+    assert relative <= TOLERANCE, (fed.padded_tokens, prediction["padded_tokens"])
+    # Per micro-batch: every shape the Trainer fed is the one the sweep's ordering implies.
+    assert fed.shapes == prediction["shapes"]
+
+
+def test_drop_in_sampler_feeds_what_the_sweep_predicts(tmp_path):
+    lengths = real_lengths()
+    bucket_size = 4
+    fed = train_one_epoch(tmp_path, lengths, bucket_size_batches=bucket_size)
+    perm = bucket.seeded_permutation(lengths.size, SEED)
+    prediction = predicted(lengths, bucket_size, perm)
+    assert_matches(fed, prediction)
+    # The bucket size matters here: random batching would feed measurably more padding.
+    random = predicted(lengths, 1, perm)
+    assert random["padded_tokens"] > 1.05 * prediction["padded_tokens"]
+
+
+def test_group_by_length_feeds_what_the_sweep_predicts(tmp_path):
+    lengths = real_lengths()
+    bucket_size = bucket.hf_trainer_mega_batch_mult(lengths.size, MICRO, GRAD_ACCUM)
+    assert bucket_size == min(N_EXAMPLES // (4 * MICRO * GRAD_ACCUM), 50) * GRAD_ACCUM
+    fed = train_one_epoch(tmp_path, lengths, train_sampling_strategy="group_by_length")
+    # The Trainer's LengthGroupedSampler shuffles with the global torch RNG (set_seed(args.seed)
+    # in Trainer.__init__), after the DataLoader iterator drew its base seed from it.
+    perm = trainer_group_by_length_permutation(lengths.size, SEED)
+    assert_matches(fed, predicted(lengths, bucket_size, perm))
+    # That is not the sweep's seed-SEED shuffle, only one from the same distribution.
+    assert not np.array_equal(perm, bucket.seeded_permutation(lengths.size, SEED))
+
+
+def test_batch_rebalance_feeds_what_the_sweep_row_predicts(tmp_path):
+    if rebalance.unavailable_reason() is not None:
+        pytest.skip(rebalance.unavailable_reason())
+    lengths = real_lengths()
+    fed = train_one_epoch(tmp_path, lengths, train_sampling_strategy="batch_rebalance")
+    # The Trainer passes no seed to BatchRebalanceSampler: the class default, epoch 0.
+    order, rows = rebalance.rebalance_order(lengths, MICRO, GRAD_ACCUM, TRAINER_REBALANCE_SEED)
+    prediction = bucket.padded_metrics(
+        lengths[order],
+        np.zeros(order.size, dtype=np.int32),
+        MICRO,
+        GRAD_ACCUM,
+        1,
+        rows_per_micro_batch=rows,
+    )
+    starts = np.r_[0, np.cumsum(rows)[:-1]]
+    widths = np.maximum.reduceat(lengths[order], starts)
+    assert_matches(
+        fed, {**prediction, "shapes": list(zip(rows.tolist(), widths.tolist(), strict=True))}
+    )
+    assert len(set(rows.tolist())) > 1  # the micro-batch size really varies
