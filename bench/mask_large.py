@@ -39,33 +39,52 @@ def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
+def _command(scripts_dir: Path, config: Path, batch: int, seq_len: int, outdir: str) -> tuple:
+    """The entry script's command line and where it writes gate.json and layers.parquet: the
+    stage entry (default config, --set, --results) or, for an older checkout, its own flags."""
+    script = scripts_dir / "step0_mask.py"
+    if "--configfile" in script.read_text() or "probes.stage" in script.read_text():
+        command = [
+            sys.executable,
+            str(script),
+            "--set",
+            f"model.config_path={config}",
+            "--set",
+            f"training.micro_batch_size={batch}",
+            "--set",
+            f"training.max_seq_len={seq_len}",
+            "--results",
+            outdir,
+        ]
+        return command, Path(outdir, "mask", "gate.json"), Path(outdir, "mask", "layers.parquet")
+    command = [
+        sys.executable,
+        str(script),
+        "--model-config",
+        str(config),
+        "--outdir",
+        outdir,
+        "--micro-batch-size",
+        str(batch),
+        "--max-seq-len",
+        str(seq_len),
+    ]
+    return command, Path(outdir, "gate.json"), Path(outdir, "layers.parquet")
+
+
 def end_to_end(scripts_dir: Path, config: Path, batch: int, seq_len: int) -> dict:
     with tempfile.TemporaryDirectory() as outdir:
+        command, gate_path, layers_path = _command(scripts_dir, config, batch, seq_len, outdir)
+        # each checkout imports its own probes package, not the one installed in the venv
+        env = {**os.environ, "PYTHONPATH": str(scripts_dir)}
         load_before = _load()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
-        subprocess.run(
-            [
-                sys.executable,
-                str(scripts_dir / "step0_mask.py"),
-                "--model-config",
-                str(config),
-                "--outdir",
-                outdir,
-                "--micro-batch-size",
-                str(batch),
-                "--max-seq-len",
-                str(seq_len),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-        )
+        subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO, env=env)
         wall = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        gate = json.loads(Path(outdir, "gate.json").read_text())
-        layers_bytes = Path(outdir, "layers.parquet").read_bytes()
+        gate = json.loads(gate_path.read_text())
+        layers_bytes = layers_path.read_bytes()
     return {
         "wall_s": round(wall, 2),
         "user_s": round(after.ru_utime - before.ru_utime, 2),
