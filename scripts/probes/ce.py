@@ -120,3 +120,18 @@ def shifted_loss_positions(
     shift_labels = labels[:, 1:]
     keep = shift_labels != IGNORE_INDEX
     return shift_hidden[keep], shift_labels[keep]
+
+
+def loss_positions_cross_entropy(
+    hidden: torch.Tensor, head: nn.Module, labels: torch.Tensor, softcap: float | None = None
+) -> torch.Tensor:
+    """The stock loss on the loss positions only: their logits at once ([n_loss, vocab], fp32),
+    mean CE. Differs from full_logits_cross_entropy only in which positions reach the head, and
+    from the chunked loss only in the chunking."""
+    rows, targets = shifted_loss_positions(hidden, labels)
+    if rows.shape[0] == 0:
+        return hidden.sum() * 0.0
+    logits = head(rows).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, targets)

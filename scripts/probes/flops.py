@@ -1,8 +1,31 @@
-"""Model FLOPs for MFU: 6 x active parameters x tokens, plus the attention score/value matmuls.
+"""Model FLOPs for MFU, counted the way a LoRA (frozen-base) training step really runs.
 
-Active parameters are the ones a token's matmuls touch: the input embedding is a lookup (not
-counted) but the LM head is a matmul (counted once, also when tied to the embedding); in an MoE
-only experts_per_token / num_experts of the routed expert weights run per token.
+MFU_CONVENTION below is the text the report prints. In short, per training step:
+
+- frozen base matmul weights: 4 FLOPs per parameter per token (forward 2 + input gradient 2; a
+  frozen weight gets no weight gradient). The common "6 x N x tokens" assumes every weight trains
+  and reads about 1.5x too high for LoRA;
+- trainable weights (the adapters, or anything the harness unfreezes): 6 (forward 2 + input
+  gradient 2 + weight gradient 2);
+- the LM head: 4 per parameter (6 if it trains) per position it runs on. A harness that declares
+  ``LM_HEAD_POSITIONS = "loss"`` (the reference harness: its chunked loss runs the head on the
+  loss positions only) pays it on those; any other harness is taken to compute the logits of
+  every position, as the stock causal-LM loss does;
+- the input embedding is a lookup (0 FLOPs); a head tied to it is counted once, as the head;
+- MoE: only experts_per_token / num_experts of the routed expert weights run per token;
+- attention: QK^T and PV over the query-key pairs the causal / sliding-window mask keeps,
+  forward + backward = 3 x forward (the work an ideal kernel does).
+
+Not counted: norms, elementwise ops, softmax, the optimizer, and the forward recomputed under
+gradient checkpointing (these are model FLOPs, not hardware FLOPs). Known approximation: the
+first layer's q/k/v projections take the embedding output, which needs no gradient, so their
+input gradient is never computed (under 1% of a real model's count).
+
+The count is checked against torch.utils.flop_counter.FlopCounterMode over one real step of the
+harness (`flop_counter_control`): the counter's matmul FLOPs (aten.mm / addmm: every linear layer,
+adapter and head) must match the analytic linear count within the tolerance. Attention is shown
+beside it but not gated: the counter counts the full T x T square (and recomputed scores in the
+backward), and has no formula for CPU's flash kernel.
 """
 
 from __future__ import annotations
@@ -10,6 +33,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 # bf16 dense tensor-core peaks (TFLOP/s, no sparsity) by device-name substring; first match wins.
@@ -159,7 +183,9 @@ def attention_training_flops(text_config: Mapping[str, Any], seq_lengths: Sequen
 def training_step_flops(
     active_params: int, n_tokens: int, attention_flops: float, per_param: int = 6
 ) -> float:
-    """per_param x N x tokens + attention (6: forward 2 + backward 4 = the MFU convention)."""
+    """per_param x N x tokens + attention: the dense full fine-tune convention (6 = forward 2 +
+    backward 4, every weight trains, the head on every token). Too high for LoRA; kept for
+    comparison only (MFU uses lora_step_flops)."""
     return float(per_param) * active_params * n_tokens + attention_flops
 
 
@@ -176,3 +202,206 @@ def mfu(flops: float, seconds: float, peak_tflops: float | None) -> float:
     if peak_tflops is None or not math.isfinite(seconds) or seconds <= 0:
         return float("nan")
     return flops / seconds / (peak_tflops * 1e12)
+
+
+# ---------------------------------------------------------------------------------------------
+# The LoRA / frozen-base convention (the one MFU uses) and its cross-check by counting
+# ---------------------------------------------------------------------------------------------
+
+# Attribute a harness module may set: "loss" when its loss runs the LM head on loss positions
+# only (the reference harness), "all" (the default) when it computes every position's logits.
+HEAD_POSITIONS_ATTRIBUTE = "LM_HEAD_POSITIONS"
+HEAD_POSITIONS = ("loss", "all")
+FLOP_TOLERANCE = 0.15  # analytic / counted matmul FLOPs must lie within 1 +- this
+# FlopCounterMode ops that carry the linear layers (nn.Linear, adapters, the chunked head)
+LINEAR_OPS = ("aten.mm", "aten.addmm", "aten._scaled_mm")
+
+MFU_CONVENTION = (
+    "MFU = model FLOPs per step / measured step time / peak. Model FLOPs (LoRA convention): "
+    "frozen base weights 4 per parameter per token (forward 2 + input gradient 2, no weight "
+    "gradient); trainable weights (adapters) 6; the LM head 4 per parameter (6 if it trains) "
+    "on the positions it runs on (loss positions for a harness that declares "
+    "LM_HEAD_POSITIONS = 'loss', like the reference harness; every position otherwise); "
+    "embedding lookups 0; routed MoE experts at experts_per_token / num_experts; attention "
+    "QK^T and PV over the pairs the causal / sliding-window mask keeps, x3 for forward + "
+    "backward. Not counted: norms, elementwise, optimizer, gradient-checkpointing recompute. "
+    "Peak: the device's dense bf16 tensor-core peak without sparsity (H100/H200 989 TFLOP/s) "
+    "or profile.peak_tflops. Cross-checked against torch.utils.flop_counter.FlopCounterMode "
+    "on one real step (control analytic_flops_match_flop_counter, linear layers within "
+    "+-15%)."
+)
+
+
+@dataclass(frozen=True)
+class StepParameters:
+    """Parameters one token's matmuls touch, split by how the backward treats them."""
+
+    frozen: int  # base weights without gradient (MoE-weighted; no embedding, no head)
+    trainable: int  # weights with gradient (adapters, unfrozen layers; MoE-weighted)
+    head: int  # the LM head (tied or not)
+    head_trainable: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """Model FLOPs of one training step under MFU_CONVENTION, term by term."""
+
+    frozen: float
+    trainable: float
+    head: float
+    attention: float
+    n_tokens: int
+    head_tokens: int
+
+    @property
+    def linear(self) -> float:
+        """Every weight matmul: what FlopCounterMode sees as aten.mm / addmm."""
+        return self.frozen + self.trainable + self.head
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "linear": self.linear, "total": self.total}
+
+
+def _split_parameters(
+    named: Iterable[tuple[str, int, bool]],
+    text_config: Mapping[str, Any],
+    embedding_names: Sequence[str],
+) -> tuple[int, int]:
+    """(frozen, trainable) active counts of (name, numel, requires_grad) rows."""
+    rows = list(named)
+    frozen = [(n, s) for n, s, grad in rows if not grad]
+    trainable = [(n, s) for n, s, grad in rows if grad]
+    count = active_parameter_count
+    return (
+        count(frozen, text_config, embedding_names)["active_params"],
+        count(trainable, text_config, embedding_names)["active_params"],
+    )
+
+
+def step_parameters(model: Any) -> StepParameters:
+    """StepParameters of a model as it trains (call after the harness added its adapters)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    embed = base.get_input_embeddings()
+    head = base.get_output_embeddings()
+    embed_ids = {id(p) for p in embed.parameters()} if embed is not None else set()
+    head_params = list(head.parameters()) if head is not None else []
+    head_ids = {id(p) for p in head_params}
+    rows, embedding_names = [], []
+    for name, param in model.named_parameters(remove_duplicate=True):
+        if id(param) in head_ids:  # a tied head is the same tensor as the embedding
+            continue
+        if id(param) in embed_ids:
+            embedding_names.append(name)
+        rows.append((name, param.numel(), bool(param.requires_grad)))
+    frozen, trainable = _split_parameters(rows, text_config.to_dict(), embedding_names)
+    return StepParameters(
+        frozen=frozen,
+        trainable=trainable,
+        head=int(sum(p.numel() for p in head_params)),
+        head_trainable=any(p.requires_grad for p in head_params),
+    )
+
+
+def lora_step_flops(
+    params: StepParameters, n_tokens: int, head_tokens: int, attention_flops: float
+) -> StepFlops:
+    """Model FLOPs of one step: 4 x frozen + 6 x trainable per token, the head on the positions
+    it runs on, plus attention (see MFU_CONVENTION)."""
+    head_per_param = 6 if params.head_trainable else 4
+    return StepFlops(
+        frozen=4.0 * params.frozen * n_tokens,
+        trainable=6.0 * params.trainable * n_tokens,
+        head=float(head_per_param) * params.head * head_tokens,
+        attention=float(attention_flops),
+        n_tokens=int(n_tokens),
+        head_tokens=int(head_tokens),
+    )
+
+
+def head_positions_of(harness_module: Any) -> str:
+    """Where the harness runs the LM head: its LM_HEAD_POSITIONS, else 'all' (stock loss)."""
+    value = getattr(harness_module, HEAD_POSITIONS_ATTRIBUTE, "all")
+    if value not in HEAD_POSITIONS:
+        raise ValueError(
+            f"harness {getattr(harness_module, '__name__', harness_module)}: "
+            f"{HEAD_POSITIONS_ATTRIBUTE} = {value!r}; use one of {list(HEAD_POSITIONS)}"
+        )
+    return str(value)
+
+
+def count_flops_by_op(step: Any) -> dict[str, int]:
+    """Run `step()` under torch.utils.flop_counter.FlopCounterMode; FLOPs per ATen op."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    totals = counter.get_flop_counts().get("Global", {})
+    return {str(op): int(value) for op, value in totals.items()}
+
+
+def flop_counter_control(
+    analytic: StepFlops,
+    counted_by_op: Mapping[str, int],
+    tolerance: float = FLOP_TOLERANCE,
+    old_six_n_flops: float | None = None,
+    shape: Mapping[str, Any] | None = None,
+    recomputed_forward: bool = False,
+    counter_error: str | None = None,
+) -> dict[str, Any]:
+    """The positive control for the FLOP count: analytic linear FLOPs / counted matmul FLOPs.
+
+    With gradient checkpointing the counter also sees the recomputed forward of the decoder
+    (2 per parameter per token of frozen and trainable weights), which MFU does not count; the
+    comparison adds it so that the check still tests the convention."""
+    counted_linear = float(sum(v for op, v in counted_by_op.items() if op in LINEAR_OPS))
+    counted_total = float(sum(counted_by_op.values()))
+    recompute = analytic.frozen / 2.0 + analytic.trainable / 3.0 if recomputed_forward else 0.0
+    expected_linear = analytic.linear + recompute
+    ratio = expected_linear / counted_linear if counted_linear > 0 else float("nan")
+    passed = counted_linear > 0 and abs(ratio - 1.0) <= tolerance
+    return {
+        "name": "analytic_flops_match_flop_counter",
+        "description": (
+            "one real training step (harness compute_loss + backward) under "
+            "torch.utils.flop_counter.FlopCounterMode: the analytic linear-layer FLOPs of the "
+            "MFU convention (4 x frozen + 6 x trainable per token + the head on the positions "
+            "it runs on) over the counted aten.mm/addmm FLOPs must lie within 1 +- tolerance; "
+            "attention is recorded, not gated (the counter counts the full square)"
+        ),
+        "expected": {"analytic_over_counted": 1.0, "tolerance": tolerance},
+        "observed": {
+            "analytic_over_counted": ratio,
+            "analytic_linear_flops": analytic.linear,
+            "recomputed_forward_flops": recompute,
+            "counted_linear_flops": counted_linear,
+            "analytic": analytic.as_dict(),
+            "counted_total_flops": counted_total,
+            "counted_by_op": dict(counted_by_op),
+            "old_6n_flops": old_six_n_flops,
+            "old_6n_over_counted_total": (
+                old_six_n_flops / counted_total
+                if old_six_n_flops is not None and counted_total > 0
+                else None
+            ),
+            "shape": dict(shape or {}),
+            "counter_error": counter_error,
+            "hint": None
+            if passed
+            else (
+                "the count and the convention disagree: if the harness runs the LM head on the "
+                "loss positions only, set LM_HEAD_POSITIONS = 'loss' in it ('all' if it "
+                "computes every position's logits); trainable weights count 6, frozen 4"
+            ),
+        },
+        "passed": bool(passed),
+    }

@@ -1,8 +1,9 @@
 """The profile stage: time real training steps of the real model through the user's harness.
 
 Order of work: fit control (cheap, fails fast) -> idle-card check -> load weights -> harness
-adapters -> scaling points -> fit -> padding penalty -> CE wall clock -> kernel table -> the
-double-count control -> outputs (all written only once everything succeeded).
+adapters -> scaling points -> fit -> FLOP-count control (FlopCounterMode on one real step) ->
+padding penalty -> CE wall clock -> kernel table -> the double-count control -> outputs (all
+written only once everything succeeded). MFU follows probes.flops.MFU_CONVENTION.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from tqdm import tqdm
 from probes import batches as bt
 from probes import flops as fl
 from probes import kernels as kn
-from probes.ce import full_logits_cross_entropy
+from probes.ce import full_logits_cross_entropy, loss_positions_cross_entropy
 from probes.cluster import slurm_environment
 from probes.contracts import STAGE_OUTPUTS
+from probes.dtype_choice import resolve_dtype
 from probes.errors import ProbeError
 from probes.fit import QuadraticFit, fit_control, fit_step_time, term_shares
 from probes.gpu_guard import IdleLimits, probe_card, wait_for_idle_card
-from probes.harness import Harness, load_harness
+from probes.harness import Harness, load_harness, qualified_name
 from probes.io import read_json, run_metadata
 from probes.lengths import LengthsError, read_training_lengths
 from probes.settings import WorkflowConfig
@@ -57,6 +59,7 @@ class Settings:
     device: torch.device
     cpu_only: bool
     dtype: torch.dtype
+    dtype_reason: str  # why this dtype: probes.dtype_choice.choose_dtype
     lengths: list[int]
     warmup: int
     repeats: int
@@ -93,11 +96,12 @@ def resolve_settings(profile: Mapping[str, Any], training: Mapping[str, Any]) ->
             f"profile.{device.type}.lengths: {lengths} has {len(lengths)} distinct length(s); the "
             "scaling fit t(T)=aT^2+bT+c needs at least 3."
         )
-    dtype = torch.bfloat16 if profile["dtype"] == "auto" else DTYPES[profile["dtype"]]
+    dtype_name, dtype_reason = resolve_dtype(profile["dtype"], device.type)
     return Settings(
         device=device,
         cpu_only=device.type != "cuda",
-        dtype=dtype,
+        dtype=DTYPES[dtype_name],
+        dtype_reason=dtype_reason,
         lengths=lengths,
         warmup=int(per_device["warmup"]),
         repeats=int(per_device["repeats"]),
@@ -183,13 +187,37 @@ def _text_config(model: torch.nn.Module) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class FlopModel:
+    """What the MFU convention needs about the model as it trains (see probes.flops)."""
+
+    params: fl.StepParameters
+    head_positions: str  # "loss" | "all": where the harness runs the LM head
+    active_params: int  # the base model's active parameters (the dense 6N reading)
+    text_config: Mapping[str, Any]
+
+    def step_flops(self, batch: Mapping[str, torch.Tensor]) -> fl.StepFlops:
+        """Analytic model FLOPs of one step on `batch` (rows of its attention_mask length)."""
+        rows, width = batch["input_ids"].shape
+        mask = batch.get("attention_mask")
+        lengths = mask.sum(dim=1).tolist() if mask is not None else [width] * rows
+        n_tokens = int(sum(lengths))
+        head_tokens = (
+            bt.loss_position_count(batch["labels"]) if self.head_positions == "loss" else n_tokens
+        )
+        attention = fl.attention_training_flops(self.text_config, [int(n) for n in lengths])
+        return fl.lora_step_flops(self.params, n_tokens, head_tokens, attention)
+
+    def dense_6n_flops(self, n_tokens: int, attention_flops: float) -> float:
+        return fl.training_step_flops(self.active_params, n_tokens, attention_flops)
+
+
 def run_scaling(
     runner: StepRunner,
     settings: Settings,
     loss_share: float,
     vocab_size: int,
-    text_config: Mapping[str, Any],
-    active_params: int,
+    flop_model: FlopModel,
     peak_tflops: float | None,
 ) -> pd.DataFrame:
     """One row per length: the step's median time, spread, peak memory, MFU; OOM rows go on."""
@@ -200,13 +228,12 @@ def run_scaling(
             bt.uniform_batch(settings.micro_batch, length, loss_share, vocab_size, generator),
             settings.device,
         )
+        flops = flop_model.step_flops(batch)
         timing = runner.timed([batch], settings.warmup, settings.repeats)
         del batch
         release_memory(settings.device)
         tokens = settings.micro_batch * length
-        attention = fl.attention_training_flops(text_config, [length] * settings.micro_batch)
-        model_flops = fl.training_step_flops(active_params, tokens, attention)
-        frozen_flops = fl.training_step_flops(active_params, tokens, attention, per_param=4)
+        dense_6n = flop_model.dense_6n_flops(tokens, flops.attention)
         LOG.info(
             "scaling %d x %d: %s median %.4f s over %d repeat(s)",
             settings.micro_batch,
@@ -230,15 +257,78 @@ def run_scaling(
                 "tokens_per_s": tokens / timing.time_s if timing.status == OK else float("nan"),
                 "peak_mem_bytes": timing.peak_mem_bytes,
                 "memory_kind": timing.memory_kind,
-                "model_flops": model_flops,
-                "attention_flops": attention,
-                "mfu": fl.mfu(model_flops, timing.time_s, peak_tflops),
-                "mfu_frozen_base": fl.mfu(frozen_flops, timing.time_s, peak_tflops),
+                "model_flops": flops.total,
+                "frozen_flops": flops.frozen,
+                "trainable_flops": flops.trainable,
+                "head_flops": flops.head,
+                "attention_flops": flops.attention,
+                "head_tokens": flops.head_tokens,
+                "mfu": fl.mfu(flops.total, timing.time_s, peak_tflops),
+                "dense_6n_flops": dense_6n,
+                "mfu_dense_6n": fl.mfu(dense_6n, timing.time_s, peak_tflops),
                 "peak_tflops": peak_tflops if peak_tflops is not None else float("nan"),
                 "error": timing.error,
             }
         )
     return pd.DataFrame(rows)
+
+
+def _recomputes_forward(model: torch.nn.Module) -> bool:
+    """Whether the model recomputes its forward in the backward (gradient checkpointing)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        value = getattr(type(base), name, None)
+        if value is not None:
+            return bool(getattr(base, name))
+    return False
+
+
+def run_flop_control(
+    runner: StepRunner,
+    settings: Settings,
+    length: int,
+    loss_share: float,
+    vocab_size: int,
+    flop_model: FlopModel,
+) -> dict[str, Any]:
+    """Count one real step's FLOPs (harness compute_loss + backward) with FlopCounterMode and
+    check the analytic count of the MFU convention against it."""
+    generator = torch.Generator().manual_seed(settings.seed + 4)
+    batch = bt.to_device(
+        bt.uniform_batch(settings.micro_batch, length, loss_share, vocab_size, generator),
+        settings.device,
+    )
+    analytic = flop_model.step_flops(batch)
+
+    def step(batch: dict[str, Any] = batch) -> None:
+        runner.harness.compute_loss(runner.model, batch).backward()
+
+    counter_error = None
+    try:
+        counted = fl.count_flops_by_op(step)
+    except (RuntimeError, AssertionError) as error:  # e.g. a counter formula refusing a shape
+        LOG.error("FLOP control: FlopCounterMode failed: %s", error)
+        counted, counter_error = {}, f"{type(error).__name__}: {error}"
+    finally:
+        runner.optimizer.zero_grad(set_to_none=True)
+    del batch
+    release_memory(settings.device)
+    control = fl.flop_counter_control(
+        analytic,
+        counted,
+        old_six_n_flops=flop_model.dense_6n_flops(analytic.n_tokens, analytic.attention),
+        shape={"batch": settings.micro_batch, "seq_len": length},
+        recomputed_forward=_recomputes_forward(runner.model),
+        counter_error=counter_error,
+    )
+    LOG.info(
+        "FLOP control at %d x %d: analytic / counted linear FLOPs %.3f (%s)",
+        settings.micro_batch,
+        length,
+        control["observed"]["analytic_over_counted"],
+        "passed" if control["passed"] else "FAILED",
+    )
+    return control
 
 
 def add_fit_columns(scaling: pd.DataFrame, fit: QuadraticFit) -> pd.DataFrame:
@@ -259,25 +349,59 @@ def fit_frame(fit: QuadraticFit, scaling: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame([row])
 
 
-def predicted_padding_penalty(fit: QuadraticFit, pick: bt.PaddingPick, batch: int) -> float:
-    """From the fit: t(longest) for the padded batch against the same rows' per-token terms
-    (a*L^2 + b*L per row, a and b being per-batch) plus one fixed per-step cost c."""
+PENALTY_VARIANTS = ("one_by_one", "packed")
+PREDICTION_BASIS = {
+    "one_by_one": (
+        "fit read per row: each row its own micro-batch, so one fixed cost c per row "
+        "(sum (a n^2 + b n)/B + c)"
+    ),
+    "packed": (
+        "fit read per row: one row of sum(n) tokens whose dense attention costs (sum n)^2, "
+        "one fixed cost ((a S^2 + b S)/B + c)"
+    ),
+}
+
+
+def predicted_penalties(
+    fit: QuadraticFit, pick: bt.PaddingPick, fit_batch: int
+) -> dict[str, tuple[float, float, float, str]]:
+    """Per variant (padded time, unpadded time, penalty, basis) predicted by the fit, or NaN
+    with the reason: no usable fit, or a row longer than the longest fitted length (the packed
+    row of sum(n) tokens often is) -- the fit is never used above the range it was measured on.
+    Rows shorter than the shortest fitted length are read toward T=0, where c dominates; the
+    basis says so."""
+    nan = float("nan")
     if not fit.usable:
-        return float("nan")
-    padded = fit.predict(pick.longest)
-    unpadded = sum(fit.a * n * n + fit.b * n for n in pick.n_tokens) / batch + fit.c
-    return padded / unpadded - 1.0 if unpadded > 0 else float("nan")
+        return {name: (nan, nan, nan, f"none: {fit.message}") for name in PENALTY_VARIANTS}
+    times = bt.predicted_step_times(fit.a, fit.b, fit.c, fit_batch, pick.n_tokens)
+    top = max(fit.lengths) if fit.lengths else float("inf")
+    bottom = min(fit.lengths) if fit.lengths else 0
+    needed = {"one_by_one": pick.longest, "packed": pick.n_real_tokens}
+    out = {}
+    for name in PENALTY_VARIANTS:
+        if needed[name] > top:
+            reason = f"none: a {needed[name]}-token row is beyond the longest fitted length {top}"
+            out[name] = (times["padded"], nan, nan, reason)
+            continue
+        if times[name] <= 0 or times["padded"] <= 0:
+            out[name] = (nan, nan, nan, "none: the fit predicts a non-positive step time here")
+            continue
+        basis = PREDICTION_BASIS[name]
+        if min(pick.n_tokens) < bottom:
+            basis += f"; rows below the shortest fitted length {bottom} read toward T=0"
+        out[name] = (times["padded"], times[name], times["padded"] / times[name] - 1.0, basis)
+    return out
 
 
-def run_padding_penalty(
+def _time_padding_variants(
     runner: StepRunner,
     settings: Settings,
     pick: bt.PaddingPick,
-    fit: QuadraticFit,
     vocab_size: int,
     pad_id: int,
-) -> pd.DataFrame:
-    generator = torch.Generator().manual_seed(settings.seed + 1)
+    seed: int,
+) -> dict[str, Timing]:
+    generator = torch.Generator().manual_seed(seed)
     padded = bt.to_device(
         bt.padded_batch(pick.n_tokens, pick.n_loss_tokens, vocab_size, generator, pad_id=pad_id),
         settings.device,
@@ -292,39 +416,87 @@ def run_padding_penalty(
     )
     variants = {"padded": [padded], "one_by_one": singles, "packed": [packed]}
     timings = {}
-    for name, micro_batches in tqdm(variants.items(), desc="padding penalty", unit="variant"):
+    for name, micro_batches in variants.items():
         timings[name] = runner.timed(micro_batches, settings.warmup, settings.repeats)
         LOG.info("padding %s: %s %.4f s", name, timings[name].status, timings[name].time_s)
-    del padded, singles, packed
+    del padded, singles, packed, variants
     release_memory(settings.device)
-    predicted = predicted_padding_penalty(fit, pick, len(pick.n_tokens))
-    padded_t = timings["padded"]
+    return timings
+
+
+def _median(values: list[float]) -> float:
+    finite = [v for v in values if isinstance(v, float) and math.isfinite(v)]
+    return float(pd.Series(finite).median()) if finite else float("nan")
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    finite = [v for v in values if math.isfinite(v)]
+    if not finite:
+        return float("nan"), float("nan"), float("nan")
+    return min(finite), _median(finite), max(finite)
+
+
+def run_padding_penalty(
+    runner: StepRunner,
+    settings: Settings,
+    picks: list[bt.PaddingPick],
+    fit: QuadraticFit,
+    vocab_size: int,
+    pad_id: int,
+) -> pd.DataFrame:
+    """Each picked batch padded, one by one and packed; one row per unpadded variant with the
+    penalty's spread over the batches (min / median / max) and the fit's prediction."""
+    per_batch = [
+        _time_padding_variants(runner, settings, pick, vocab_size, pad_id, settings.seed + 1 + i)
+        for i, pick in enumerate(tqdm(picks, desc="padding penalty", unit="batch"))
+    ]
+    predictions = [predicted_penalties(fit, pick, settings.micro_batch) for pick in picks]
     rows = []
-    for name in ("one_by_one", "packed"):
-        unpadded_t = timings[name]
-        both_ok = padded_t.status == OK and unpadded_t.status == OK
+    for name in PENALTY_VARIANTS:
+        padded_times, unpadded_times, measured, statuses = [], [], [], []
+        for timings in per_batch:
+            padded_t, unpadded_t = timings["padded"], timings[name]
+            both_ok = padded_t.status == OK and unpadded_t.status == OK
+            failed = f"padded:{padded_t.status},{name}:{unpadded_t.status}"
+            statuses.append(OK if both_ok else failed)
+            padded_times.append(padded_t.time_s)
+            unpadded_times.append(unpadded_t.time_s)
+            measured.append(padded_t.time_s / unpadded_t.time_s - 1.0 if both_ok else float("nan"))
+        low, middle, high = _spread(measured)
+        predicted = [p[name][2] for p in predictions]
+        n_ok = statuses.count(OK)
         rows.append(
             {
                 "variant": name,
-                "status": OK if both_ok else f"padded:{padded_t.status},{name}:{unpadded_t.status}",
-                "padded_time_s": padded_t.time_s,
-                "unpadded_time_s": unpadded_t.time_s,
-                "measured_penalty": (
-                    padded_t.time_s / unpadded_t.time_s - 1.0 if both_ok else float("nan")
-                ),
-                "predicted_penalty": predicted,
-                "padded_peak_mem_bytes": padded_t.peak_mem_bytes,
-                "unpadded_peak_mem_bytes": unpadded_t.peak_mem_bytes,
-                "batch": len(pick.n_tokens),
-                "longest": pick.longest,
-                "n_real_tokens": pick.n_real_tokens,
-                "n_padded_tokens": pick.longest * len(pick.n_tokens),
-                "padding_waste": pick.padding_waste,
-                "example_ids": pick.example_ids,
-                "example_lengths": pick.n_tokens,
-                "example_loss_tokens": pick.n_loss_tokens,
-                "pick": pick.method,
-                "timer": padded_t.timer,
+                "status": OK if n_ok == len(statuses) else "; ".join(sorted(set(statuses))),
+                "n_batches": len(picks),
+                "n_batches_ok": n_ok,
+                "padded_time_s": _median(padded_times),
+                "unpadded_time_s": _median(unpadded_times),
+                "measured_penalty": middle,
+                "measured_penalty_min": low,
+                "measured_penalty_max": high,
+                "predicted_padded_time_s": _median([p[name][0] for p in predictions]),
+                "predicted_unpadded_time_s": _median([p[name][1] for p in predictions]),
+                "predicted_penalty": _median(predicted),
+                "prediction": "; ".join(sorted({p[name][3] for p in predictions})),
+                "padded_peak_mem_bytes": max(t["padded"].peak_mem_bytes for t in per_batch),
+                "unpadded_peak_mem_bytes": max(t[name].peak_mem_bytes for t in per_batch),
+                "batch": settings.micro_batch,
+                "longest": max(p.longest for p in picks),
+                "n_real_tokens": _median([float(p.n_real_tokens) for p in picks]),
+                "padding_waste": _median([p.padding_waste for p in picks]),
+                "batch_padded_time_s": padded_times,
+                "batch_unpadded_time_s": unpadded_times,
+                "batch_measured_penalty": measured,
+                "batch_predicted_penalty": predicted,
+                "batch_padding_waste": [p.padding_waste for p in picks],
+                "batch_example_ids": [p.example_ids for p in picks],
+                "batch_example_lengths": [p.n_tokens for p in picks],
+                "batch_example_loss_tokens": [p.n_loss_tokens for p in picks],
+                "repeats_per_batch": settings.repeats,
+                "pick": picks[0].method,
+                "timer": per_batch[0]["padded"].timer,
             }
         )
     return pd.DataFrame(rows)
@@ -335,20 +507,24 @@ def skipped_penalty(reason: str) -> pd.DataFrame:
     return pd.DataFrame(
         [
             {
-                "variant": "one_by_one",
+                "variant": name,
                 "status": SKIPPED,
+                "n_batches": 0,
+                "n_batches_ok": 0,
                 "padded_time_s": nan,
                 "unpadded_time_s": nan,
                 "measured_penalty": nan,
+                "measured_penalty_min": nan,
+                "measured_penalty_max": nan,
                 "predicted_penalty": nan,
+                "prediction": "none: no batch was timed",
                 "batch": 0,
                 "longest": 0,
-                "n_real_tokens": 0,
+                "n_real_tokens": 0.0,
                 "padding_waste": nan,
-                "example_ids": [],
-                "example_lengths": [],
                 "pick": reason,
             }
+            for name in PENALTY_VARIANTS
         ]
     )
 
@@ -364,27 +540,81 @@ def _free_bytes(device: torch.device) -> float:
         return float("inf")
 
 
+@dataclass(frozen=True)
+class HeadVariant:
+    """One way of running the LM head + loss on the hidden states of a step."""
+
+    loss: Callable[[torch.Tensor], torch.Tensor]
+    positions: str  # "all" | "loss": which positions' logits it computes
+    n_positions: int
+    chunk_tokens: int | None  # None: the logits of all its positions at once
+    source: str  # the loss function timed
+
+
 def _time_head_variants(
-    variants: Mapping[str, tuple[Callable[[torch.Tensor], torch.Tensor], int | None, str]],
-    hidden: torch.Tensor,
-    settings: Settings,
-    full_logits_bytes: float,
-) -> list[tuple[str, Timing, int | None, str]]:
+    variants: Mapping[str, HeadVariant], hidden: torch.Tensor, settings: Settings, vocab: int
+) -> list[tuple[str, Timing]]:
     """Forward + backward of each head + loss variant from a fresh leaf of the hidden states."""
     results = []
-    for name, (fn, chunk, source) in variants.items():
-        if name == "unchunked" and full_logits_bytes > 0.9 * _free_bytes(settings.device):
-            need = full_logits_bytes / 2**30
-            timing = Timing(SKIPPED, error=f"needs ~{need:.1f} GiB for the full logits")
+    for name, variant in variants.items():
+        # an unchunked variant holds its logits: bf16, an fp32 copy, log-softmax, gradient
+        need = float(variant.n_positions * vocab * 14) if variant.chunk_tokens is None else 0.0
+        if need > 0.9 * _free_bytes(settings.device):
+            timing = Timing(SKIPPED, error=f"needs ~{need / 2**30:.1f} GiB for its logits")
         else:
 
-            def once(fn=fn) -> None:
+            def once(fn=variant.loss) -> None:
                 fn(hidden.detach().requires_grad_(True)).backward()
 
             timing = time_repeats(once, settings.device, settings.warmup, settings.repeats)
         LOG.info("ce %s: %s %.4f s", name, timing.status, timing.time_s)
-        results.append((name, timing, chunk, source))
+        results.append((name, timing))
     return results
+
+
+def head_variants(
+    model: torch.nn.Module,
+    harness: Harness,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+) -> dict[str, HeadVariant]:
+    """All positions unchunked (the stock loss), loss positions unchunked (position selection
+    alone), loss positions chunked (the harness's own loss_from_hidden, else the reference's):
+    consecutive rows differ in one change each."""
+    from probes import reference_harness
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings()
+    softcap = _text_config(model).get("final_logit_softcapping")
+    n_loss = bt.loss_position_count(labels)
+    chunked_fn = harness.hook("loss_from_hidden")
+    if chunked_fn is not None:
+        chunked_source = f"harness.loss_from_hidden ({qualified_name(chunked_fn)})"
+    else:
+        chunked_fn = reference_harness.loss_from_hidden
+        chunked_source = (
+            "probes.reference_harness.loss_from_hidden (harness has none): chunked fused "
+            "linear cross-entropy"
+        )
+    return {
+        "all_positions_unchunked": HeadVariant(
+            lambda h: full_logits_cross_entropy(h, head, labels, softcap),
+            "all",
+            int(labels.numel()),
+            None,
+            "probes.ce.full_logits_cross_entropy (stock causal-LM loss: every position's logits)",
+        ),
+        "loss_positions_unchunked": HeadVariant(
+            lambda h: loss_positions_cross_entropy(h, head, labels, softcap),
+            "loss",
+            n_loss,
+            None,
+            "probes.ce.loss_positions_cross_entropy (stock loss on the loss positions' logits)",
+        ),
+        "loss_positions_chunked": HeadVariant(
+            lambda h: chunked_fn(model, h, labels), "loss", n_loss, chunk_tokens, chunked_source
+        ),
+    }
 
 
 def run_ce(
@@ -398,10 +628,8 @@ def run_ce(
     chunk_tokens: int,
     step_source: str = "measured",
 ) -> pd.DataFrame:
-    """Head + CE forward and backward on the real hidden states of a step at `length`, chunked
-    (the harness's own loss_from_hidden, else the reference one) against unchunked logits."""
-    from probes import reference_harness
-
+    """Head + CE forward and backward on the real hidden states of a step at `length`, in the
+    three variants of head_variants, beside the step they belong to."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     generator = torch.Generator().manual_seed(settings.seed + 2)
     batch = bt.to_device(
@@ -413,30 +641,10 @@ def run_ce(
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
         )[0]
     labels = batch["labels"]
-    head = base.get_output_embeddings()
-    softcap = _text_config(model).get("final_logit_softcapping")
-    n_loss = int((labels[:, 1:] != -100).sum())
-    chunked_fn = harness.hook("loss_from_hidden")
-    chunked_source = "harness.loss_from_hidden"
-    if chunked_fn is None:
-        chunked_fn = reference_harness.loss_from_hidden
-        chunked_source = "probes.reference_harness.loss_from_hidden (harness has none)"
-    variants = {
-        "chunked": (
-            lambda h, labels=labels: chunked_fn(model, h, labels),
-            chunk_tokens,
-            chunked_source,
-        ),
-        "unchunked": (
-            lambda h, labels=labels: full_logits_cross_entropy(h, head, labels, softcap),
-            None,
-            "probes.ce.full_logits_cross_entropy (stock causal-LM loss: all positions' logits)",
-        ),
-    }
-    # bf16 logits, their fp32 copy, log-softmax and gradient: ~14 bytes per element
-    full_bytes = float(settings.micro_batch * length * vocab_size * 14)
-    timed = _time_head_variants(variants, hidden, settings, full_bytes)
-    del variants, hidden, batch, labels
+    variants = head_variants(model, harness, labels, chunk_tokens)
+    timed = _time_head_variants(variants, hidden, settings, vocab_size)
+    n_loss = bt.loss_position_count(labels)
+    del hidden, batch, labels
     release_memory(settings.device)
 
     common = {"seq_len": length, "batch": settings.micro_batch, "loss_tokens": n_loss}
@@ -447,6 +655,8 @@ def run_ce(
             "time_s": step_time_s,
             "step_share": 1.0,
             **common,
+            "positions": None,
+            "n_positions": None,
             "chunk_tokens": None,
             "peak_mem_bytes": float("nan"),
             "source": (
@@ -455,7 +665,8 @@ def run_ce(
             ),
         }
     ]
-    for name, timing, chunk, source in timed:
+    for name, timing in timed:
+        variant = variants[name]
         rows.append(
             {
                 "variant": name,
@@ -463,13 +674,16 @@ def run_ce(
                 "time_s": timing.time_s,
                 "step_share": timing.time_s / step_time_s if timing.status == OK else float("nan"),
                 **common,
-                "chunk_tokens": chunk,
+                "positions": variant.positions,
+                "n_positions": variant.n_positions,
+                "chunk_tokens": variant.chunk_tokens,
                 "peak_mem_bytes": timing.peak_mem_bytes,
-                "source": source + (f"; {timing.error}" if timing.error else ""),
+                "source": variant.source + (f"; {timing.error}" if timing.error else ""),
             }
         )
     frame = pd.DataFrame(rows)
     frame["chunk_tokens"] = frame["chunk_tokens"].astype("Int64")
+    frame["n_positions"] = frame["n_positions"].astype("Int64")
     return frame
 
 
@@ -480,6 +694,7 @@ def run_kernel_profile(
     loss_share: float,
     vocab_size: int,
     tolerance: float,
+    has_experts: bool = False,
 ) -> tuple[pd.DataFrame, str, dict[str, Any]]:
     """torch.profiler over a few steps; the category table, the raw text, the double-count check."""
     from torch.profiler import ProfilerActivity, profile
@@ -502,16 +717,17 @@ def run_kernel_profile(
         wall_s = time.perf_counter() - begin
     del batch
     averages = prof.key_averages()
-    rows = kn.rows_from_key_averages(averages)
+    rows = kn.rows_from_key_averages(averages, kn.device_event_kinds(prof))
     summed = kn.summed_rows(rows, settings.device.type)
-    table = kn.category_table(summed, wall_s)
+    table = kn.category_table(summed, wall_s, has_experts=has_experts)
     kernel_sum_s = float(table["device_time_s"].sum())
     naive_s = kn.aten_device_time_us(averages) / 1e6 if settings.device.type == "cuda" else None
-    check = kn.double_count_check(kernel_sum_s, wall_s, naive_s, tolerance)
+    excluded = kn.excluded_annotations(rows, settings.device.type)
+    check = kn.double_count_check(kernel_sum_s, wall_s, naive_s, tolerance, excluded)
     basis = (
-        "self device time of CUDA kernel rows"
+        "self device time of kernel, memcpy and memset events (no ops, no annotations)"
         if settings.device.type == "cuda"
-        else "self CPU time of op rows (CPU-only run: no device kernels)"
+        else "self CPU time of ATen op rows (CPU-only run: no device kernels; no annotations)"
     )
     table["seq_len"] = length
     table["batch"] = settings.micro_batch
@@ -531,12 +747,15 @@ def run_kernel_profile(
     )
     raw = header + averages.table(sort_by=sort_key, row_limit=-1, max_name_column_width=100)
     kernel_list = "\n".join(
-        f"{r.self_time_us / 1e3:12.3f} ms {r.count:7d}x {kn.categorise_kernel(r.name):22s} {r.name}"
+        f"{r.self_time_us / 1e3:12.3f} ms {r.count:7d}x {r.kind:7s} "
+        f"{kn.categorise_kernel(r.name, has_experts):22s} {r.name}"
         for r in sorted(summed, key=lambda r: -r.self_time_us)
     )
     raw += (
         f"\n=== the {len(summed)} summed rows ({basis}), "
-        f"sum {kernel_sum_s:.4f} s of wall {wall_s:.4f} s ===\n{kernel_list}\n"
+        f"sum {kernel_sum_s:.4f} s of wall {wall_s:.4f} s; left out: "
+        f"{excluded['annotation_rows_excluded']} annotation row(s), "
+        f"{excluded['annotation_time_excluded_s']:.4f} s ===\n{kernel_list}\n"
     )
     release_memory(settings.device)
     return table, raw, check
@@ -632,7 +851,8 @@ def evidence_text(
         lines.append(
             f"  {r.batch} x {r.seq_len:6d}: {r.status:3s} t={_fmt(r.time_s)} s "
             f"(std {_fmt(r.time_std_s)}), peak {_fmt(r.peak_mem_bytes / 2**30, '.2f')} GiB, "
-            f"quadratic share {_fmt(r.quadratic_share, '.3f')}, MFU {_fmt(r.mfu, '.3f')}"
+            f"quadratic share {_fmt(r.quadratic_share, '.3f')}, MFU {_fmt(r.mfu, '.3f')} "
+            f"(dense 6N reading {_fmt(r.mfu_dense_6n, '.3f')})"
         )
     lines += [
         "",
@@ -642,23 +862,27 @@ def evidence_text(
         f"{_fmt(fit.residual_rms_s)} s, max relative residual {_fmt(fit.max_rel_residual)}",
         f"  {fit.message}",
         "",
-        "## padding penalty (same examples, ids only)",
+        "## padding penalty (same examples, ids only; medians over the batches, spread min-max)",
     ]
     for r in penalty.itertuples():
         lines.append(
             f"  padded {_fmt(r.padded_time_s)} s vs {r.variant} {_fmt(r.unpadded_time_s)} s: "
-            f"measured penalty {_fmt(r.measured_penalty, '.3f')}, fit-predicted "
-            f"{_fmt(r.predicted_penalty, '.3f')} (lengths {r.example_lengths}, longest "
-            f"{r.longest}, waste {_fmt(r.padding_waste, '.3f')})"
+            f"measured penalty {_fmt(r.measured_penalty, '.3f')} "
+            f"[{_fmt(r.measured_penalty_min, '.3f')}, {_fmt(r.measured_penalty_max, '.3f')}] over "
+            f"{r.n_batches} batch(es), fit-predicted {_fmt(r.predicted_penalty, '.3f')} "
+            f"(longest {r.longest}, median waste {_fmt(r.padding_waste, '.3f')})"
         )
-    if len(penalty):
-        lines.append(
-            f"  example ids {list(penalty['example_ids'].iloc[0])}; {penalty['pick'].iloc[0]}"
-        )
+    if len(penalty) and "batch_example_ids" in penalty:
+        first = penalty.iloc[0]
+        lines.append(f"  {first['pick']}")
+        for ids, lengths in zip(
+            first["batch_example_ids"], first["batch_example_lengths"], strict=True
+        ):
+            lines.append(f"  batch: example ids {list(ids)}, lengths {list(lengths)}")
     lines += ["", "## LM head + cross-entropy (forward + backward on real hidden states)"]
     for r in ce.itertuples():
         lines.append(
-            f"  {r.variant:10s} {r.status:7s} t={_fmt(r.time_s)} s, share of step "
+            f"  {r.variant:24s} {r.status:7s} t={_fmt(r.time_s)} s, share of step "
             f"{_fmt(r.step_share, '.3f')}, chunk "
             f"{r.chunk_tokens if pd.notna(r.chunk_tokens) else '-'}, peak "
             f"{_fmt(r.peak_mem_bytes / 2**30, '.2f')} GiB [{r.source}]"
@@ -672,6 +896,13 @@ def evidence_text(
     lines += ["", "## controls"]
     for control in controls:
         lines.append(f"  {control['name']}: {'PASSED' if control['passed'] else 'FAILED'}")
+        if control["name"] == "analytic_flops_match_flop_counter":
+            observed = control["observed"]
+            lines.append(
+                f"    analytic / counted linear FLOPs {_fmt(observed['analytic_over_counted'])} "
+                f"(old 6N formula / counted total {_fmt(observed['old_6n_over_counted_total'])})"
+            )
+    lines += ["", f"MFU convention: {fl.MFU_CONVENTION}"]
     lines += ["", raw_table]
     return "\n".join(lines) + "\n"
 
@@ -753,6 +984,13 @@ def run_profile(
     options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}
     model, optimizer, targets = prepare_harness(model, harness, options)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    flop_model = FlopModel(
+        params=fl.step_parameters(model),
+        head_positions=fl.head_positions_of(harness.module),
+        active_params=params["active_params"],
+        text_config=text_config,
+    )
+    has_experts = fl.moe_active_fraction(text_config) is not None
     runner = StepRunner(model, harness, optimizer, settings.device)
     device_info = device_description(settings.device)
     peak = profile.get("peak_tflops")
@@ -772,9 +1010,7 @@ def run_profile(
         params["active_params"],
     )
 
-    scaling = run_scaling(
-        runner, settings, loss_share, vocab_size, text_config, params["active_params"], peak
-    )
+    scaling = run_scaling(runner, settings, loss_share, vocab_size, flop_model, peak)
     ok = scaling[scaling["status"] == OK]
     fit = fit_step_time(ok["seq_len"].tolist(), ok["time_s"].tolist())
     LOG.info("fit: %s (%s)", fit.method, fit.message)
@@ -785,9 +1021,16 @@ def run_profile(
             "lower profile lengths or the micro-batch size."
         )
 
-    # the padding batch stays within the lengths that ran, so the fit interpolates it
+    # the FLOP count of the MFU convention, checked by counting one real step (smallest length)
+    controls.append(
+        run_flop_control(
+            runner, settings, int(ok["seq_len"].min()), loss_share, vocab_size, flop_model
+        )
+    )
+    # the padding batches come from the upper length band and stay within the lengths that
+    # ran, so the fit interpolates them
     try:
-        pick = bt.pick_padding_batch(
+        picks = bt.pick_padding_batches(
             train,
             settings.micro_batch,
             int(ok["seq_len"].max()),
@@ -795,7 +1038,7 @@ def run_profile(
             profile["padding_draws"],
             profile["padding_waste_quantile"],
         )
-        penalty = run_padding_penalty(runner, settings, pick, fit, vocab_size, pad_id)
+        penalty = run_padding_penalty(runner, settings, picks, fit, vocab_size, pad_id)
     except LengthsError as error:
         LOG.warning("padding penalty skipped: %s", error)
         penalty = skipped_penalty(str(error))
@@ -822,7 +1065,13 @@ def run_profile(
         "measured" if probe_length in ok_lengths else "predicted by the fit",
     )
     kernels, raw_table, check = run_kernel_profile(
-        runner, settings, probe_length, loss_share, vocab_size, profile["double_count_tolerance"]
+        runner,
+        settings,
+        probe_length,
+        loss_share,
+        vocab_size,
+        profile["double_count_tolerance"],
+        has_experts,
     )
     controls.append(check)
 
@@ -831,6 +1080,7 @@ def run_profile(
         "device": device_info,
         "cpu_only": settings.cpu_only,
         "dtype": str(settings.dtype).replace("torch.", ""),
+        "dtype_reason": settings.dtype_reason,
         "attn_implementation": profile["attn_implementation"],
         "lengths": settings.lengths,
         "warmup": settings.warmup,
@@ -844,8 +1094,12 @@ def run_profile(
         "model_path": str(model_path),
         "params": params,
         "trainable_params": int(trainable),
+        "step_parameters": flop_model.params.as_dict(),
+        "lm_head_positions": flop_model.head_positions,
+        "has_experts": has_experts,
         "peak_tflops": peak,
         "peak_tflops_source": peak_source,
+        "mfu_convention": fl.MFU_CONVENTION,
         "harness": {**harness.describe(), "target_modules": targets, "options": options},
         "idle_check": idle,
         "slurm": slurm_environment(),
@@ -856,7 +1110,10 @@ def run_profile(
     passed = all(c["passed"] for c in controls)
     control = {
         "name": "profile_controls",
-        "description": "the scaling fit recovers known coefficients; kernel sum <= profiled wall",
+        "description": (
+            "the scaling fit recovers known coefficients; the analytic FLOP count matches "
+            "FlopCounterMode on a real step; kernel sum <= profiled wall"
+        ),
         "expected": {c["name"]: c["expected"] for c in controls},
         "observed": {c["name"]: c["observed"] for c in controls},
         "passed": passed,
@@ -881,9 +1138,9 @@ def run_profile(
         "cpu_only": settings.cpu_only,
         "scaling": scaling[["seq_len", "status", "time_s", "mfu"]].to_dict("records"),
         "fit": {"a": fit.a, "b": fit.b, "c": fit.c, "method": fit.method},
-        "padding_penalty": penalty[["variant", "measured_penalty", "predicted_penalty"]].to_dict(
-            "records"
-        ),
+        "padding_penalty": penalty[
+            ["variant", "measured_penalty", "measured_penalty_min", "measured_penalty_max"]
+        ].to_dict("records"),
         "ce": ce[["variant", "status", "time_s", "step_share"]].to_dict("records"),
         "kernel_sum_s": float(kernels["device_time_s"].sum()),
         "kernel_wall_s": float(kernels["wall_s"].iloc[0]) if len(kernels) else float("nan"),

@@ -13,6 +13,9 @@ for every timed step (it never re-implements the step, because a probe that does
   alone, so the stage can time it on real hidden states
 - ``configure(options: dict) -> None`` (optional) receives `profile.harness_options` plus
   `ce_chunk_tokens`
+- ``LM_HEAD_POSITIONS = "loss" | "all"`` (optional attribute, default "all") where compute_loss
+  runs the LM head: on the loss positions only, or on every position (the stock causal-LM
+  loss). MFU counts the head's FLOPs on these positions; a FLOP counter checks it.
 
 This one: LoRA via peft on the attention and MLP projections (never embeddings, the LM head or
 MoE routers); loss over the labelled tokens only, with a chunked cross-entropy that never holds
@@ -70,6 +73,8 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "gradient_checkpointing": False,
 }
 OPTIONS: dict[str, Any] = dict(DEFAULT_OPTIONS)
+# compute_loss runs the head on the loss positions only (chunked, never the full logits)
+LM_HEAD_POSITIONS = "loss"
 
 
 def configure(options: dict[str, Any]) -> None:
