@@ -21,6 +21,7 @@ import pandas as pd
 import torch
 
 from probes import mask_band, sdpa_backend
+from probes.config import fill_defaults, schema
 from probes.errors import ProbeError
 from probes.mask_memory import reuse_freed_memory
 from probes.mask_trace import AttentionRecord, ProbeModel, build_probe_model, trace_attention
@@ -37,20 +38,6 @@ SCENARIO_NAMES = (
     "packed",
     "token_type_ids",
 )
-DEFAULT_MASK_CONFIG: dict[str, Any] = {
-    "target_compute_capability": "9.0",
-    "dtype": "bfloat16",
-    "torch_version": None,  # the torch release trained with; None = the installed one
-    "cudnn_version": None,  # None = the cuDNN that torch release's wheel bundles
-    "prefer_cudnn": None,
-    "scenarios": list(SCENARIO_NAMES),
-    "pad_fraction": 0.25,
-    "packed_doc_fractions": [0.5, 0.3, 0.2],
-    "expected_sliding_window": None,
-    "confirm_on_cuda": True,
-    "fail_on_violation": True,
-    "max_mask_gib": 8.0,
-}
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -507,9 +494,8 @@ def run_scenario(
 
 
 def merged_mask_config(mask_cfg: dict[str, Any] | None) -> dict[str, Any]:
-    merged = dict(DEFAULT_MASK_CONFIG)
-    merged.update(mask_cfg or {})
-    return merged
+    """The mask section with every missing key filled from the schema (the one home of defaults)."""
+    return fill_defaults(dict(mask_cfg or {}), schema()["properties"]["mask"])
 
 
 def make_target(mask_cfg: dict[str, Any]) -> sdpa_backend.Target:
