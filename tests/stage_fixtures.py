@@ -432,6 +432,20 @@ def write_stage(
             "violations_total": 0,
             "violations": [],
             "headline": "1 of 6 decoder layers keep SDPA's is_causal fast path at 2x4096",
+            # as a CUDA run writes it (probes.mask: confirmation against what torch dispatched)
+            "confirm": {
+                "status": "agreed",
+                "ran": True,
+                "agreed": 6,
+                "total": 6,
+                "per_scenario": {"training": {"agreed": 6, "total": 6}},
+            },
+            "target": {
+                "compute_capability": "9.0",
+                "torch_version": "2.11.0+cu130",
+                "cudnn_version_source": "bundled with torch 2.11.0+cu130",
+                "priority_order": ["cudnn", "flash", "efficient", "math"],
+            },
         }
         write_json(gate, paths["mask_gate"])
     elif stage == "padding":

@@ -151,10 +151,10 @@ def test_mask_section_counts_fast_path_per_scenario(rendered):
     mask = section(rendered[0], "Mask gate")
     assert "Gate: **passed**: 1 of 6 decoder layers keep SDPA's is_causal fast path" in mask
     assert (
-        "| training | 2 × 4,096 | none | no | 1 of 6 | 0 | efficient ×5, flash ×1 "
+        "| training | 2 × 4,096 | none | no | 1 of 6 | 0 | efficient ×5, flash ×1 | 6/6 calls "
         "| flash: attn_mask present ×5; cudnn: attn_mask present ×5 |"
     ) in mask
-    assert "| short | 2 × 256 | none | no | 6 of 6 | 0 | flash ×6 | — |" in mask
+    assert "| short | 2 × 256 | none | no | 6 of 6 | 0 | flash ×6 | — | — |" in mask
     assert "| training | sliding_attention | 5 | 0 | 511 | 0 |" in mask
     assert "| short | full_attention | 1 | 1 | none | none |" in mask
 
@@ -640,3 +640,13 @@ def test_examples_without_loss_tokens_get_a_filter_snippet(tmp_path):
     applied = section(out.read_text(), "Apply it")
     assert "### 5. Drop the 10 examples that carry no loss token" in applied
     assert "train_dataset.filter(lambda example: any(label != -100" in applied
+
+
+def test_mask_section_states_the_prediction_target_and_its_confirmation(rendered):
+    mask = section(rendered[0], "Mask gate")
+    assert "torch 2.11.0+cu130" in mask and "cudnn > flash > efficient > math" in mask
+    assert "Confirmed on a GPU: **agreed** (6/6 SDPA calls ran the predicted backend)" in mask
+    train = next(line for line in mask.splitlines() if line.startswith("| training |"))
+    assert "| 6/6 calls |" in train
+    other = next(line for line in mask.splitlines() if line.startswith("| packed |"))
+    assert "| — |" in other  # not confirmed for that scenario: no number invented

@@ -306,7 +306,7 @@ TABLES: dict[str, TableSpec] = {
 CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
 # JSON outputs and the keys the report reads (a not-run stage may carry only status + reason).
 JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "mask_gate": ("mask", ("passed",)),
+    "mask_gate": ("mask", ("passed", "confirm", "target")),
     "bucket_recommendation": ("bucket", ("status", "recommended", "thresholds")),
     # dtype/dtype_reason: probes.dtype_choice; mfu_convention: probes.flops.MFU_CONVENTION
     "profile_provenance": (

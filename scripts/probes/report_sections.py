@@ -331,9 +331,29 @@ def mask_section(
             }
         )
     gate = jsons["mask_gate"]
+    confirm = gate.get("confirm") or {}
+    per_scenario = confirm.get("per_scenario") or {}
+    for scenario in scenarios:
+        counts = per_scenario.get(scenario["scenario"]) or {}
+        scenario["confirmed"] = (
+            f"{counts['agreed']}/{counts['total']} calls"
+            if counts.get("total") is not None
+            else "—"
+        )
+    target = gate.get("target") or {}
     violations = gate.get("violations") or []
     return {
         "status": "ok",
+        "target": {
+            "torch_version": stage_text(target.get("torch_version") or "unknown", 60),
+            "compute_capability": stage_text(target.get("compute_capability") or "?", 10),
+            "cudnn": stage_text(target.get("cudnn_version_source") or "unknown", 200),
+            "order": " > ".join(str(b) for b in target.get("priority_order") or []) or "—",
+        },
+        "confirm_status": stage_text(confirm.get("status") or confirm.get("note") or "—", 80),
+        "confirm_total": (
+            f"{confirm['agreed']}/{confirm['total']}" if confirm.get("total") is not None else None
+        ),
         "passed": bool(gate.get("passed")),
         "headline": gate.get("headline"),
         "violations_total": finite(gate.get("violations_total")) or len(violations),
