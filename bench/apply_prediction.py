@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from probes import bucket, rebalance
+from probes import batch_metrics, bucket_controls, orders, rebalance
 from probes.lengths import LengthSet, read_lengths
 from probes.sampler import length_grouped_trainer, trainer_group_by_length_permutation
 
@@ -137,7 +137,9 @@ def prediction(config: str, lengths: np.ndarray, args: argparse.Namespace) -> di
 
     def padded(order: np.ndarray, rows: np.ndarray | None = None) -> int:
         z = np.zeros(order.size, dtype=np.int32)
-        return bucket.padded_metrics(lengths[order], z, micro, accum, 1, rows)["padded_tokens"]
+        return batch_metrics.padded_metrics(lengths[order], z, micro, accum, 1, rows)[
+            "padded_tokens"
+        ]
 
     if config == "batch_rebalance":
         this = padded(*rebalance.rebalance_order(lengths, micro, accum, REBALANCE_TRAINER_SEED))
@@ -149,18 +151,18 @@ def prediction(config: str, lengths: np.ndarray, args: argparse.Namespace) -> di
         bucket_size = (
             args.bucket_size
             if config == "drop_in"
-            else bucket.hf_trainer_mega_batch_mult(n, micro, accum)
+            else orders.hf_trainer_mega_batch_mult(n, micro, accum)
         )
         perm = (
-            bucket.seeded_permutation(n, args.seed)
+            orders.seeded_permutation(n, args.seed)
             if config == "drop_in"
             else trainer_group_by_length_permutation(n, args.seed)
         )
-        this = padded(bucket.length_grouped_order(lengths, perm, micro, bucket_size))
+        this = padded(orders.length_grouped_order(lengths, perm, micro, bucket_size))
         over_seeds = [
             padded(
-                bucket.length_grouped_order(
-                    lengths, bucket.seeded_permutation(n, s), micro, bucket_size
+                orders.length_grouped_order(
+                    lengths, orders.seeded_permutation(n, s), micro, bucket_size
                 )
             )
             for s in SWEEP_SEEDS
@@ -207,7 +209,7 @@ def run_train(config: str, lengths: np.ndarray, args: argparse.Namespace) -> tup
 def load_lengths(args: argparse.Namespace) -> tuple[LengthSet, str]:
     if args.lengths.is_file():
         return read_lengths(args.lengths, args.max_seq_len), str(args.lengths)
-    full, sources = bucket.synthetic_lengths(7168, seed=0, max_seq_len=args.max_seq_len)
+    full, sources = bucket_controls.synthetic_lengths(7168, seed=0, max_seq_len=args.max_seq_len)
     data = LengthSet(np.minimum(full, args.max_seq_len), sources, tuple(f"s{i}" for i in range(8)))
     return data, f"synthetic heavy-tailed lengths (no {args.lengths})"
 

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from probes import bucket
+from probes import bucket, bucket_controls, orders, packing
 from probes.lengths import LengthSet
 
 
@@ -34,7 +34,7 @@ def time_ours(data: LengthSet, args: argparse.Namespace) -> tuple[float, int]:
         grad_accum=args.grad_accum,
         max_seq_len=args.max_seq_len,
         seeds=args.seeds,
-        packing=bucket.PACKING_ALGORITHMS,
+        packing=packing.PACKING_ALGORITHMS,
         progress=True,
         # transformers' own BatchRebalanceSampler (pure Python, ~35 µs per example per seed) has
         # no counterpart on the HF side of this comparison of orderings: leave it out.
@@ -72,9 +72,9 @@ def spot_check(data: LengthSet, lengths: list[int], sizes: list[int], micro: int
     from transformers.trainer_pt_utils import get_length_grouped_indices
 
     seed = 0
-    perm = bucket.seeded_permutation(data.lengths.size, seed)
+    perm = orders.seeded_permutation(data.lengths.size, seed)
     for m in (sizes[0], sizes[len(sizes) // 2], sizes[-1]):
-        ours = bucket.length_grouped_order(data.lengths, perm, micro, m)
+        ours = orders.length_grouped_order(data.lengths, perm, micro, m)
         theirs = get_length_grouped_indices(
             lengths, micro, mega_batch_mult=m, generator=torch.Generator().manual_seed(seed)
         )
@@ -94,10 +94,10 @@ def main() -> int:
     parser.add_argument("--max-ratio", type=float, default=0.25)
     args = parser.parse_args()
 
-    full, sources = bucket.synthetic_lengths(args.n, seed=0, max_seq_len=args.max_seq_len)
+    full, sources = bucket_controls.synthetic_lengths(args.n, seed=0, max_seq_len=args.max_seq_len)
     lengths = np.minimum(full, args.max_seq_len)
     data = LengthSet(lengths, sources, tuple(f"s{i}" for i in range(int(sources.max()) + 1)))
-    sizes = bucket.sweep_bucket_sizes_for(args.n, args.micro_batch_size, args.grad_accum)
+    sizes = orders.sweep_bucket_sizes_for(args.n, args.micro_batch_size, args.grad_accum)
     as_list = lengths.tolist()
     print(
         f"{args.n:,} lengths (median {int(np.median(lengths))}, p99 "

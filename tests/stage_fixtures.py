@@ -13,7 +13,8 @@ import pandas as pd
 
 from conftest import CANARY
 from probes import bucket
-from probes.contracts import STAGES, TABLES, report_inputs
+from probes.contracts import BATCH_REBALANCE, RANDOM, STAGES, TABLES, report_inputs
+from probes.flops import MFU_CONVENTION
 from probes.io import run_metadata, write_json, write_parquet
 
 NOT_RUN_REASON = "no GPU and profile.cpu_fallback is false"
@@ -176,27 +177,73 @@ def padding_tables(lengths: pd.DataFrame) -> dict[str, pd.DataFrame]:
     return {"summary": summary, "distribution": pd.DataFrame(dist), "ce_chunks": pd.DataFrame(ce)}
 
 
+# 234 training examples at micro-batch 2 × grad_accum 8: HF's group_by_length bucket is
+# min(234 // 64, 50) × 8 = 24 micro-batches; 117 holds every example (a global sort).
+HF_BUCKET, ALL_BUCKET = 24, 117
+
+
 def bucket_sweep() -> pd.DataFrame:
-    """probes.bucket.sweep_bucket_sizes' columns: random, length_grouped, global_sort, packing."""
+    """probes.bucket.sweep_bucket_sizes' columns: random, length_grouped, global_sort, packing
+    (ffd and bfd, with n_bins) and the batch_rebalance comparison row (variable micro-batches)."""
     rows = []
-    sizes = [1, 2, 4, 8, 16, 60]
+    sizes = [1, 2, 4, 8, HF_BUCKET, ALL_BUCKET]
     for seed in range(3):
         jitter = 0.002 * seed
         for i, m in enumerate(sizes):
-            strategy = "random" if m == 1 else "global_sort" if m == 60 else "length_grouped"
+            strategy = (
+                "random" if m == 1 else "global_sort" if m == ALL_BUCKET else "length_grouped"
+            )
             token = 0.58 + 0.07 * i + jitter
             diversity = (1 - 0.1 * i, 1 - 0.12 * i, 1 - 0.05 * i, 1 - 0.06 * i)
-            rows.append((strategy, m, seed, token, 0.39 + 0.1 * i, 120, *diversity, 0.15 * i))
+            rows.append((strategy, m, seed, token, 0.39 + 0.1 * i, 117, *diversity, 0.15 * i))
         rows.append(("packing_ffd", None, seed, 0.97, 0.5, 40, 1.0, 1.0, 1.0, 1.0, 0.0))
+        rows.append(("packing_bfd", None, seed, 0.96, 0.5, 41, 1.0, 1.0, 1.0, 1.0, 0.0))
+        rows.append((BATCH_REBALANCE, None, seed, 0.8 + jitter, 0.7, 150, 0.9, 0.9, 1, 1, 0.05))
     frame = pd.DataFrame(rows, columns=list(TABLES["bucket_sweep"].required))
     frame["bucket_size_batches"] = frame["bucket_size_batches"].astype("Int64")
-    random = frame.loc[frame["strategy"] == "random", "token_efficiency"].mean()
-    frame["padded_tokens_saved_vs_random"] = 1 - random / frame["token_efficiency"]
+    random = frame["strategy"] == "random"
+    frame["padded_tokens_saved_vs_random"] = (
+        1 - frame.loc[random, "token_efficiency"].mean() / frame["token_efficiency"]
+    )
+    frame["attention_cost_saved_vs_random"] = (
+        1 - frame.loc[random, "attention_efficiency"].mean() / frame["attention_efficiency"]
+    )
+    frame["is_hf_trainer_default"] = frame["bucket_size_batches"].eq(HF_BUCKET).fillna(False)
+    frame["n_bins"] = frame["n_micro_batches"].where(frame["strategy"].str.startswith("packing"))
+    rebalance = frame["strategy"] == BATCH_REBALANCE
+    frame["micro_batch_rows_max"] = np.where(rebalance, 6.0, 2.0)
+    frame["micro_batch_padded_tokens_max"] = 8192.0
+    frame["step_real_tokens_cv"] = np.where(rebalance, 0.3, 0.6)
     frame["top_kernels_like_list"] = [[CANARY]] * len(frame)  # never rendered
     return frame
 
 
-def bucket_recommendation() -> dict:
+POINT_KEYS = (
+    "bucket_size_batches",
+    "token_efficiency",
+    "attention_efficiency",
+    "padded_tokens_saved_vs_random",
+    "attention_cost_saved_vs_random",
+    "n_micro_batches",
+    "diversity_rel_random",
+    "micro_batch_rows_max",
+    "micro_batch_padded_tokens_max",
+    "step_real_tokens_cv",
+    "n_bins",
+)
+
+
+def _point(row: pd.Series) -> dict:
+    """A summary row as probes.bucket.recommend writes its points (plain numbers, NA left out)."""
+    return {k: float(row[k]) for k in POINT_KEYS if k in row and pd.notna(row[k])}
+
+
+def bucket_recommendation(summary: pd.DataFrame | None = None) -> dict:
+    """recommendation.json as probes.bucket_stage writes it, its points read off the summary."""
+    if summary is None:
+        summary = bucket.summarise(bucket_sweep(), "step")
+    by_size = summary.set_index("bucket_size_batches", drop=False)
+    by_strategy = summary.set_index("strategy", drop=False)
     return {
         "status": "ok",
         "thresholds": {
@@ -206,12 +253,19 @@ def bucket_recommendation() -> dict:
             "diversity_level": "step",
         },
         "recommended": {
-            "bucket_size_batches": 4,
+            **_point(by_size.loc[4]),
             "bucket_size_examples": 8,
             "how_to_use": "get_length_grouped_indices(lengths, batch_size=2, mega_batch_mult=4)",
             "hf_trainer_equivalent": "not expressible in HF Trainer(group_by_length)",
         },
+        "random": _point(by_strategy.loc[RANDOM]),
+        "hf_trainer_default": _point(by_size.loc[HF_BUCKET]),
+        "packing": {name: _point(by_strategy.loc[name]) for name in ("packing_ffd", "packing_bfd")},
+        BATCH_REBALANCE: _point(by_strategy.loc[BATCH_REBALANCE]),
         "attention_note": "attention efficiency is what a dense kernel computes",
+        "batch_shapes": {"micro_batch_size": BATCH, "padded_length_max": 4096},
+        "input": {"examples_used": 234, "real_tokens": 144610},
+        "training": {"micro_batch_size": BATCH, "grad_accum": 8, "max_seq_len": 4096},
     }
 
 
@@ -231,7 +285,8 @@ def profile_tables() -> dict[str, pd.DataFrame]:
                 "time_s": np.nan if oom else time_s,
                 "time_std_s": np.nan if oom else 0.002,
                 "peak_mem_bytes": np.nan if oom else 1.2e9 * t / 1024,
-                "mfu": np.nan if oom else 0.31,
+                "mfu": np.nan if oom else 0.12,  # LoRA convention (probes.flops)
+                "mfu_dense_6n": np.nan if oom else 0.31,  # the old 6·N·tokens reading
                 "quadratic_share": np.nan if oom else FIT["a"] * t * t / time_s,
                 "linear_share": np.nan if oom else FIT["b"] * t / time_s,
                 "fixed_share": np.nan if oom else FIT["c"] / time_s,
@@ -250,23 +305,57 @@ def profile_tables() -> dict[str, pd.DataFrame]:
             {
                 "variant": variant,
                 "status": "OK",
+                "n_batches": 5,
+                "n_batches_ok": 5,
                 "padded_time_s": 0.61,
                 "unpadded_time_s": unpadded,
                 "measured_penalty": 0.61 / unpadded - 1,
-                "predicted_penalty": 0.48,
-                "example_ids": ["0000000000000001", "0000000000000002"],
+                "measured_penalty_min": low,
+                "measured_penalty_max": high,
+                "predicted_penalty": predicted,
+                "prediction": prediction,
+                "batch_example_ids": [["0000000000000001", "0000000000000002"]] * 5,
             }
-            for variant, unpadded in (("one_by_one", 0.40), ("packed", 0.42))
+            for variant, unpadded, low, high, predicted, prediction in (
+                ("one_by_one", 0.40, 0.31, 0.66, 0.48, "fit read per row: one c per row"),
+                (
+                    "packed",
+                    0.42,
+                    0.22,
+                    0.58,
+                    np.nan,
+                    "none: a 5000-token row is beyond the longest fitted length 4096",
+                ),
+            )
         ]
     )
+    # probes.profile_stage.run_ce: the step, then one change per row (positions, then chunking)
     ce = pd.DataFrame(
         {
-            "variant": ["train_step", "chunked", "unchunked"],
-            "status": ["OK", "OK", "OOM"],
-            "time_s": [0.39, 0.081, np.nan],
-            "step_share": [1.0, 0.21, np.nan],
-            "chunk_tokens": [np.nan, 1024, np.nan],
-            "peak_mem_bytes": [np.nan, 2.1e9, np.nan],
+            "variant": [
+                "train_step",
+                "all_positions_unchunked",
+                "loss_positions_unchunked",
+                "loss_positions_chunked",
+            ],
+            "status": ["OK", "OK", "OK", "OK"],
+            "time_s": [0.39, 0.177, 0.083, 0.069],
+            "step_share": [1.0, 0.177 / 0.39, 0.083 / 0.39, 0.069 / 0.39],
+            "seq_len": 4096,
+            "batch": BATCH,
+            "loss_tokens": 3358,
+            "positions": [None, "all", "loss", "loss"],
+            "n_positions": pd.array([None, 8192, 3358, 3358], dtype="Int64"),
+            "chunk_tokens": pd.array([None, None, None, 1024], dtype="Int64"),
+            "peak_mem_bytes": [np.nan, 6.3e9, 2.6e9, 2.1e9],
+            "source": [
+                "step time at this length (measured): harness.compute_loss + backward + "
+                "optimizer step",
+                "probes.ce.full_logits_cross_entropy (stock causal-LM loss: every position's "
+                "logits)",
+                "probes.ce.loss_positions_cross_entropy (stock loss on the loss positions' logits)",
+                "harness.loss_from_hidden (probes.reference_harness.loss_from_hidden)",
+            ],
         }
     )
     kernels = pd.DataFrame(
@@ -287,6 +376,27 @@ def profile_tables() -> dict[str, pd.DataFrame]:
         "padding_penalty": penalty,
         "ce": ce,
         "kernels": kernels,
+    }
+
+
+def flop_check(ratio: float = 1.04, tolerance: float = 0.15) -> dict:
+    """The profile's FLOP control as probes.flops.flop_counter_control writes it."""
+    return {
+        "name": "analytic_flops_match_flop_counter",
+        "description": "analytic linear FLOPs of the MFU convention over FlopCounterMode's count",
+        "expected": {"analytic_over_counted": 1.0, "tolerance": tolerance},
+        "observed": {
+            "analytic_over_counted": ratio,
+            "analytic_linear_flops": 1.9e12 * ratio,
+            "counted_linear_flops": 1.9e12,
+            "analytic": {"frozen": 1.5e12, "trainable": 1e10, "head": 3.9e11},
+            "counted_by_op": {"aten.mm": 1.9e12},
+            "old_6n_over_counted_total": 1.6,
+            "shape": {"batch": 2, "seq_len": 256},
+            "counter_error": None,
+            "hint": None,
+        },
+        "passed": abs(ratio - 1) <= tolerance,
     }
 
 
@@ -322,6 +432,20 @@ def write_stage(
             "violations_total": 0,
             "violations": [],
             "headline": "1 of 6 decoder layers keep SDPA's is_causal fast path at 2x4096",
+            # as a CUDA run writes it (probes.mask: confirmation against what torch dispatched)
+            "confirm": {
+                "status": "agreed",
+                "ran": True,
+                "agreed": 6,
+                "total": 6,
+                "per_scenario": {"training": {"agreed": 6, "total": 6}},
+            },
+            "target": {
+                "compute_capability": "9.0",
+                "torch_version": "2.11.0+cu130",
+                "cudnn_version_source": "bundled with torch 2.11.0+cu130",
+                "priority_order": ["cudnn", "flash", "efficient", "math"],
+            },
         }
         write_json(gate, paths["mask_gate"])
     elif stage == "padding":
@@ -330,12 +454,12 @@ def write_stage(
         for name, frame in padding_tables(lengths).items():
             write_parquet(frame, paths[f"padding_{name}"], meta)
     elif stage == "bucket":
-        sweep, recommendation = bucket_sweep(), bucket_recommendation()
-        level = recommendation["thresholds"]["diversity_level"]
-        write_parquet(sweep, paths["bucket_sweep"], meta)
+        sweep = bucket_sweep()
         # as probes.bucket_stage writes it: the one function that summarises the sweep
-        write_parquet(bucket.summarise(sweep, level), paths["bucket_summary"], meta)
-        write_json(recommendation, paths["bucket_recommendation"])
+        summary = bucket.summarise(sweep, "step")
+        write_parquet(sweep, paths["bucket_sweep"], meta)
+        write_parquet(summary, paths["bucket_summary"], meta)
+        write_json(bucket_recommendation(summary), paths["bucket_recommendation"])
     elif profile == "not_run":
         for name in ("scaling", "fit", "padding_penalty", "ce", "kernels"):
             write_parquet(pd.DataFrame(), paths[f"profile_{name}"], meta)
@@ -352,12 +476,20 @@ def write_stage(
             else {"type": "cuda", "name": "NVIDIA H200", "capability": "9.0"},
             "cpu_only": profile == "cpu",
             "harness": {"spec": "probes.reference_harness", "functions": {}},
+            "dtype": "float32" if profile == "cpu" else "bfloat16",
+            "dtype_reason": "auto: this CPU emulates bfloat16 (AVX2, no AVX512-BF16/AMX)"
+            if profile == "cpu"
+            else "auto: CUDA computes bfloat16 natively",
+            "mfu_convention": MFU_CONVENTION,
             "slurm": {"job_id": "1234", "gpus": None},
         }
         write_json(provenance, paths["profile_provenance"])
     name = "profile_controls" if stage == "profile" else f"{stage}_control"
     checks = {"padding": 3, "profile": 2}.get(stage, 0)
-    write_json(control(name, stage not in failed, checks), paths[f"{stage}_control"])
+    entry = control(name, stage not in failed, checks)
+    if stage == "profile":  # its third check: the analytic FLOP count against FlopCounterMode
+        entry["checks"].append(flop_check())
+    write_json(entry, paths[f"{stage}_control"])
 
 
 def write_results(root: Path, **kwargs) -> dict[str, Path]:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from probes import apply, bucket
+from probes import apply, bucket, bucket_controls, orders
 from probes.contracts import TRAINING_STATUSES
 from probes.lengths import lengths_from_frame
 
@@ -20,7 +20,9 @@ TRAINING = {"micro_batch_size": 2, "grad_accum": 8, "max_seq_len": 4096}
 
 def bucket_recommendation(n: int = 3000, seed: int = 0) -> dict[str, Any]:
     """What the bucket stage writes (recommendation.json), from synthetic heavy-tailed lengths."""
-    frame = bucket.synthetic_lengths_frame(n, seed=seed, max_seq_len=TRAINING["max_seq_len"])
+    frame = bucket_controls.synthetic_lengths_frame(
+        n, seed=seed, max_seq_len=TRAINING["max_seq_len"]
+    )
     data = lengths_from_frame(frame, TRAINING["max_seq_len"])
     sweep = bucket.sweep_bucket_sizes(
         data, TRAINING["micro_batch_size"], TRAINING["grad_accum"], TRAINING["max_seq_len"], [0, 1]
@@ -96,7 +98,7 @@ def test_document_is_strict_json(document):
 def test_recommended_size_not_expressible_points_to_the_drop_in_sampler(recommendation, document):
     m = recommendation["recommended"]["bucket_size_batches"]
     n = recommendation["input"]["examples_used"]
-    m_hf = bucket.hf_trainer_mega_batch_mult(
+    m_hf = orders.hf_trainer_mega_batch_mult(
         n, TRAINING["micro_batch_size"], TRAINING["grad_accum"]
     )
     assert m != m_hf  # this data recommends a size the Trainer cannot set
@@ -116,7 +118,7 @@ def test_recommended_size_not_expressible_points_to_the_drop_in_sampler(recommen
 
 def test_recommended_size_equal_to_hf_default_uses_the_builtin_setting(recommendation):
     n = recommendation["input"]["examples_used"]
-    m_hf = bucket.hf_trainer_mega_batch_mult(
+    m_hf = orders.hf_trainer_mega_batch_mult(
         n, TRAINING["micro_batch_size"], TRAINING["grad_accum"]
     )
     same = {
@@ -217,7 +219,7 @@ def test_no_loss_filter_keeps_examples_with_a_loss_token(document):
 
 
 def test_count_no_loss_examples_counts_training_rows_only():
-    frame = bucket.synthetic_lengths_frame(400, seed=3)
+    frame = bucket_controls.synthetic_lengths_frame(400, seed=3)
     frame.loc[:9, "n_loss_tokens"] = 0
     trains = frame["status"].isin(TRAINING_STATUSES)
     expected = int((trains & (frame["n_loss_tokens"] == 0)).sum())

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import CANARY, workflow_config
-from probes import bucket, bucket_stage, lengths
+from probes import bucket, bucket_controls, bucket_stage, lengths, orders, packing
 from probes.contracts import RANDOM, STAGE_OUTPUTS, check_table_columns
 from probes.errors import ControlFailedError
 from probes.io import write_parquet
@@ -49,7 +49,7 @@ def _run_stage(lengths_path: Path, out: Path, config_extra=None) -> dict:
 @pytest.fixture(scope="module")
 def synthetic_lengths_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("padding") / "lengths.parquet"
-    bucket.synthetic_lengths_frame(3000, seed=3, max_seq_len=1024).to_parquet(path)
+    bucket_controls.synthetic_lengths_frame(3000, seed=3, max_seq_len=1024).to_parquet(path)
     return path
 
 
@@ -76,16 +76,16 @@ def test_ordering_equals_hf_get_length_grouped_indices(n, batch, mult, seed, max
     theirs = get_length_grouped_indices(
         lengths.tolist(), batch, mega_batch_mult=mult, generator=torch.Generator().manual_seed(seed)
     )
-    ours = bucket.length_grouped_order(lengths, bucket.seeded_permutation(n, seed), batch, mult)
+    ours = orders.length_grouped_order(lengths, orders.seeded_permutation(n, seed), batch, mult)
     assert ours.tolist() == theirs
 
 
 def test_auto_bucket_sizes_span_random_to_global_sort():
-    sizes = bucket.sweep_bucket_sizes_for(7168, 2, 8)
+    sizes = orders.sweep_bucket_sizes_for(7168, 2, 8)
     assert sizes[0] == 1 and sizes[-1] == 3584
     assert 50 in sizes and 400 in sizes  # HF's cap; HF Trainer's default (50 × grad_accum 8)
     assert len(sizes) >= 12
-    assert bucket.sweep_bucket_sizes_for(10, 2, 1, requested=[3, 99]) == [1, 3, 5]
+    assert orders.sweep_bucket_sizes_for(10, 2, 1, requested=[3, 99]) == [1, 3, 5]
 
 
 # ----------------------------------------------------------------------------- packing
@@ -131,8 +131,8 @@ def test_packing_matches_item_by_item_reference(seed):
         lengths = rng.integers(1, capacity + 1, n)
     else:  # few distinct lengths: long runs of equal items
         lengths = np.minimum(rng.integers(1, 6, n) * int(rng.integers(3, 30)), capacity)
-    ffd = bucket.pack_first_fit_decreasing(lengths, capacity)
-    bfd = bucket.pack_best_fit_decreasing(lengths, capacity)
+    ffd = packing.pack_first_fit_decreasing(lengths, capacity)
+    bfd = packing.pack_best_fit_decreasing(lengths, capacity)
     assert (ffd == _ffd_reference(lengths, capacity)).all()
     assert (bfd == _bfd_reference(lengths, capacity)).all()
     for bins in (ffd, bfd):
@@ -143,22 +143,22 @@ def test_packing_matches_item_by_item_reference(seed):
 
 
 def test_positive_control_recovers_known_answers():
-    control = bucket.run_control()
+    control = bucket_controls.run_control()
     assert control["passed"], control["observed"]
     assert set(control) == {"name", "description", "expected", "observed", "passed"}
     assert control["observed"]["global_sort_token_efficiency"] == 1.0
 
 
 def test_positive_control_fails_on_collapsing_ordering():
-    control = bucket.run_control(order_fn=bucket.global_sort_collapse)
+    control = bucket_controls.run_control(order_fn=bucket_controls.global_sort_collapse)
     assert not control["passed"]
 
 
 def test_collapse_guard_fires_on_global_sort_injection():
-    full, sources = bucket.synthetic_lengths(2000, seed=1)
+    full, sources = bucket_controls.synthetic_lengths(2000, seed=1)
     data = lengths.LengthSet(np.minimum(full, 1024), sources, tuple("abcdefgh"))
     collapsed = bucket.sweep_bucket_sizes(
-        data, 2, 4, 1024, [0, 1], packing=(), order_fn=bucket.global_sort_collapse
+        data, 2, 4, 1024, [0, 1], packing=(), order_fn=bucket_controls.global_sort_collapse
     )
     # The collapse is real: every bucket size gave the global sort's efficiency.
     assert collapsed.groupby("bucket_size_batches")["token_efficiency"].mean().nunique() == 1
@@ -171,11 +171,11 @@ def test_collapse_guard_fires_on_global_sort_injection():
 
 def test_collapse_guard_fires_when_sizes_agree_but_ends_are_right():
     """A sweep whose every row equals random would also be caught (spread check + ends)."""
-    full, sources = bucket.synthetic_lengths(500, seed=2)
+    full, sources = bucket_controls.synthetic_lengths(500, seed=2)
     data = lengths.LengthSet(np.minimum(full, 1024), sources, tuple("abcdefgh"))
 
     def never_sorts(lengths, perm, batch, mult):
-        return bucket.length_grouped_order(lengths, perm, batch, 1)
+        return orders.length_grouped_order(lengths, perm, batch, 1)
 
     sweep = bucket.sweep_bucket_sizes(data, 2, 1, 1024, [0], packing=(), order_fn=never_sorts)
     with pytest.raises(bucket.SweepCollapsedError):
@@ -201,7 +201,7 @@ def test_all_equal_lengths_nothing_to_gain_no_false_alarm():
 
 
 def test_one_source_diversity_defined():
-    full, _ = bucket.synthetic_lengths(1000, seed=4)
+    full, _ = bucket_controls.synthetic_lengths(1000, seed=4)
     data = _length_set(np.minimum(full, 1024), sources=np.full(1000, "none"))
     assert not data.sources_known
     sweep = bucket.sweep_bucket_sizes(data, 2, 4, 1024, [0, 1])
@@ -214,7 +214,7 @@ def test_one_source_diversity_defined():
 
 
 def test_micro_batch_one_has_no_padding_and_no_false_alarm():
-    full, sources = bucket.synthetic_lengths(200, seed=5)
+    full, sources = bucket_controls.synthetic_lengths(200, seed=5)
     data = lengths.LengthSet(np.minimum(full, 512), sources, tuple("abcdefgh"))
     sweep = bucket.sweep_bucket_sizes(data, 1, 2, 512, [0], packing=())
     assert (sweep["token_efficiency"] == 1.0).all()
@@ -231,7 +231,7 @@ def test_fewer_examples_than_a_micro_batch():
 
 def test_recommendation_is_smallest_size_meeting_both_thresholds():
     # Sources follow length, so diversity falls as buckets grow.
-    full, sources = bucket.synthetic_lengths(4000, seed=6, n_sources=4)
+    full, sources = bucket_controls.synthetic_lengths(4000, seed=6, n_sources=4)
     data = lengths.LengthSet(np.minimum(full, 2048), sources, tuple("abcd"))
     sweep = bucket.sweep_bucket_sizes(data, 2, 4, 2048, [0, 1, 2], packing=())
     for gain_share, diversity_share in [(0.9, 0.8), (0.5, 0.95), (0.99, 0.0)]:
@@ -251,7 +251,7 @@ def test_recommendation_is_smallest_size_meeting_both_thresholds():
 
 
 def test_packing_beats_padding_on_tokens_here():
-    full, sources = bucket.synthetic_lengths(3000, seed=7)
+    full, sources = bucket_controls.synthetic_lengths(3000, seed=7)
     data = lengths.LengthSet(np.minimum(full, 2048), sources, tuple("abcdefgh"))
     sweep = bucket.sweep_bucket_sizes(data, 2, 4, 2048, [0])
     summary = bucket.summarise(sweep).set_index("strategy")
@@ -264,7 +264,7 @@ def test_packing_beats_padding_on_tokens_here():
 
 @pytest.mark.parametrize(("level", "prefix"), [("step", "step"), ("micro_batch", "micro")])
 def test_summary_is_the_mean_over_seeds_in_report_order(level, prefix):
-    full, sources = bucket.synthetic_lengths(2000, seed=11, n_sources=4)
+    full, sources = bucket_controls.synthetic_lengths(2000, seed=11, n_sources=4)
     data = lengths.LengthSet(np.minimum(full, 1024), sources, tuple("abcd"))
     sweep = bucket.sweep_bucket_sizes(data, 2, 4, 1024, [0, 1, 2])
     summary = bucket.summarise(sweep, level)
@@ -302,7 +302,7 @@ def test_summary_is_the_mean_over_seeds_in_report_order(level, prefix):
 
 
 def test_read_lengths_counts_statuses_and_skips_empty_error(tmp_path):
-    frame = bucket.synthetic_lengths_frame(500, seed=8, max_seq_len=256)
+    frame = bucket_controls.synthetic_lengths_frame(500, seed=8, max_seq_len=256)
     path = tmp_path / "lengths.parquet"
     frame.to_parquet(path)
     data = lengths.read_lengths(path, 256)
@@ -323,7 +323,7 @@ def test_read_lengths_counts_statuses_and_skips_empty_error(tmp_path):
     ],
 )
 def test_bad_lengths_input_names_the_problem(tmp_path, mutate, message):
-    frame = mutate(bucket.synthetic_lengths_frame(50, seed=9, max_seq_len=4096))
+    frame = mutate(bucket_controls.synthetic_lengths_frame(50, seed=9, max_seq_len=4096))
     path = tmp_path / "lengths.parquet"
     frame.to_parquet(path)
     with pytest.raises(lengths.LengthsError, match=message):
@@ -375,7 +375,7 @@ def test_stage_outputs_and_recommendation_contents(synthetic_lengths_file, tmp_p
 
 
 def test_no_data_text_in_outputs_or_log(tmp_path, caplog):
-    frame = bucket.synthetic_lengths_frame(400, seed=10, max_seq_len=1024)
+    frame = bucket_controls.synthetic_lengths_frame(400, seed=10, max_seq_len=1024)
     frame["source"] = frame["source"] + CANARY  # sources may be prompt text (chitchat)
     lengths_path = tmp_path / "lengths.parquet"
     frame.to_parquet(lengths_path)
@@ -390,7 +390,7 @@ def test_no_data_text_in_outputs_or_log(tmp_path, caplog):
 
 def test_failed_control_writes_nothing(synthetic_lengths_file, tmp_path, monkeypatch):
     monkeypatch.setattr(
-        bucket,
+        bucket_controls,
         "run_control",
         lambda: {"name": "x", "description": "", "expected": 1, "observed": 0, "passed": False},
     )
@@ -418,7 +418,7 @@ def test_schema_fills_bucket_defaults_and_rejects_unknown_keys():
     ("gain_metric", "diversity_level"), [("attention", "micro_batch"), ("tokens", "step")]
 )
 def test_recommend_variants_echo_thresholds(gain_metric, diversity_level):
-    full, sources = bucket.synthetic_lengths(1500, seed=12)
+    full, sources = bucket_controls.synthetic_lengths(1500, seed=12)
     data = lengths.LengthSet(np.minimum(full, 1024), sources, tuple("abcdefgh"))
     sweep = bucket.sweep_bucket_sizes(data, 2, 4, 1024, [0], packing=("bfd",))
     rec = bucket.recommend(sweep, 0.8, 0.5, gain_metric, diversity_level)

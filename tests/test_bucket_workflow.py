@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import copy_workflow
-from probes import bucket
+from probes import bucket_controls
 
 REPO = Path(__file__).resolve().parent.parent
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
@@ -18,7 +18,7 @@ def _workflow_copy(tmp_path: Path) -> Path:
     work = copy_workflow(tmp_path / "wf")
     lengths = work / "results" / "padding" / "lengths.parquet"
     lengths.parent.mkdir(parents=True)
-    bucket.synthetic_lengths_frame(2000, seed=11, max_seq_len=4096).to_parquet(lengths)
+    bucket_controls.synthetic_lengths_frame(2000, seed=11, max_seq_len=4096).to_parquet(lengths)
     return work
 
 

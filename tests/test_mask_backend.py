@@ -1,5 +1,8 @@
 """SDPA backend prediction rules, and the torch confirmation path (CPU: must not crash)."""
 
+from pathlib import Path
+
+import pandas as pd
 import pytest
 import torch
 
@@ -129,12 +132,98 @@ def test_parse_compute_capability_rejects_garbage():
         sb.parse_compute_capability("hopper")
 
 
-def test_confirm_path_runs_on_cpu_without_crashing():
-    # the CUDA checks answer False on CPU tensors, but the whole code path executes
+def test_confirmation_without_cuda_is_a_not_run_record_with_its_reason(monkeypatch):
+    # torch's CUDA dispatch cannot be asked on a CPU: nothing is run and the record says why
     small = call(q_heads=2, kv_heads=2, length=8, head_dim=16, mask=True)
     result = sb.confirm_with_torch(small, device="cpu", requires_grad=True)
-    assert result["can_use"] == {sb.FLASH: False, sb.EFFICIENT: False, sb.CUDNN: False}
-    assert result["backend"] in {sb.MATH, sb.FLASH, sb.EFFICIENT, sb.CUDNN, None}
+    assert result["ran"] is False and result["backend"] is None and result["can_use"] == {}
+    assert result["reason"].startswith(sb.NO_CUDA) and "'cpu'" in result["reason"]
+    # asking for "cuda" on a machine without one gives the same record, not a crash
+    monkeypatch.setattr(sb, "cuda_available", lambda: False)
+    assert sb.confirm_with_torch(small, device="cuda")["ran"] is False
+
+
+EVIDENCE = Path(__file__).resolve().parents[1] / "docs" / "evidence" / "h200-2026-11-30"
+
+
+def calls_from_evidence(table: pd.DataFrame) -> list[tuple[sb.SdpaCall, str]]:
+    """The SDPA calls of a layers.parquet and the backend torch chose for each on the H200."""
+    out = []
+    for row in table.itertuples():
+        # repeat_kv hands SDPA as many k/v heads as q heads; enable_gqa the module's own
+        k_heads = row.q_heads if row.gqa_path == "repeat_kv" else row.kv_heads
+        example = call(
+            q_heads=row.q_heads,
+            kv_heads=k_heads,
+            length=row.seq_len,
+            head_dim=row.head_dim,
+            head_dim_v=row.head_dim_v,
+            mask=bool(row.mask_present),
+            is_causal=bool(row.is_causal),
+            enable_gqa=bool(row.enable_gqa),
+        )
+        batch = row.batch
+        example = sb.SdpaCall(
+            **{
+                **example.__dict__,
+                "q_shape": (batch, *example.q_shape[1:]),
+                "k_shape": (batch, *example.k_shape[1:]),
+                "v_shape": (batch, *example.v_shape[1:]),
+                "mask_shape": (batch, 1, row.seq_len, row.seq_len) if row.mask_present else None,
+            }
+        )
+        out.append((example, row.confirmed_backend))
+    return out
+
+
+@pytest.mark.parametrize("model", ["mask-gemma-3-270m", "mask-gemma-3-27b"])
+def test_default_target_for_torch_2_11_predicts_what_the_h200_ran(model):
+    # docs/evidence: torch 2.11.0+cu130 on an H200 ran every call in cuDNN (126 and 496 calls).
+    # With no cuDNN configured, the target takes the cuDNN torch 2.11's wheel bundles.
+    table = pd.read_parquet(EVIDENCE / model / "layers.parquet")
+    target = sb.resolve_target((9, 0), "2.11.0+cu130")
+    assert target.cudnn_version == 91900 and "bundled" in target.cudnn_version_source
+    recorded = calls_from_evidence(table)
+    assert len(recorded) == {"mask-gemma-3-270m": 126, "mask-gemma-3-27b": 496}[model]
+    predicted = [sb.predict_backend(example, target).backend for example, _ in recorded]
+    assert predicted == [ran for _, ran in recorded]
+    # the old default (cuDNN unknown -> flash first) is what the first H200 run disagreed with
+    unknown = sb.Target(compute_capability=(9, 0), torch_version="2.11.0+cu130")
+    assert sb.predict_backend(recorded[0][0], unknown).backend != recorded[0][1]
+
+
+@pytest.mark.parametrize(
+    "torch_version, cc, first",
+    [
+        ("2.4.1", (9, 0), sb.FLASH),  # cuDNN tried last (opt-in only)
+        ("2.5.1", (9, 0), sb.CUDNN),  # 2.5: the H100 default
+        ("2.5.1", (8, 0), sb.FLASH),
+        ("2.7.1", (9, 0), sb.FLASH),  # deprioritised again (#138522)
+        ("2.9.0", (9, 0), sb.CUDNN),  # #162073: built with cuDNN 9.10 >= 9.9
+        ("2.9.0", (8, 9), sb.FLASH),
+        ("2.10.0", (9, 0), sb.FLASH),  # bundled cuDNN 9.10.2 is not > 9.15.0
+        ("2.11.0", (9, 0), sb.CUDNN),  # cu130 wheel, cuDNN 9.19
+        ("2.11.0", (8, 0), sb.FLASH),
+        ("2.11.0+cu130", (10, 1), sb.CUDNN),  # CUDA 13 builds: any sm10x
+        ("2.11.0+cu128", (10, 1), sb.FLASH),  # CUDA 12 builds: sm90, sm100, sm103 only
+        ("2.11.0+cu128", (10, 3), sb.CUDNN),
+    ],
+)
+def test_priority_order_follows_the_torch_release(torch_version, cc, first):
+    target = sb.resolve_target(cc, torch_version)
+    assert target.priority_order()[0] == first
+    assert sb.predict_backend(call(), target).backend == first
+
+
+def test_release_newer_than_the_table_assumes_the_newest_bundle_and_says_so():
+    target = sb.resolve_target((9, 0), "2.13.0+cpu")
+    newest = max(sb.BUNDLED_CUDNN)
+    assert target.cudnn_version == sb.BUNDLED_CUDNN[newest][0]
+    assert target.cudnn_version_source.startswith("bundled with torch 2.13.0+cpu: assumed")
+    assert sb.target_as_dict(target)["cudnn_first_rule"].startswith(sb.CUDNN_ABOVE_9_15)
+    # an explicit cuDNN wins over the bundle
+    older = sb.resolve_target((9, 0), "2.13.0", cudnn_version=91002)
+    assert older.cudnn_version == 91002 and older.priority_order()[0] == sb.FLASH
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

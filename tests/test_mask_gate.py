@@ -5,7 +5,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from probes import mask
+from probes import mask, sdpa_backend
 
 BASE = {
     "vocab_size": 64,
@@ -28,8 +28,14 @@ LLAMA = {**BASE, "model_type": "llama"}
 TRAINING = {"micro_batch_size": 2, "max_seq_len": 24}
 
 
+# Backend expectations below are for torch 2.10's wheel (cuDNN 9.10.2: flash first on sm90), so
+# they do not move with the torch installed here; test_mask_backend covers the version rules.
+PINNED_TARGET = {"torch_version": "2.10.0"}
+
+
 def run(config, training=TRAINING, **mask_overrides) -> tuple[pd.DataFrame, dict]:
-    return mask.evaluate(config, mask.merged_mask_config(mask_overrides), training, progress=False)
+    mask_cfg = mask.merged_mask_config({**PINNED_TARGET, **mask_overrides})
+    return mask.evaluate(config, mask_cfg, training, progress=False)
 
 
 def rows(table: pd.DataFrame, scenario: str, layer_type: str | None = None) -> pd.DataFrame:
@@ -281,3 +287,71 @@ def test_a_layer_without_an_attention_call_fails_the_gate(monkeypatch):
     assert gate["violations"] == [
         "layer 0 (full_attention) in scenario 'train': no attention call recorded"
     ]
+
+
+# --- backend confirmation (torch's own choice stubbed: this suite runs without a GPU) -----------
+
+CONFIRM_SCENARIOS = ["train", "right_padded", "packed"]
+
+
+def stub_confirmation(monkeypatch, torch_chooses) -> None:
+    """Pretend a CUDA device is here and torch picks `torch_chooses(call)` for every call."""
+    monkeypatch.setattr(sdpa_backend, "cuda_available", lambda: True)
+    monkeypatch.setattr(
+        sdpa_backend,
+        "local_target",
+        lambda requires_grad=True: sdpa_backend.resolve_target((9, 0), "2.10.0"),
+    )
+    monkeypatch.setattr(
+        sdpa_backend,
+        "confirm_with_torch",
+        lambda call, device="cuda", requires_grad=True: {
+            "ran": True,
+            "backend": torch_chooses(call),
+            "can_use": {},
+        },
+    )
+
+
+def test_confirmation_counts_agreed_calls_per_scenario(monkeypatch):
+    # flash-first rules (torch 2.10 wheel): flash without a mask, efficient with one
+    stub_confirmation(monkeypatch, lambda call: "efficient" if call.mask_present else "flash")
+    _, gate = run(GEMMA3, scenarios=CONFIRM_SCENARIOS)
+    confirm = gate["confirm"]
+    assert confirm["status"] == "agreed" and gate["passed"]
+    assert (confirm["agreed"], confirm["total"]) == (12, 12)  # 4 layers x 3 scenarios
+    assert confirm["per_scenario"] == {
+        name: {"agreed": 4, "total": 4} for name in CONFIRM_SCENARIOS
+    }
+    for entry in gate["scenarios"]:
+        assert (entry["confirm_agreed"], entry["confirm_total"]) == (4, 4)
+
+
+def test_a_confirmation_disagreement_fails_the_gate(monkeypatch):
+    # torch "runs" cuDNN wherever a mask is present. Which layers carry a mask is known from the
+    # scenarios (the control's answers): at T=24 > window 8 the 3 sliding layers of `train` do and
+    # its full layer does not; padding and packing put one on all 4. So 1 of 4 agree in train.
+    stub_confirmation(monkeypatch, lambda call: "cudnn" if call.mask_present else "flash")
+    _, gate = run(GEMMA3, scenarios=CONFIRM_SCENARIOS)
+    confirm = gate["confirm"]
+    assert confirm["status"] == "disagreed" and not gate["passed"]
+    assert confirm["per_scenario"] == {
+        "train": {"agreed": 1, "total": 4},
+        "right_padded": {"agreed": 0, "total": 4},
+        "packed": {"agreed": 0, "total": 4},
+    }
+    assert confirm["disagreements"][0].endswith("predicted efficient, torch chose cudnn")
+    with pytest.raises(mask.GateError, match=r"1 of 12 calls agree \(train 1/4, right_padded 0/4"):
+        mask.run_gate(
+            GEMMA3, {**PINNED_TARGET, "scenarios": CONFIRM_SCENARIOS}, TRAINING, progress=False
+        )
+
+
+def test_without_cuda_the_gate_says_not_confirmed(monkeypatch):
+    monkeypatch.setattr(sdpa_backend, "cuda_available", lambda: False)
+    table, gate = run(GEMMA3, scenarios=["train"])
+    confirm = gate["confirm"]
+    assert confirm["ran"] is False and confirm["status"] == "not confirmed: no CUDA"
+    assert confirm["per_scenario"] == {} and confirm["agreed"] is None
+    assert gate["scenarios"][0]["confirm_total"] is None and gate["passed"]
+    assert table["confirmed_backend"].isna().all()

@@ -8,11 +8,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from probes.batch_metrics import batch_slots
 from probes.data import STATUSES
 from probes.padding import (
     GIB,
     STOCK_BYTES_PER_LOGIT,
-    batch_slots,
     brute_force_random_slots,
     ce_chunk_rows,
     ce_shapes,

@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from probes import bucket, fit
+from probes import bucket, bucket_controls, fit, orders
 from probes import plans as pl
 from probes.contracts import TRAINING_STATUSES
 from probes.io import read_provenance, write_parquet
@@ -14,7 +14,7 @@ MICRO, ACCUM, MAX_LEN = 2, 4, 256
 
 
 def _examples(n=301, seed=0) -> pl.PlanExamples:
-    frame = bucket.synthetic_lengths_frame(n, seed=seed, max_seq_len=MAX_LEN)
+    frame = bucket_controls.synthetic_lengths_frame(n, seed=seed, max_seq_len=MAX_LEN)
     used = frame[frame["status"].isin(TRAINING_STATUSES)]
     lengths = used["n_tokens"].to_numpy(np.int64)
     loss = np.where(np.arange(lengths.size) % 3 == 0, 0, lengths // 2)  # a third carry no loss
@@ -61,8 +61,8 @@ def test_padded_shapes_are_the_real_ones(plans):
 
 
 def test_orders_are_the_bucket_stages(plans, examples):
-    perm = bucket.seeded_permutation(examples.lengths.size, 0)
-    order = bucket.length_grouped_order(examples.lengths, perm, MICRO, 8)
+    perm = orders.seeded_permutation(examples.lengths.size, 0)
+    order = orders.length_grouped_order(examples.lengths, perm, MICRO, 8)
     grouped = plans[plans["strategy"] == pl.LENGTH_GROUPED]
     assert _ids(grouped) == list(examples.example_ids[order])
 
@@ -117,7 +117,9 @@ def test_plans_are_deterministic_and_seeded(examples, plans):
 
 
 def test_read_examples_skips_empty_and_error(tmp_path):
-    frame = bucket.synthetic_lengths_frame(200, seed=3, max_seq_len=MAX_LEN, empty_share=0.1)
+    frame = bucket_controls.synthetic_lengths_frame(
+        200, seed=3, max_seq_len=MAX_LEN, empty_share=0.1
+    )
     path = tmp_path / "lengths.parquet"
     write_parquet(frame, path, {})
     examples = pl.read_examples(path, MAX_LEN)
@@ -129,7 +131,7 @@ def test_read_examples_skips_empty_and_error(tmp_path):
 def test_bucket_stage_plans_and_read_back(tmp_path):
     from probes.settings import TrainingConfig
 
-    frame = bucket.synthetic_lengths_frame(120, seed=4, max_seq_len=MAX_LEN)
+    frame = bucket_controls.synthetic_lengths_frame(120, seed=4, max_seq_len=MAX_LEN)
     lengths = tmp_path / "lengths.parquet"
     write_parquet(frame, lengths, {})
     training = TrainingConfig(MICRO, ACCUM, MAX_LEN, "assistant")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from probes import bucket, rebalance
+from probes import batch_metrics, bucket, bucket_controls, orders, rebalance
 from probes.lengths import LengthSet, lengths_from_frame
 
 pytestmark = pytest.mark.skipif(
@@ -14,18 +14,20 @@ pytestmark = pytest.mark.skipif(
 
 
 def synthetic(n: int = 1500, seed: int = 0, max_seq_len: int = 2048) -> LengthSet:
-    frame = bucket.synthetic_lengths_frame(n, seed=seed, max_seq_len=max_seq_len)
+    frame = bucket_controls.synthetic_lengths_frame(n, seed=seed, max_seq_len=max_seq_len)
     return lengths_from_frame(frame, max_seq_len)
 
 
 def test_padded_metrics_with_explicit_rows_equals_the_fixed_path():
     data = synthetic()
-    order = bucket.length_grouped_order(
-        data.lengths, bucket.seeded_permutation(data.lengths.size, 0), 4, 8
+    order = orders.length_grouped_order(
+        data.lengths, orders.seeded_permutation(data.lengths.size, 0), 4, 8
     )
-    fixed = bucket.padded_metrics(data.lengths[order], data.sources[order], 4, 2, data.n_sources)
+    fixed = batch_metrics.padded_metrics(
+        data.lengths[order], data.sources[order], 4, 2, data.n_sources
+    )
     rows = np.diff(np.r_[np.arange(0, order.size, 4), order.size])
-    explicit = bucket.padded_metrics(
+    explicit = batch_metrics.padded_metrics(
         data.lengths[order], data.sources[order], 4, 2, data.n_sources, rows_per_micro_batch=rows
     )
     assert explicit.keys() == fixed.keys()
@@ -36,7 +38,9 @@ def test_padded_metrics_with_explicit_rows_equals_the_fixed_path():
 def test_rows_must_cover_the_order():
     lengths = np.array([3, 4, 5])
     with pytest.raises(ValueError, match="rows_per_micro_batch sums to 2"):
-        bucket.padded_metrics(lengths, np.zeros(3, dtype=np.int32), 2, 1, 1, np.array([1, 1]))
+        batch_metrics.padded_metrics(
+            lengths, np.zeros(3, dtype=np.int32), 2, 1, 1, np.array([1, 1])
+        )
 
 
 def test_micro_batches_come_from_transformers_sampler_with_the_sweeps_shuffle():
@@ -57,7 +61,7 @@ def test_micro_batches_come_from_transformers_sampler_with_the_sweeps_shuffle():
     )
     assert batches == [list(b) for b in theirs]
     # Step k holds exactly the examples of the sweep's seed-`seed` shuffle chunk k (paired rows).
-    perm = bucket.seeded_permutation(data.lengths.size, seed)
+    perm = orders.seeded_permutation(data.lengths.size, seed)
     effective = micro * grad_accum
     for step in range(len(batches) // grad_accum):
         fed = sorted(i for b in batches[step * grad_accum : (step + 1) * grad_accum] for i in b)

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from probes import bucket, fit
+from probes import bucket_controls, fit
 from probes import plans as pl
 from probes import replay as rp
 from probes import replay_stage as rs
@@ -23,7 +23,7 @@ MICRO, ACCUM, MAX_LEN = 2, 4, 512
 
 @pytest.fixture(scope="module")
 def plans() -> pd.DataFrame:
-    frame = bucket.synthetic_lengths_frame(1500, seed=1, max_seq_len=MAX_LEN)
+    frame = bucket_controls.synthetic_lengths_frame(1500, seed=1, max_seq_len=MAX_LEN)
     used = frame[frame["status"].isin(TRAINING_STATUSES)]
     lengths = used["n_tokens"].to_numpy(np.int64)
     loss = np.where(np.arange(lengths.size) % 4 == 0, 0, lengths // 2)
@@ -292,7 +292,7 @@ def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
 
 
 def _stage_inputs(tmp_path, gate_violations=0):
-    frame = bucket.synthetic_lengths_frame(150, seed=2, max_seq_len=128)
+    frame = bucket_controls.synthetic_lengths_frame(150, seed=2, max_seq_len=128)
     lengths = tmp_path / "lengths.parquet"
     write_parquet(frame, lengths, {})
     training = {"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": 128}

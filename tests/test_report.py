@@ -30,6 +30,7 @@ from probes import report_savings as savings
 from probes import report_sections as sections
 from probes import report_stage
 from probes.contracts import STAGES, TABLES, TRAINING_STATUSES, table_columns
+from probes.flops import MFU_CONVENTION
 from probes.io import read_json, write_json, write_parquet
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +40,11 @@ SCRIPT = REPO / "scripts" / "render_report.py"
 
 def render_report(paths, out: Path, dpi: int = 40) -> None:
     """The report stage as its script runs it, on fixture inputs."""
-    outputs = {"markdown": str(out), "figures": str(out.parent / "figures")}
+    outputs = {
+        "markdown": str(out),
+        "figures": str(out.parent / "figures"),
+        "recommendations": str(out.parent / "recommendations.json"),
+    }
     inputs = {**paths, "template": TEMPLATE}
     report_stage.run(inputs, outputs, workflow_config(report={"figure_dpi": dpi}))
 
@@ -113,8 +118,10 @@ def test_numbers_carry_units(rendered):
         "| max_seq_len (4,096) | 8,192 tokens | 262,144 (tokenizer) | 4.00 GiB | 8.00 GiB "
         "| 20.00 GiB | 819 tokens | 11 | 32 tokens |"
     ) in ce
-    assert "| chunked | OK | 81 ms | 21.0% | 1,024 tokens | 1.96 GiB |" in ce
-    assert "| unchunked | OOM | — | — | — | — |" in ce
+    assert (
+        "| loss_positions_chunked | OK | loss | 3,358 | 69 ms | 17.7% | 1,024 tokens | 1.96 GiB |"
+    ) in ce
+    assert "| train_step | OK | — | — | 390 ms | 100.0% | — | — |" in ce
     assert not re.search(r"\b(nan|NaN|None|inf)\b", markdown)  # python reprs, not numbers
 
 
@@ -144,10 +151,10 @@ def test_mask_section_counts_fast_path_per_scenario(rendered):
     mask = section(rendered[0], "Mask gate")
     assert "Gate: **passed**: 1 of 6 decoder layers keep SDPA's is_causal fast path" in mask
     assert (
-        "| training | 2 × 4,096 | none | no | 1 of 6 | 0 | efficient ×5, flash ×1 "
+        "| training | 2 × 4,096 | none | no | 1 of 6 | 0 | efficient ×5, flash ×1 | 6/6 calls "
         "| flash: attn_mask present ×5; cudnn: attn_mask present ×5 |"
     ) in mask
-    assert "| short | 2 × 256 | none | no | 6 of 6 | 0 | flash ×6 | — |" in mask
+    assert "| short | 2 × 256 | none | no | 6 of 6 | 0 | flash ×6 | — | — |" in mask
     assert "| training | sliding_attention | 5 | 0 | 511 | 0 |" in mask
     assert "| short | full_attention | 1 | 1 | none | none |" in mask
 
@@ -409,7 +416,8 @@ def test_bucket_numbers_come_from_the_stage_summary_not_the_sweep(tmp_path):
     shows in the bucketing table, the figure and the summary; the sweep is not re-averaged."""
     paths = write_results(tmp_path / "results")
     summary = pd.read_parquet(paths["bucket_summary"])
-    assert summary["strategy"].iloc[0] == "random" and summary["strategy"].iloc[-1] == "packing_ffd"
+    assert summary["strategy"].iloc[0] == "random"
+    assert summary["strategy"].iloc[-1] == "batch_rebalance"
     random = summary["strategy"] == "random"
     planted = summary.assign(token_efficiency=summary["token_efficiency"].mask(random, 0.123))
     write_parquet(planted, paths["bucket_summary"], {})
@@ -430,7 +438,7 @@ def test_bucket_section_rows_carry_only_contract_columns(tmp_path):
     built = sections.bucket_section(inputs["tables"], inputs["not_run"], inputs["json"])
     assert all(set(row) == set(table_columns("bucket_summary")) for row in built["rows"])
     assert built["n_seeds"] == 3 and built["level"] == "optimizer step"
-    assert [row["strategy"] for row in built["packing"]] == ["packing_ffd"]
+    assert [row["strategy"] for row in built["packing"]] == ["packing_bfd", "packing_ffd"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -474,3 +482,171 @@ def test_not_run_json_convention_round_trips(tmp_path):
     paths = write_results(tmp_path, profile="not_run")
     assert load.not_run_reason(read_json(paths["profile_provenance"])) == NOT_RUN_REASON
     assert json.loads(paths["profile_control"].read_text())["status"] == load.NOT_RUN
+
+
+# ------------------------------------------------------------------------------------------
+# What issues 13-15 added: dtype, MFU convention, CE variants, penalty spread, FLOP check, Apply it
+# ------------------------------------------------------------------------------------------
+
+
+def test_scaling_header_states_dtype_and_mfu_convention(rendered, tmp_path):
+    scaling = section(rendered[0], "Scaling")
+    assert "Dtype: **bfloat16** (auto: CUDA computes bfloat16 natively)." in scaling
+    assert f"MFU convention: {MFU_CONVENTION}" in scaling
+    # the LoRA-convention MFU, then the old 6·N reading beside it, labelled
+    assert "| MFU | MFU, old 6·N reading |" in scaling
+    assert "| 32.4% | 12.0% | 31.0% |" in scaling
+    cpu = section(render(tmp_path, profile="cpu")[0], "Scaling")
+    assert "Dtype: **float32** (auto: this CPU emulates bfloat16" in cpu
+
+
+def test_provenance_without_the_mfu_convention_fails(tmp_path):
+    paths = write_results(tmp_path)
+    provenance = read_json(paths["profile_provenance"])
+    del provenance["mfu_convention"]
+    write_json(provenance, paths["profile_provenance"])
+    with pytest.raises(load.ReportInputError, match=r"key\(s\) \['mfu_convention'\] missing"):
+        load.load_inputs(paths)
+
+
+def test_ce_section_separates_position_selection_from_chunking(rendered):
+    ce = section(rendered[0], "Cross-entropy")
+    # 177 ms all positions → 83 ms loss positions (unchunked) → 69 ms chunked (fixture times)
+    assert "| all_positions_unchunked | OK | all | 8,192 | 177 ms | 45.4% | — | 5.87 GiB |" in ce
+    assert (
+        "Position selection (logits for the loss positions only, both unchunked): 177 ms → "
+        "83 ms, 94 ms saved (0.47× the time)"
+    ) in ce
+    assert "unchunked → chunked): 83 ms → 69 ms, 14 ms saved (0.83× the time)" in ce
+    assert (
+        "- loss_positions_chunked: harness.loss_from_hidden "
+        "(probes.reference_harness.loss_from_hidden)"
+    ) in ce
+
+
+def test_ce_effect_of_a_failed_variant_is_not_invented():
+    rows = [
+        {"variant": "all_positions_unchunked", "status": "OOM", "time_s": None},
+        {"variant": "loss_positions_unchunked", "status": "OK", "time_s": 0.2},
+        {"variant": "loss_positions_chunked", "status": "OK", "time_s": 0.05},
+    ]
+    effects = sections.ce_effects(rows)
+    assert effects["position_selection"] is None
+    assert effects["chunking"] == pytest.approx(
+        {"before_s": 0.2, "after_s": 0.05, "saved_s": 0.15, "ratio": 0.25}
+    )
+
+
+def test_padding_penalty_shows_spread_and_prediction(rendered):
+    scaling = section(rendered[0], "Scaling")
+    assert (
+        "| one_by_one | OK | 5 | 610 ms | 400 ms | +52.5% | +31.0% … +66.0% | +48.0% |" in scaling
+    )
+    assert "| packed | OK | 5 | 610 ms | 420 ms | +45.2% | +22.0% … +58.0% | — |" in scaling
+    assert "- packed: none: a 5000-token row is beyond the longest fitted length 4096" in scaling
+
+
+def test_flop_counter_check_renders_its_numbers_not_its_json(rendered):
+    controls = section(rendered[0], "Controls")
+    assert (
+        "| | ↳ analytic_flops_match_flop_counter | | analytic_over_counted 1; tolerance 0.15 "
+        "| analytic_over_counted 1.04 | passed |"
+    ) in controls
+    assert "counted_by_op" not in controls
+
+
+def test_check_values_fall_back_and_carry_the_hint():
+    expected, observed = sections.check_values(
+        {"kernel_sum_s_max": 1.1, "tolerance": 0.1},
+        {"kernel_sum_s": 0.9, "wall_s": 1.0, "share": 0.9, "extra": 5, "hint": "rerun it"},
+    )
+    assert expected == "kernel_sum_s_max 1.1; tolerance 0.1"
+    assert observed == "kernel_sum_s 0.9; wall_s 1; share 0.9; hint: rerun it"
+    assert sections.check_values(2, 3) == ("2", "3")
+
+
+def test_recommendations_json_is_written_beside_the_report(rendered):
+    _, out = rendered
+    document = json.loads((out.parent / "recommendations.json").read_text())
+    ids = [c["id"] for c in document["changes"] if c["applies"]]
+    assert ids == ["length_grouped", "group_by_length_builtin", "batch_rebalance", "packing"]
+    assert document["baseline"]["micro_batch_size"] == 2
+    assert all(c["verified"] for c in document["changes"] if c["applies"])
+
+
+def test_apply_section_lists_each_change_with_snippets_and_savings(rendered):
+    markdown, out = rendered
+    applied = section(markdown, "Apply it")
+    titles = re.findall(r"^### \d+\. (.+)$", applied, re.M)
+    assert titles == [
+        "Group batches by length: buckets of 4 micro-batches",
+        "Built-in alternative: group_by_length (its fixed bucket of 24 micro-batches)",
+        "transformers' batch_rebalance sampler (variable micro-batch size)",
+        "Pack whole examples into 4096-token rows (TRL, best-fit decreasing)",
+    ]
+    assert "train_sampling_strategy='batch_rebalance')" in applied
+    assert "SFTConfig(packing=True, packing_strategy='bfd'" in applied
+    assert applied.count("```python") == 7  # packing has no plain-Trainer setting
+    assert "Tokens per update: 9,888 tokens → 9,888 tokens" in applied
+    assert "`drop_no_loss_examples` (no example without a loss token)" in applied
+    # the length-grouping saving is the Summary's, computed there by recommendations()
+    summary = section(markdown, "Summary")
+    row = next(x for x in summary.splitlines() if "Group batches by length" in x)
+    saving = row.split("|")[3].strip()
+    first = applied.split("### 2.")[0]
+    assert f"Estimated saving of training time: **{saving}** versus random batches" in first
+    # batch_rebalance has its own row in the bucketing table
+    assert re.search(r"^\| batch_rebalance \| — \| 80\.2% \|", section(markdown, "Bucketing"), re.M)
+
+
+def test_batch_rebalance_saving_from_its_own_row(tmp_path):
+    """Priced from the batch_rebalance summary row, checked against the fit summed by hand."""
+    paths = write_results(tmp_path)
+    inputs = load.load_inputs(paths)
+    summary = inputs["tables"]["bucket_summary"]
+    change = {"id": "batch_rebalance", "applies": True}
+    got = savings.change_saving(change, inputs["tables"], inputs["not_run"])
+    lengths = savings.training_lengths(inputs["tables"]["padding_lengths"])
+    s1, s2 = lengths.sum(), (lengths**2).sum()
+
+    def seconds(row):
+        return (
+            FIT["a"] / BATCH * s2 / row["attention_efficiency"]
+            + FIT["b"] / BATCH * s1 / row["token_efficiency"]
+            + FIT["c"] * row["n_micro_batches"]
+        )
+
+    random = summary[summary["strategy"] == "random"].iloc[0]
+    rebalance = summary[summary["strategy"] == "batch_rebalance"].iloc[0]
+    assert got["saving"] == pytest.approx(1 - seconds(rebalance) / seconds(random))
+    assert got["baseline"] == "random batches"
+    assert savings.change_saving({"id": "unknown", "applies": True}, inputs["tables"], {}) is None
+
+
+def test_apply_section_without_a_profile_brackets_the_saving(rendered_not_run):
+    applied = section(rendered_not_run[0], "Apply it")
+    assert re.search(
+        r"saving of training time: \d+\.\d% \(linear\) to \d+\.\d% \(quadratic\)", applied
+    )
+
+
+def test_examples_without_loss_tokens_get_a_filter_snippet(tmp_path):
+    paths = write_results(tmp_path / "results")
+    lengths = pd.read_parquet(paths["padding_lengths"])
+    lengths.loc[lengths.index[lengths["status"] == "OK"][:10], "n_loss_tokens"] = 0
+    write_parquet(lengths, paths["padding_lengths"], {})
+    out = tmp_path / "results" / "report" / "playbook-evidence.md"
+    render_report(paths, out)
+    applied = section(out.read_text(), "Apply it")
+    assert "### 5. Drop the 10 examples that carry no loss token" in applied
+    assert "train_dataset.filter(lambda example: any(label != -100" in applied
+
+
+def test_mask_section_states_the_prediction_target_and_its_confirmation(rendered):
+    mask = section(rendered[0], "Mask gate")
+    assert "torch 2.11.0+cu130" in mask and "cudnn > flash > efficient > math" in mask
+    assert "Confirmed on a GPU: **agreed** (6/6 SDPA calls ran the predicted backend)" in mask
+    train = next(line for line in mask.splitlines() if line.startswith("| training |"))
+    assert "| 6/6 calls |" in train
+    other = next(line for line in mask.splitlines() if line.startswith("| packed |"))
+    assert "| — |" in other  # not confirmed for that scenario: no number invented

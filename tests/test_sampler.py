@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from probes import bucket
+from probes import batch_metrics, bucket, bucket_controls, orders
 from probes.sampler import (
     LengthGroupedSampler,
     dataset_lengths,
@@ -17,7 +17,7 @@ from probes.sampler import (
 
 
 def heavy_lengths(n: int = 600, seed: int = 0) -> np.ndarray:
-    full, _ = bucket.synthetic_lengths(n, seed)
+    full, _ = bucket_controls.synthetic_lengths(n, seed)
     return np.minimum(full, 4096)
 
 
@@ -39,8 +39,8 @@ def test_order_is_hf_get_length_grouped_indices(micro, bucket_size, seed):
 def test_order_is_the_sweeps_ordering():
     lengths = heavy_lengths()
     sampler = LengthGroupedSampler(lengths, 2, 8, seed=4)
-    expected = bucket.length_grouped_order(
-        lengths, bucket.seeded_permutation(lengths.size, 4), 2, 8
+    expected = orders.length_grouped_order(
+        lengths, orders.seeded_permutation(lengths.size, 4), 2, 8
     )
     assert np.array_equal(sampler.order(), expected)
     assert sorted(sampler) == list(range(lengths.size))  # a permutation: every example once
@@ -64,7 +64,7 @@ def test_set_epoch_reshuffles_reproducibly():
 def test_ends_of_the_sweep_random_and_global_sort():
     lengths = heavy_lengths()
     micro = 4
-    perm = bucket.seeded_permutation(lengths.size, 3)
+    perm = orders.seeded_permutation(lengths.size, 3)
     random = LengthGroupedSampler(lengths, micro, 1, seed=3).order()
     assert padded(lengths[random], micro) == bucket.reference_random_padded(lengths, perm, micro)
     everything = LengthGroupedSampler(lengths, micro, lengths.size, seed=3).order()
@@ -88,7 +88,7 @@ def test_plain_dataloader_feeds_the_predicted_padding():
     )
     shapes = list(loader)
     order = sampler.order()
-    predicted = bucket.padded_metrics(
+    predicted = batch_metrics.padded_metrics(
         lengths[order], np.zeros(lengths.size, dtype=np.int32), micro, 1, 1
     )
     assert len(shapes) == predicted["n_micro_batches"]

@@ -106,3 +106,14 @@ def test_probe_errors_become_exit_code_1_other_errors_propagate(caplog):
     assert "column n_tokens missing" in caplog.text
     with pytest.raises(ZeroDivisionError):
         call_stage(bug, {}, {}, None, log)
+
+
+def test_an_example_config_is_merged_over_the_default_as_snakemake_does():
+    from probes.config import load_config
+
+    example = load_config(REPO / "config" / "mask-gemma3-27b.yaml")
+    default = load_config()
+    assert example["model"]["config_path"].endswith("gemma-3-27b-it/config.json")
+    assert example["data"] == default["data"]  # not in the example: the default's
+    assert example["training"]["grad_accum"] == default["training"]["grad_accum"]
+    assert example["training"]["max_seq_len"] == 4096

@@ -4,7 +4,7 @@ A tiny random-init causal LM (2 layers, CPU) trains one epoch over ~200 heavy-ta
 (a) the drop-in ``probes.sampler`` at a chosen bucket size, (b) the Trainer's own
 ``train_sampling_strategy="group_by_length"`` and (c) ``"batch_rebalance"``. A collator that
 pads to the longest row records every micro-batch's shape as it is fed; the padded tokens must
-match what the sweep's metric function (``bucket.padded_metrics`` on the sweep's ordering)
+match what the sweep's metric function (``batch_metrics.padded_metrics`` on the sweep's ordering)
 predicts within 1%, and every micro-batch's shape must be the predicted one.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from probes import bucket, rebalance
+from probes import batch_metrics, bucket_controls, orders, rebalance
 from probes.sampler import length_grouped_trainer, trainer_group_by_length_permutation
 
 torch = pytest.importorskip("torch")
@@ -81,7 +81,7 @@ class RecordingCollator:
 
 def real_lengths() -> np.ndarray:
     """A heavy-tailed sample (the sweep's synthetic mixture), capped at MAX_LEN."""
-    full, _ = bucket.synthetic_lengths(N_EXAMPLES, seed=5)
+    full, _ = bucket_controls.synthetic_lengths(N_EXAMPLES, seed=5)
     return np.minimum(full, MAX_LEN)
 
 
@@ -134,8 +134,8 @@ def train_one_epoch(tmp_path: Any, lengths: np.ndarray, **kwargs: Any) -> Record
 
 def predicted(lengths: np.ndarray, bucket_size: int, perm: np.ndarray) -> dict[str, Any]:
     """The sweep's own prediction for this configuration and shuffle."""
-    order = bucket.length_grouped_order(lengths, perm, MICRO, bucket_size)
-    metrics = bucket.padded_metrics(
+    order = orders.length_grouped_order(lengths, perm, MICRO, bucket_size)
+    metrics = batch_metrics.padded_metrics(
         lengths[order], np.zeros(lengths.size, dtype=np.int32), MICRO, GRAD_ACCUM, 1
     )
     starts = np.arange(0, lengths.size, MICRO)
@@ -156,7 +156,7 @@ def test_drop_in_sampler_feeds_what_the_sweep_predicts(tmp_path):
     lengths = real_lengths()
     bucket_size = 4
     fed = train_one_epoch(tmp_path, lengths, bucket_size_batches=bucket_size)
-    perm = bucket.seeded_permutation(lengths.size, SEED)
+    perm = orders.seeded_permutation(lengths.size, SEED)
     prediction = predicted(lengths, bucket_size, perm)
     assert_matches(fed, prediction)
     # The bucket size matters here: random batching would feed measurably more padding.
@@ -166,7 +166,7 @@ def test_drop_in_sampler_feeds_what_the_sweep_predicts(tmp_path):
 
 def test_group_by_length_feeds_what_the_sweep_predicts(tmp_path):
     lengths = real_lengths()
-    bucket_size = bucket.hf_trainer_mega_batch_mult(lengths.size, MICRO, GRAD_ACCUM)
+    bucket_size = orders.hf_trainer_mega_batch_mult(lengths.size, MICRO, GRAD_ACCUM)
     assert bucket_size == min(N_EXAMPLES // (4 * MICRO * GRAD_ACCUM), 50) * GRAD_ACCUM
     fed = train_one_epoch(tmp_path, lengths, train_sampling_strategy="group_by_length")
     # The Trainer's LengthGroupedSampler shuffles with the global torch RNG (set_seed(args.seed)
@@ -174,7 +174,7 @@ def test_group_by_length_feeds_what_the_sweep_predicts(tmp_path):
     perm = trainer_group_by_length_permutation(lengths.size, SEED)
     assert_matches(fed, predicted(lengths, bucket_size, perm))
     # That is not the sweep's seed-SEED shuffle, only one from the same distribution.
-    assert not np.array_equal(perm, bucket.seeded_permutation(lengths.size, SEED))
+    assert not np.array_equal(perm, orders.seeded_permutation(lengths.size, SEED))
 
 
 def test_batch_rebalance_feeds_what_the_sweep_row_predicts(tmp_path):
@@ -184,7 +184,7 @@ def test_batch_rebalance_feeds_what_the_sweep_row_predicts(tmp_path):
     fed = train_one_epoch(tmp_path, lengths, train_sampling_strategy="batch_rebalance")
     # The Trainer passes no seed to BatchRebalanceSampler: the class default, epoch 0.
     order, rows = rebalance.rebalance_order(lengths, MICRO, GRAD_ACCUM, TRAINER_REBALANCE_SEED)
-    prediction = bucket.padded_metrics(
+    prediction = batch_metrics.padded_metrics(
         lengths[order],
         np.zeros(order.size, dtype=np.int32),
         MICRO,

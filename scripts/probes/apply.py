@@ -29,8 +29,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from probes import bucket
-from probes.contracts import TRAINING_STATUSES
+from probes import orders
+from probes.contracts import BATCH_REBALANCE, TRAINING_STATUSES
 
 SCHEMA_VERSION = 1
 BASELINE = "random batches, micro_batch_size × grad_accum examples per optimizer step"
@@ -252,9 +252,9 @@ def length_grouped_changes(
     recommended = recommendation.get("recommended") or {}
     random = recommendation.get("random") or {}
     m = int(recommended.get("bucket_size_batches", 1))
-    m_all = bucket.all_bucket_size(base.n_examples, base.micro_batch_size)
+    m_all = orders.all_bucket_size(base.n_examples, base.micro_batch_size)
     m_hf = min(
-        bucket.hf_trainer_mega_batch_mult(base.n_examples, base.micro_batch_size, base.grad_accum),
+        orders.hf_trainer_mega_batch_mult(base.n_examples, base.micro_batch_size, base.grad_accum),
         m_all,
     )
     mega_batch_mult = m_hf // base.grad_accum if m_hf < m_all else None
@@ -264,7 +264,7 @@ def length_grouped_changes(
         f"{call_text('TrainingArguments', builtin) if builtin else 'no group_by_length option'}"
         " builds LengthGroupedSampler with batch = micro × grad_accum = "
         f"{base.micro_batch_size * base.grad_accum} and mega_batch_mult = min(n // (4 × batch), "
-        f"{bucket.HF_MAX_MEGA_BATCH_MULT}), a bucket of {m_hf} micro-batches for n = "
+        f"{orders.HF_MAX_MEGA_BATCH_MULT}), a bucket of {m_hf} micro-batches for n = "
         f"{base.n_examples}; it cannot be set"
     )
     same_examples = _tokens_per_update(
@@ -393,11 +393,11 @@ def batch_rebalance_change(
     recommendation: Mapping[str, Any], base: Baseline, transformers_info: Mapping[str, Any]
 ) -> dict[str, Any]:
     """transformers' batch_rebalance sampler, priced by the sweep's batch_rebalance row."""
-    point = recommendation.get(bucket.BATCH_REBALANCE)
+    point = recommendation.get(BATCH_REBALANCE)
     kwargs = sampling_kwargs(HF_BATCH_REBALANCE, transformers_info)
     if kwargs is None or not point:
         return {
-            "id": bucket.BATCH_REBALANCE,
+            "id": BATCH_REBALANCE,
             "applies": False,
             "reason": (
                 f"transformers {transformers_info.get('version')} has no "
@@ -412,7 +412,7 @@ def batch_rebalance_change(
     recommended = recommendation.get("recommended") or {}
     rows_max = int(point.get("micro_batch_rows_max", base.micro_batch_size))
     return {
-        "id": bucket.BATCH_REBALANCE,
+        "id": BATCH_REBALANCE,
         "applies": True,
         "title": "transformers' batch_rebalance sampler (variable micro-batch size)",
         "expressible_in_training_arguments": True,

@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from probes import bucket, plans
+from probes import bucket, bucket_controls, plans
 from probes.contracts import SKIPPED_STATUSES, TRAINING_STATUSES
 from probes.io import config_hash, run_metadata
 from probes.lengths import LengthsError, read_lengths
@@ -25,7 +25,7 @@ def run(
 ) -> None:
     """Every output is written only after every check has passed."""
     started = time.perf_counter()
-    control = bucket.run_control()
+    control = bucket_controls.run_control()
     if not control["passed"]:
         raise ControlFailedError(
             "positive control failed: expected "

@@ -157,16 +157,33 @@ def apply_overrides(config: dict[str, Any], assignments: Mapping[str, str]) -> d
     return config
 
 
+def merge_config(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    """`update` merged over `base` as Snakemake merges config files: dicts recursively."""
+    merged = copy.deepcopy(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), dict):
+            merged[key] = merge_config(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
 def load_config(
     configfile: str | Path | None = None, overrides: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """The workflow config for a standalone (non-Snakemake) run: validated against the
     workflow's schema and default-filled from it, so both paths run with one set of defaults.
 
+    As `snakemake --configfile F` does, F is merged over the Snakefile's config/config.yaml
+    (mappings key by key, other values replaced), so an example such as
+    config/mask-gemma3-27b.yaml needs to say only what differs.
     Validation needs jsonschema; on a bare GPU machine without it only the defaults are filled.
     """
     path = Path(configfile or DEFAULT_CONFIG)
-    raw = apply_overrides(load_yaml(path), overrides or {})
+    raw = load_yaml(DEFAULT_CONFIG)
+    if path.resolve() != DEFAULT_CONFIG.resolve():
+        raw = merge_config(raw, load_yaml(path))
+    raw = apply_overrides(raw, overrides or {})
     try:
         import jsonschema
     except ImportError:

@@ -91,6 +91,8 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
     "report": {
         "markdown": "report/playbook-evidence.md",
         "figures": "report/figures",
+        # every recommended change as settings for the installed libraries (probes.apply)
+        "recommendations": "report/recommendations.json",
     },
 }
 # The probe stages in chain order; the report reads all of their outputs.
@@ -244,8 +246,17 @@ TABLES: dict[str, TableSpec] = {
     "profile_scaling": TableSpec(
         "profile",
         "Scaling",
+        # mfu: model FLOPs under the LoRA convention (provenance mfu_convention, probes.flops)
         ("seq_len", "batch", "status", "time_s", "peak_mem_bytes", "quadratic_share", "mfu"),
-        ("time_std_s", "tokens_per_s", "linear_share", "fixed_share", "residual_s"),
+        # mfu_dense_6n: the old 6·N·tokens reading, shown beside for comparison
+        (
+            "time_std_s",
+            "tokens_per_s",
+            "linear_share",
+            "fixed_share",
+            "residual_s",
+            "mfu_dense_6n",
+        ),
     ),
     "profile_fit": TableSpec(
         "profile",
@@ -264,13 +275,36 @@ TABLES: dict[str, TableSpec] = {
             "measured_penalty",
             "predicted_penalty",
         ),
-        ("batch", "longest", "n_real_tokens", "padding_waste"),
+        # medians over n_batches drawn batches, with the spread; prediction: its basis or
+        # "none: reason" (probes.profile_stage.run_padding_penalty)
+        (
+            "measured_penalty_min",
+            "measured_penalty_max",
+            "n_batches",
+            "n_batches_ok",
+            "prediction",
+            "batch",
+            "longest",
+            "n_real_tokens",
+            "padding_waste",
+        ),
     ),
     "profile_ce": TableSpec(
         "profile",
         "Cross-entropy",
+        # variants: train_step | all_positions_unchunked | loss_positions_unchunked |
+        # loss_positions_chunked (probes.profile_stage.run_ce); source: the loss function timed
         ("variant", "status", "time_s", "step_share"),
-        ("chunk_tokens", "peak_mem_bytes", "seq_len", "batch", "loss_tokens"),
+        (
+            "positions",
+            "n_positions",
+            "chunk_tokens",
+            "peak_mem_bytes",
+            "seq_len",
+            "batch",
+            "loss_tokens",
+            "source",
+        ),
     ),
     "profile_kernels": TableSpec(
         "profile",
@@ -283,9 +317,13 @@ TABLES: dict[str, TableSpec] = {
 CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
 # JSON outputs and the keys the report reads (a not-run stage may carry only status + reason).
 JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "mask_gate": ("mask", ("passed",)),
+    "mask_gate": ("mask", ("passed", "confirm", "target")),
     "bucket_recommendation": ("bucket", ("status", "recommended", "thresholds")),
-    "profile_provenance": ("profile", ("device", "cpu_only", "harness")),
+    # dtype/dtype_reason: probes.dtype_choice; mfu_convention: probes.flops.MFU_CONVENTION
+    "profile_provenance": (
+        "profile",
+        ("device", "cpu_only", "harness", "dtype", "dtype_reason", "mfu_convention"),
+    ),
     "mask_control": ("mask", CONTROL_KEYS),
     "padding_control": ("padding", CONTROL_KEYS),
     "bucket_control": ("bucket", CONTROL_KEYS),

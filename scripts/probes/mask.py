@@ -21,7 +21,9 @@ import pandas as pd
 import torch
 
 from probes import mask_band, sdpa_backend
+from probes.config import fill_defaults, schema
 from probes.errors import ProbeError
+from probes.mask_memory import reuse_freed_memory
 from probes.mask_trace import AttentionRecord, ProbeModel, build_probe_model, trace_attention
 
 log = logging.getLogger("probes.mask")
@@ -36,19 +38,6 @@ SCENARIO_NAMES = (
     "packed",
     "token_type_ids",
 )
-DEFAULT_MASK_CONFIG: dict[str, Any] = {
-    "target_compute_capability": "9.0",
-    "dtype": "bfloat16",
-    "cudnn_version": None,
-    "prefer_cudnn": None,
-    "scenarios": list(SCENARIO_NAMES),
-    "pad_fraction": 0.25,
-    "packed_doc_fractions": [0.5, 0.3, 0.2],
-    "expected_sliding_window": None,
-    "confirm_on_cuda": True,
-    "fail_on_violation": True,
-    "max_mask_gib": 8.0,
-}
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 
@@ -353,6 +342,21 @@ def _confirm(call: sdpa_backend.SdpaCall, settings: GateSettings) -> dict[str, A
     return settings.confirm_cache[call]
 
 
+def mask_identity(mask: torch.Tensor) -> tuple:
+    """Two masks with this key hold the same values: the same memory read the same way.
+
+    Layers of one type get the same tensor from transformers' mask mapping; views of one storage
+    (a slice, an expand) are recognised too, so each distinct mask is measured once.
+    """
+    return (
+        mask.untyped_storage().data_ptr(),
+        mask.storage_offset(),
+        tuple(mask.shape),
+        tuple(mask.stride()),
+        mask.dtype,
+    )
+
+
 def run_scenario(
     probe: ProbeModel, scenario: Scenario, specs: list[LayerSpec], settings: GateSettings
 ) -> list[dict[str, Any]]:
@@ -369,7 +373,8 @@ def run_scenario(
     for record in records:
         by_layer.setdefault(record.layer_idx, []).append(record)
     key_is_pad = scenario.key_is_pad()
-    measured: dict[int, mask_band.RowIntervals] = {}  # per distinct mask tensor
+    n_docs = scenario.n_docs
+    measured: dict[tuple, mask_band.RowIntervals] = {}  # per distinct mask (storage and view)
     rows = []
     for layer_idx, spec in enumerate(specs):
         layer_records = by_layer.get(layer_idx, [])
@@ -379,7 +384,7 @@ def run_scenario(
             "seq_len": scenario.seq_len,
             "padding": scenario.padding,
             "packed": scenario.packed,
-            "n_docs": scenario.n_docs,
+            "n_docs": n_docs,
             "token_type_ids": scenario.token_type_ids,
             "layer_idx": layer_idx,
             "layer_type": spec.layer_type,
@@ -424,7 +429,7 @@ def run_scenario(
         row["fast_path"] = bool(call is not None and mask is None and call.is_causal)
         # band: measured from the mask tensor, or SDPA's own semantics when there is no mask
         if mask is not None:
-            key = id(mask)
+            key = mask_identity(mask)
             if key not in measured:
                 measured[key] = mask_band.row_intervals(mask, key_is_pad)
             intervals, band_source = measured[key], "mask"
@@ -474,12 +479,13 @@ def run_scenario(
             if settings.confirm and settings.confirm_target is not None:
                 local = sdpa_backend.predict_backend(call, settings.confirm_target)
                 confirmed = _confirm(call, settings)
-                row.update(
-                    local_predicted_backend=local.backend,
-                    confirmed_backend=confirmed.get("backend"),
-                    confirm_agrees=confirmed.get("backend") == local.backend,
-                    confirm_can_use=str(confirmed.get("can_use")),
-                )
+                if confirmed.get("ran", True):
+                    row.update(
+                        local_predicted_backend=local.backend,
+                        confirmed_backend=confirmed.get("backend"),
+                        confirm_agrees=confirmed.get("backend") == local.backend,
+                        confirm_can_use=str(confirmed.get("can_use")),
+                    )
         rows.append(row)
     return rows
 
@@ -488,20 +494,21 @@ def run_scenario(
 
 
 def merged_mask_config(mask_cfg: dict[str, Any] | None) -> dict[str, Any]:
-    merged = dict(DEFAULT_MASK_CONFIG)
-    merged.update(mask_cfg or {})
-    return merged
+    """The mask section with every missing key filled from the schema (the one home of defaults)."""
+    return fill_defaults(dict(mask_cfg or {}), schema()["properties"]["mask"])
 
 
 def make_target(mask_cfg: dict[str, Any]) -> sdpa_backend.Target:
-    return sdpa_backend.Target(
+    """The GPU and torch the prediction is for: mask.torch_version (default: the installed torch)
+    with the cuDNN its wheel bundles unless mask.cudnn_version says otherwise."""
+    return sdpa_backend.resolve_target(
         compute_capability=sdpa_backend.parse_compute_capability(
             mask_cfg["target_compute_capability"]
         ),
+        torch_version=str(mask_cfg.get("torch_version") or torch.__version__),
         cudnn_version=mask_cfg.get("cudnn_version"),
         prefer_cudnn=mask_cfg.get("prefer_cudnn"),
         requires_grad=True,
-        torch_version=torch.__version__,
     )
 
 
@@ -564,46 +571,81 @@ def evaluate(
         mask_cfg, training_cfg, model_window(specs), probe.accepts_token_type_ids
     )
     settings = GateSettings(target=target, max_mask_gib=float(mask_cfg["max_mask_gib"]))
-    confirm_note = "not requested (mask.confirm_on_cuda: false)"
+    confirm_note = NOT_REQUESTED
     if mask_cfg.get("confirm_on_cuda"):
         if sdpa_backend.cuda_available():
             settings.confirm = True
             settings.confirm_target = sdpa_backend.local_target(requires_grad=True)
             confirm_note = "ran on this machine's CUDA device"
         else:
-            confirm_note = "no CUDA device here: backends are predictions only"
+            confirm_note = sdpa_backend.NO_CUDA
     rows: list[dict[str, Any]] = []
-    for scenario in tqdm(scenarios, desc="mask scenarios", disable=not progress):
-        scenario_start = time.perf_counter()
-        rows.extend(run_scenario(probe, scenario, specs, settings))
-        log.info(
-            "scenario %s (B=%d, T=%d): %.2f s",
-            scenario.name,
-            scenario.batch,
-            scenario.seq_len,
-            time.perf_counter() - scenario_start,
-        )
+    with reuse_freed_memory():
+        for scenario in tqdm(scenarios, desc="mask scenarios", disable=not progress):
+            scenario_start = time.perf_counter()
+            rows.extend(run_scenario(probe, scenario, specs, settings))
+            log.info(
+                "scenario %s (B=%d, T=%d): %.2f s",
+                scenario.name,
+                scenario.batch,
+                scenario.seq_len,
+                time.perf_counter() - scenario_start,
+            )
     table = layers_frame(rows)
     summary = summarise_gate(table, scenarios, probe, specs, target, training_cfg)
     summary["notes"] = probe.notes + notes
-    summary["confirm"] = _confirm_summary(table, settings, confirm_note)
+    summary["confirm"] = _confirm_summary(table, scenarios, settings, confirm_note)
+    for entry in summary["scenarios"]:
+        counts = summary["confirm"]["per_scenario"].get(entry["scenario"], {})
+        entry["confirm_agreed"] = counts.get("agreed")
+        entry["confirm_total"] = counts.get("total")
+    if summary["confirm"]["status"] == CONFIRM_DISAGREED:
+        summary["passed"] = False
     summary["trace_seconds"] = round(time.perf_counter() - started, 3)
     return table, summary
 
 
-def _confirm_summary(table: pd.DataFrame, settings: GateSettings, note: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"ran": settings.confirm, "note": note}
-    if settings.confirm and "confirm_agrees" in table:
-        checked = table[table["confirm_agrees"].notna()]
-        out["device_target"] = sdpa_backend.target_as_dict(settings.confirm_target)
-        out["calls_checked"] = int(len(checked))
-        out["agree"] = int(checked["confirm_agrees"].astype(bool).sum())
-        disagree = checked[~checked["confirm_agrees"].astype(bool)]
-        out["disagreements"] = [
-            f"{r.scenario} layer {r.layer_idx}: predicted {r.local_predicted_backend}, "
-            f"torch chose {r.confirmed_backend}"
-            for r in disagree.head(20).itertuples()
-        ]
+NOT_REQUESTED = "not requested (mask.confirm_on_cuda: false)"
+CONFIRM_AGREED = "agreed"
+CONFIRM_DISAGREED = "disagreed"
+
+
+def _confirm_summary(
+    table: pd.DataFrame, scenarios: list[Scenario], settings: GateSettings, note: str
+) -> dict[str, Any]:
+    """gate.json's "confirm": whether torch was asked, and agreed/total SDPA calls per scenario.
+
+    status: "agreed" (every call torch was asked about matched the prediction), "disagreed",
+    "not confirmed: no CUDA" or "not requested ...". per_scenario maps each scenario to
+    {"agreed", "total"}; empty when confirmation did not run.
+    """
+    out: dict[str, Any] = {
+        "ran": settings.confirm,
+        "note": note,
+        "status": note,
+        "agreed": None,
+        "total": None,
+        "per_scenario": {},
+    }
+    if not settings.confirm:
+        return out
+    checked = table[table["confirm_agrees"].notna()]
+    agrees = checked["confirm_agrees"].astype(bool)
+    out["device_target"] = sdpa_backend.target_as_dict(settings.confirm_target)
+    out["agreed"] = int(agrees.sum())
+    out["total"] = int(len(checked))
+    out["status"] = CONFIRM_AGREED if out["agreed"] == out["total"] else CONFIRM_DISAGREED
+    for scenario in scenarios:
+        part = agrees[checked["scenario"] == scenario.name]
+        out["per_scenario"][scenario.name] = {"agreed": int(part.sum()), "total": int(len(part))}
+    # kept for readers of the first H200 evidence
+    out["calls_checked"], out["agree"] = out["total"], out["agreed"]
+    disagree = checked[~agrees]
+    out["disagreements"] = [
+        f"{r.scenario} layer {r.layer_idx}: predicted {r.local_predicted_backend}, "
+        f"torch chose {r.confirmed_backend}"
+        for r in disagree.head(20).itertuples()
+    ]
     return out
 
 
@@ -677,6 +719,8 @@ CONTROL_MASK_CONFIG = {
     "pad_fraction": 0.25,  # row 1 has 18 real tokens
     "packed_doc_fractions": [0.5, 0.3, 0.2],  # documents of 12, 7, 5 tokens
     "target_compute_capability": "9.0",
+    # pinned: torch 2.10's wheel (cuDNN 9.10.2) keeps flash first, whatever torch is installed
+    "torch_version": "2.10.0",
     "cudnn_version": None,
     "prefer_cudnn": None,
     "confirm_on_cuda": False,
@@ -791,6 +835,17 @@ def run_gate(
         raise GateError(f"mask gate positive control failed: {control['mismatches']}")
     merged = merged_mask_config(mask_cfg)
     table, gate = evaluate(config_dict, merged, training_cfg, source, progress)
+    confirm = gate["confirm"]
+    if confirm["status"] == CONFIRM_DISAGREED and merged["fail_on_violation"]:
+        per_scenario = ", ".join(
+            f"{name} {c['agreed']}/{c['total']}" for name, c in confirm["per_scenario"].items()
+        )
+        raise GateError(
+            f"SDPA backend prediction disagrees with torch on this GPU: {confirm['agreed']} of "
+            f"{confirm['total']} calls agree ({per_scenario}); first: "
+            f"{'; '.join(confirm['disagreements'][:3])}. The predictor's rules "
+            "(probes.sdpa_backend) are out of date for this torch/cuDNN"
+        )
     gate["control"] = {"name": control["name"], "passed": control["passed"]}
     gate["passed"] = bool(gate["passed"] and control["passed"])
     gate["wall_seconds"] = round(time.perf_counter() - started, 3)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-ROW_CHUNK = 2048  # rows per step: bounds the reversed copy to chunk x kv_len bytes per sequence
+ROW_CHUNK = 1024  # rows per step: bounds temporaries (a float mask's bool copy) to chunk x kv_len
 
 
 @dataclass
@@ -71,8 +71,8 @@ def _collapse_heads(mask: torch.Tensor) -> torch.Tensor:
 def row_intervals(mask: torch.Tensor, key_is_pad: torch.Tensor | None = None) -> RowIntervals:
     """First/last/count of allowed keys for every query row of a (B, 1, Tq, Tk) mask.
 
-    numpy does the scans: count_nonzero is SIMD and a boolean argmax stops at the first True,
-    several times faster than torch's reductions on bool. A batch dimension broadcast with
+    Rows are read in blocks of ROW_CHUNK, each once per statistic, without copies for a
+    contiguous boolean mask (see :func:`block_intervals`). A batch dimension broadcast with
     stride 0 (the same mask for every sequence) is measured once.
     """
     mask3 = _collapse_heads(mask)
@@ -80,21 +80,65 @@ def row_intervals(mask: torch.Tensor, key_is_pad: torch.Tensor | None = None) ->
     shared = batch > 1 and mask3.stride(0) == 0
     if shared:
         mask3 = mask3[:1]
-    n, q_len, k_len = mask3.shape
+    n, q_len, _ = mask3.shape
     first = np.empty((n, q_len), dtype=np.int64)
     last = np.empty((n, q_len), dtype=np.int64)
     count = np.empty((n, q_len), dtype=np.int64)
     for start in range(0, q_len, ROW_CHUNK):
         stop = min(start + ROW_CHUNK, q_len)
-        block = np.ascontiguousarray(allowed_from_mask(mask3[:, start:stop, :]).numpy())
-        count[:, start:stop] = np.count_nonzero(block, axis=-1)
-        first[:, start:stop] = block.argmax(-1)
-        last[:, start:stop] = k_len - 1 - np.ascontiguousarray(block[..., ::-1]).argmax(-1)
-    empty = count == 0
-    first[empty], last[empty] = 0, -1
+        block = allowed_from_mask(mask3[:, start:stop, :]).numpy()
+        first[:, start:stop], last[:, start:stop], count[:, start:stop] = block_intervals(block)
     if shared:
         first, last, count = (np.repeat(a, batch, axis=0) for a in (first, last, count))
     return RowIntervals(first, last, count, pad_keys_in_interval(first, last, key_is_pad))
+
+
+def block_intervals(allowed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first, last, count) over the last axis of a boolean array; first 0 and last -1 on rows
+    that allow nothing.
+
+    The keys are read eight at a time: the row's bytes are viewed as 64-bit words (a bool is
+    one byte, 0 or 1). The first and last allowed keys are the first and last non-zero byte of
+    the first and last non-zero word; `count` sums the words in groups small enough that no byte
+    lane carries. Arrays that cannot be viewed that way (key length not a multiple of 8, keys
+    not adjacent in memory) take the plain per-key reductions.
+    """
+    k_len = allowed.shape[-1]
+    if k_len % 8 == 0 and k_len > 0 and allowed.strides[-1] == 1:
+        words = allowed.view(np.uint64)
+        count = _count_by_words(words)
+        nonzero_words = words != 0
+        n_words = words.shape[-1]
+        first_word = nonzero_words.argmax(-1)
+        last_word = n_words - 1 - np.ascontiguousarray(nonzero_words[..., ::-1]).argmax(-1)
+        first = 8 * first_word + _lane_of(words, first_word, last=False)
+        last = 8 * last_word + _lane_of(words, last_word, last=True)
+    else:
+        first = allowed.argmax(-1).astype(np.int64)
+        count = np.count_nonzero(allowed, axis=-1).astype(np.int64)
+        last = k_len - 1 - np.ascontiguousarray(allowed[..., ::-1]).argmax(-1).astype(np.int64)
+    empty = count == 0
+    first[empty], last[empty] = 0, -1
+    return first, last, count
+
+
+def _lane_of(words: np.ndarray, index: np.ndarray, last: bool) -> np.ndarray:
+    """Position (0..7) of the first or last non-zero byte of words[..., index], in memory order."""
+    word = np.take_along_axis(words, index[..., None], axis=-1)
+    lanes = word.view(np.uint8).reshape(*word.shape[:-1], 8)
+    if last:
+        return (7 - lanes[..., ::-1].argmax(-1)).astype(np.int64)
+    return lanes.argmax(-1).astype(np.int64)
+
+
+def _count_by_words(words: np.ndarray) -> np.ndarray:
+    """Allowed keys per row from the 64-bit word view of a 0/1 byte array."""
+    n_words = words.shape[-1]
+    # the largest group of words whose per-lane sum cannot exceed 255 and that divides the row
+    group = next(g for g in range(min(255, n_words), 0, -1) if n_words % g == 0)
+    grouped = words.reshape(*words.shape[:-1], n_words // group, group)
+    lane_sums = grouped.sum(-1, dtype=np.uint64)  # each byte lane <= group <= 255: no carry
+    return lane_sums.view(np.uint8).sum(-1, dtype=np.int64)
 
 
 def pad_keys_in_interval(

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from probes.batch_metrics import batch_slots
 from probes.contracts import EMPTY, ERROR, OK, STATUSES, TRAINING_STATUSES, TRUNCATED
 
 WASTE_STRATEGIES = ("pad_to_max_seq_len", "dataset_order", "random", "sorted")
@@ -59,21 +60,6 @@ def usable_lengths(lengths: pd.DataFrame) -> np.ndarray:
     """Kept token counts of the examples training would see (OK and TRUNCATED), in data order."""
     mask = lengths["status"].isin(TRAINING_STATUSES).to_numpy()
     return lengths.loc[mask, "n_tokens"].to_numpy(dtype=np.int64)
-
-
-def batch_slots(ordered_lengths: np.ndarray, batch_size: int, power: int = 1) -> int:
-    """Padded slots when consecutive groups of `batch_size` are padded to their longest:
-    sum over batches of rows * max_len**power (power=2: attention slots)."""
-    lengths = np.asarray(ordered_lengths, dtype=np.int64)
-    n = len(lengths)
-    n_full = n // batch_size * batch_size
-    total = 0
-    if n_full:
-        maxima = lengths[:n_full].reshape(-1, batch_size).max(axis=1)
-        total += batch_size * int(np.sum(maxima**power))
-    if n > n_full:
-        total += (n - n_full) * int(lengths[n_full:].max()) ** power
-    return total
 
 
 def expected_subset_max(sorted_lengths: np.ndarray, k: int, power: int = 1) -> float:

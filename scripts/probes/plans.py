@@ -4,8 +4,9 @@ A plan row is one micro-batch: its shape (rows × padded length, or the document
 micro-batch), its real and loss tokens, and the ids of its examples (ids only, never text). The
 replay (probes.replay) times a stratified sample of these real shapes through the harness.
 
-The orders are the bucket stage's own (probes.bucket): ``seeded_permutation`` (HF's shuffle),
-``length_grouped_order`` (HF's get_length_grouped_indices) and ``pack_best_fit_decreasing``.
+The orders are the bucket stage's own: ``probes.orders.seeded_permutation`` (HF's shuffle),
+``length_grouped_order`` (HF's get_length_grouped_indices) and
+``probes.packing.pack_best_fit_decreasing``.
 
 Strategies:
 
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from probes import bucket
+from probes import orders, packing
 from probes.contracts import (
     GLOBAL_SORT,
     LENGTH_GROUPED,
@@ -138,11 +139,11 @@ def _padded_plan(
 def _packed_plan(
     examples: PlanExamples, micro_batch_size: int, max_seq_len: int, seed: int
 ) -> list[dict[str, Any]]:
-    bin_of = bucket.pack_best_fit_decreasing(examples.lengths, max_seq_len)
+    bin_of = packing.pack_best_fit_decreasing(examples.lengths, max_seq_len)
     n_bins = int(bin_of.max()) + 1
     by_bin = np.argsort(bin_of, kind="stable")  # documents of a bin in example order
     bounds = np.r_[0, np.cumsum(np.bincount(bin_of, minlength=n_bins))]
-    bin_order = bucket.seeded_permutation(n_bins, seed)
+    bin_order = orders.seeded_permutation(n_bins, seed)
     rows = []
     for index, start in enumerate(range(0, n_bins, micro_batch_size)):
         bins = bin_order[start : start + micro_batch_size]
@@ -191,20 +192,20 @@ def build_plans(
             "lengths first (the padding stage does)"
         )
     n = lengths.size
-    perm = bucket.seeded_permutation(n, seed)
-    m_all = bucket.all_bucket_size(n, micro_batch_size)
+    perm = orders.seeded_permutation(n, seed)
+    m_all = orders.all_bucket_size(n, micro_batch_size)
     m_rec = min(max(int(bucket_size_batches), 1), m_all)
-    random_order = bucket.length_grouped_order(lengths, perm, micro_batch_size, 1)
+    random_order = orders.length_grouped_order(lengths, perm, micro_batch_size, 1)
     rows = _padded_plan(RANDOM, random_order, examples, micro_batch_size)
     rows += _padded_plan(
         LENGTH_GROUPED,
-        bucket.length_grouped_order(lengths, perm, micro_batch_size, m_rec),
+        orders.length_grouped_order(lengths, perm, micro_batch_size, m_rec),
         examples,
         micro_batch_size,
     )
     rows += _padded_plan(
         GLOBAL_SORT,
-        bucket.length_grouped_order(lengths, perm, micro_batch_size, m_all),
+        orders.length_grouped_order(lengths, perm, micro_batch_size, m_all),
         examples,
         micro_batch_size,
     )
@@ -212,9 +213,9 @@ def build_plans(
     rows += _padded_plan(PAD_TO_MAX, random_order, examples, micro_batch_size, pad_to=max_seq_len)
     kept = np.flatnonzero(examples.loss_tokens > 0)
     if kept.size:
-        kept_perm = kept[bucket.seeded_permutation(kept.size, seed)]
+        kept_perm = kept[orders.seeded_permutation(kept.size, seed)]
         no_idle = kept_perm[
-            bucket.length_grouped_order(
+            orders.length_grouped_order(
                 lengths[kept_perm], np.arange(kept.size), micro_batch_size, 1
             )
         ]

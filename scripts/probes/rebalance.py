@@ -6,11 +6,11 @@ Trainer build ``trainer_pt_utils.BatchRebalanceSampler``: per optimizer step it 
 ``grad_accum`` micro-batches of *varying* size that balance a fixed cost model
 ``bs·max_len + 0.001·bs·max_len²``. The micro-batches here come from that very class (not a
 re-implementation), iterated exactly as the Trainer's DataLoader does (as a batch sampler), and are
-scored with the sweep's own ``bucket.padded_metrics``, so its row compares with the others.
+scored with the sweep's own ``batch_metrics.padded_metrics``, so its row compares with the others.
 
 Its shuffle is ``torch.randperm(n, generator=Generator().manual_seed(seed + epoch))``: with
 ``seed=s`` (epoch 0) it draws the very permutation the sweep's seed ``s`` uses
-(``bucket.seeded_permutation``), so rows of one seed are paired. The Trainer itself does not pass
+(``orders.seeded_permutation``), so rows of one seed are paired. The Trainer itself does not pass
 ``args.seed``; it uses the class default 42 (``Trainer._get_train_sampler``).
 """
 
@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from probes import bucket
+from probes import batch_metrics
+from probes.contracts import BATCH_REBALANCE
 from probes.lengths import LengthSet
 
-STRATEGY = bucket.BATCH_REBALANCE
+STRATEGY = BATCH_REBALANCE
 # The Trainer keeps the tail (dataloader_drop_last defaults to False), so the rows compare with
 # the sweep's, which batch every example.
 TRAINER_DROP_LAST = False
@@ -95,13 +96,13 @@ def rebalance_order(
 def rebalance_metrics(
     data: LengthSet, micro_batch_size: int, grad_accum: int, seed: int
 ) -> dict[str, Any]:
-    """The sweep's metrics (``bucket.padded_metrics``) of batch_rebalance's micro-batches.
+    """The sweep's metrics (``batch_metrics.padded_metrics``) of batch_rebalance's micro-batches.
 
     Adds ``examples_fed``: with ``drop_last=False`` a tail smaller than ``grad_accum`` is padded
     with repeated examples (as the sampler does), so it may exceed the dataset by < grad_accum.
     """
     order, rows = rebalance_order(data.lengths, micro_batch_size, grad_accum, seed)
-    metrics = bucket.padded_metrics(
+    metrics = batch_metrics.padded_metrics(
         data.lengths[order],
         data.sources[order],
         micro_batch_size,

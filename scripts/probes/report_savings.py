@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from probes.contracts import PACKING, RANDOM, TRAINING_STATUSES
+from probes.contracts import BATCH_REBALANCE, PACKING, RANDOM, TRAINING_STATUSES
 from probes.report_format import finite, fmt_bytes, fmt_count, fmt_number, fmt_pct, fmt_tokens
 from probes.report_load import diversity_level_name
 
@@ -166,6 +166,81 @@ def subset_saving(
     }
 
 
+def no_loss_saving(
+    tables: Mapping[str, pd.DataFrame], fit: StepFit | None
+) -> dict[str, float | None] | None:
+    """Training time saved by dropping the examples that train without a loss token (batched
+    at random, micro-batches in proportion); None without the padding stage's random waste."""
+    trains = tables["padding_lengths"]
+    trains = trains[trains["status"].isin(TRAINING_STATUSES)]
+    waste = waste_table(tables["padding_summary"])
+    if trains.empty or waste.empty or RANDOM not in set(waste["strategy"]):
+        return None
+    waste = waste.set_index("strategy")
+    random = Efficiency(
+        1 - float(waste.loc[RANDOM, "token_waste_value"]),
+        1 - float(waste.loc[RANDOM, "attention_waste_value"]),
+        math.ceil(len(trains) / (fit.batch if fit else 1)),
+    )
+    tokens = trains["n_tokens"].astype("float64")
+    idle = (trains["n_loss_tokens"] == 0).to_numpy()
+    return subset_saving(fit, tokens, tokens[~idle], random)
+
+
+def change_summary_row(change: Mapping[str, Any], summary: pd.DataFrame) -> pd.Series | None:
+    """The bucket summary row a change of ``recommendations.json`` (probes.apply) was priced
+    from: its bucket size (length grouping, HF's group_by_length), batch_rebalance's row, or the
+    packing row it names; None for a change no row describes."""
+    kind = change.get("id")
+    if kind in ("length_grouped", "group_by_length_builtin"):
+        rows = summary[
+            (summary["bucket_size_batches"] == change.get("bucket_size_batches"))
+            & ~summary["strategy"].str.startswith(PACKING)
+        ]
+    elif kind == BATCH_REBALANCE:
+        rows = summary[summary["strategy"] == BATCH_REBALANCE]
+    elif kind == PACKING:
+        rows = summary[summary["strategy"] == (change.get("estimate") or {}).get("strategy")]
+    else:
+        return None
+    return rows.iloc[0] if not rows.empty else None
+
+
+def change_saving(
+    change: Mapping[str, Any],
+    tables: Mapping[str, pd.DataFrame],
+    not_run: Mapping[str, str],
+) -> dict[str, Any] | None:
+    """The estimated saving of training time of one applicable change, against random batches
+    (``expected_saving`` on its bucket summary row) or, for dropping examples without a loss
+    token, against every example (``no_loss_saving``). None when nothing prices it. An estimate
+    from token counts and the fit until a measured replay exists."""
+    if not change.get("applies") or "padding" in not_run:
+        return None
+    fit = usable_fit(tables, not_run)
+    if change.get("id") == "drop_no_loss_examples":
+        saving = no_loss_saving(tables, fit)
+        return None if saving is None else {**saving, "baseline": "every OK/TRUNCATED example"}
+    if "bucket" in not_run:
+        return None
+    summary = tables["bucket_summary"]
+    random = summary[summary["strategy"] == RANDOM]
+    row = change_summary_row(change, summary)
+    if row is None or random.empty:
+        return None
+    lengths = training_lengths(tables["padding_lengths"])
+    return {
+        **expected_saving(
+            _efficiency(random.iloc[0]),
+            _efficiency(row),
+            fit,
+            float(lengths.sum()),
+            float((lengths**2).sum()),
+        ),
+        "baseline": "random batches",
+    }
+
+
 def _no_saving() -> dict[str, None]:
     return {"saving": None, "linear_limit": None, "quadratic_limit": None}
 
@@ -271,13 +346,8 @@ def recommendations(
         trains = tables["padding_lengths"]
         trains = trains[trains["status"].isin(TRAINING_STATUSES)]
         idle = (trains["n_loss_tokens"] == 0).to_numpy()
-        waste = waste_table(tables["padding_summary"]).set_index("strategy")
-        if idle.mean() >= MIN_IDLE_SHARE and "random" in waste.index:
-            random = Efficiency(
-                1 - float(waste.loc["random", "token_waste_value"]),
-                1 - float(waste.loc["random", "attention_waste_value"]),
-                math.ceil(len(trains) / (fit.batch if fit else 1)),
-            )
+        saving = no_loss_saving(tables, fit)
+        if idle.mean() >= MIN_IDLE_SHARE and saving is not None:
             tokens = trains["n_tokens"].astype("float64")
             recs.append(
                 {
@@ -291,7 +361,7 @@ def recommendations(
                         "compute and teach nothing (check training.loss_on and truncation)"
                     ),
                     "baseline": "every OK/TRUNCATED example",
-                    **subset_saving(fit, tokens, tokens[~idle], random),
+                    **saving,
                 }
             )
 

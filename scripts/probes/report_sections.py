@@ -14,9 +14,10 @@ from typing import Any
 import pandas as pd
 
 from probes.contracts import PACKING, STAGES, STATUSES, TRAINING_STATUSES, table_columns
-from probes.report_format import MISSING, finite, fmt_tokens, label, reason_code
+from probes.report_format import MISSING, finite, fmt_tokens, fmt_value, label, reason_code
 from probes.report_load import NOT_RUN, ReportInputError, diversity_level_name, not_run_reason
 from probes.report_savings import (
+    change_saving,
     fit_problem,
     recommendations,
     training_lengths,
@@ -64,6 +65,11 @@ def scaling_section(
         "status": "ok",
         "cpu_only": bool(provenance.get("cpu_only")),
         "device": _device_name(provenance.get("device")),
+        # probes.dtype_choice: the dtype the profile ran in and why (provenance.json)
+        "dtype": provenance.get("dtype"),
+        "dtype_reason": provenance.get("dtype_reason"),
+        # probes.flops.MFU_CONVENTION: how the `mfu` column counts model FLOPs
+        "mfu_convention": provenance.get("mfu_convention"),
         "points": _records(scaling, table_columns("profile_scaling")),
         "n_ok": int(ok.sum()),
         "n_failed": int((~ok).sum()),
@@ -74,6 +80,34 @@ def scaling_section(
         "penalty": _records(
             tables["profile_padding_penalty"], table_columns("profile_padding_penalty")
         ),
+    }
+
+
+CE_ALL_UNCHUNKED = "all_positions_unchunked"
+CE_LOSS_UNCHUNKED = "loss_positions_unchunked"
+CE_LOSS_CHUNKED = "loss_positions_chunked"
+
+
+def _effect(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> dict | None:
+    """One change between two CE variants: both times, the time saved and after/before."""
+    if before is None or after is None:
+        return None
+    t0, t1 = finite(before.get("time_s")), finite(after.get("time_s"))
+    if t0 is None or t1 is None or t0 <= 0:
+        return None
+    return {"before_s": t0, "after_s": t1, "saved_s": t0 - t1, "ratio": t1 / t0}
+
+
+def ce_effects(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict | None]:
+    """The CE variants' two effects apart: position selection (all positions → loss positions,
+    both unchunked) and chunking (loss positions unchunked → chunked). None where a variant
+    did not run or failed (e.g. OOM)."""
+    by_variant = {row["variant"]: row for row in rows if row.get("status") == "OK"}
+    return {
+        "position_selection": _effect(
+            by_variant.get(CE_ALL_UNCHUNKED), by_variant.get(CE_LOSS_UNCHUNKED)
+        ),
+        "chunking": _effect(by_variant.get(CE_LOSS_UNCHUNKED), by_variant.get(CE_LOSS_CHUNKED)),
     }
 
 
@@ -155,11 +189,14 @@ def ce_section(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) -
             "rows": _records(frame, table_columns("padding_ce_chunks")),
             "budget_gib": finite(frame["budget_gib"].iloc[0]) if "budget_gib" in frame else None,
         }
-    wall = (
-        _not_run(not_run["profile"])
-        if "profile" in not_run
-        else {"status": "ok", "rows": _records(tables["profile_ce"], table_columns("profile_ce"))}
-    )
+    if "profile" in not_run:
+        wall = _not_run(not_run["profile"])
+    else:
+        rows = _records(tables["profile_ce"], table_columns("profile_ce"))
+        for row in rows:
+            # the loss function each variant timed (stage-generated text, may carry its error)
+            row["source"] = stage_text(row["source"], 160) if row["source"] else None
+        wall = {"status": "ok", "rows": rows, "effects": ce_effects(rows)}
     return {"status": "ok", "chunks": chunks, "wall": wall}
 
 
@@ -294,15 +331,61 @@ def mask_section(
             }
         )
     gate = jsons["mask_gate"]
+    confirm = gate.get("confirm") or {}
+    per_scenario = confirm.get("per_scenario") or {}
+    for scenario in scenarios:
+        counts = per_scenario.get(scenario["scenario"]) or {}
+        scenario["confirmed"] = (
+            f"{counts['agreed']}/{counts['total']} calls"
+            if counts.get("total") is not None
+            else "—"
+        )
+    target = gate.get("target") or {}
     violations = gate.get("violations") or []
     return {
         "status": "ok",
+        "target": {
+            "torch_version": stage_text(target.get("torch_version") or "unknown", 60),
+            "compute_capability": stage_text(target.get("compute_capability") or "?", 10),
+            "cudnn": stage_text(target.get("cudnn_version_source") or "unknown", 200),
+            "order": " > ".join(str(b) for b in target.get("priority_order") or []) or "—",
+        },
+        "confirm_status": stage_text(confirm.get("status") or confirm.get("note") or "—", 80),
+        "confirm_total": (
+            f"{confirm['agreed']}/{confirm['total']}" if confirm.get("total") is not None else None
+        ),
         "passed": bool(gate.get("passed")),
         "headline": gate.get("headline"),
         "violations_total": finite(gate.get("violations_total")) or len(violations),
         "violations": [stage_text(v, 160) for v in violations[:5]],
         "scenarios": scenarios,
     }
+
+
+def check_values(expected: Any, observed: Any, limit: int = 3) -> tuple[str, str]:
+    """A check's expected and observed values as short "key value" text for a table cell.
+
+    A mapping shows its scalar entries; observed shows the keys expected names first (the
+    numbers the check compares), else its first `limit` scalars, then a `hint` if it has one.
+    The full values stay in the stage's control.json."""
+
+    def scalar(value: Any) -> bool:
+        return isinstance(value, bool | int | float | str) and not isinstance(value, dict)
+
+    def text(key: str, value: Any) -> str:
+        return f"{key} {fmt_value(value, 60)}"
+
+    if not isinstance(expected, Mapping) or not isinstance(observed, Mapping):
+        return fmt_value(expected), fmt_value(observed)
+    exp = [(k, v) for k, v in expected.items() if scalar(v)][: limit + 1]
+    shared = [(k, observed[k]) for k, _ in exp if k in observed and scalar(observed[k])]
+    obs = shared or [(k, v) for k, v in observed.items() if scalar(v) and k != "hint"][:limit]
+    if isinstance(observed.get("hint"), str):
+        obs.append(("hint:", observed["hint"]))
+    return (
+        "; ".join(text(k, v) for k, v in exp) or fmt_value(expected),
+        "; ".join(text(k, v) for k, v in obs) or fmt_value(observed),
+    )
 
 
 def controls_section(jsons: Mapping[str, Any], not_run: Mapping[str, str]) -> list[dict]:
@@ -330,8 +413,13 @@ def controls_section(jsons: Mapping[str, Any], not_run: Mapping[str, str]) -> li
         checks = [
             {
                 "name": check.get("name", MISSING),
-                "expected": check.get("expected"),
-                "observed": check.get("observed"),
+                **dict(
+                    zip(
+                        ("expected", "observed"),
+                        check_values(check.get("expected"), check.get("observed")),
+                        strict=True,
+                    )
+                ),
                 "result": "passed" if check.get("passed") is True else "FAILED",
             }
             for check in entry.get("checks") or []
@@ -443,14 +531,81 @@ def summary_section(
     }
 
 
+def apply_section(
+    document: Mapping[str, Any] | None,
+    tables: Mapping[str, pd.DataFrame],
+    not_run: Mapping[str, str],
+) -> dict[str, Any]:
+    """ "Apply it": each change of ``recommendations.json`` (probes.apply) with its snippets,
+    the libraries they were verified against, tokens per update, the caveat and the estimated
+    saving (``report_savings.change_saving``; measured savings replace it when a replay exists).
+    """
+    if document is None:
+        return _not_run("no recommendations document was built")
+    reason = not_run_reason(document)
+    if reason:
+        return _not_run(reason)
+    libraries = {
+        name: info.get("version") or f"not installed ({stage_text(info.get('reason'), 80)})"
+        for name, info in (document.get("libraries") or {}).items()
+        if isinstance(info, Mapping)
+    }
+    changes, skipped = [], []
+    for change in document.get("changes") or []:
+        if not change.get("applies"):
+            skipped.append({"id": change.get("id"), "reason": stage_text(change.get("reason"))})
+            continue
+        tokens = change.get("tokens_per_update") or {}
+        changes.append(
+            {
+                "id": change["id"],
+                "title": change.get("title"),
+                "how": change.get("how"),
+                "snippets": {
+                    library: snippet["text"]
+                    for library, snippet in (change.get("snippets") or {}).items()
+                    if isinstance(snippet, Mapping) and snippet.get("text")
+                },
+                "verification": {
+                    library: {
+                        "verified": result.get("verified"),
+                        "reason": stage_text(result.get("reason"), 160),
+                    }
+                    for library, result in (change.get("verification") or {}).items()
+                },
+                "saving": change_saving(change, tables, not_run),
+                "tokens_before": finite(tokens.get("before")),
+                "tokens_after": finite(tokens.get("after")),
+                "tokens_how": tokens.get("how"),
+                "caveat": change.get("caveat"),
+            }
+        )
+    baseline = document.get("baseline") or {}
+    return {
+        "status": "ok",
+        "libraries": libraries,
+        "baseline": {
+            "micro_batch_size": baseline.get("micro_batch_size"),
+            "grad_accum": baseline.get("grad_accum"),
+            "tokens_per_update": finite(baseline.get("tokens_per_update")),
+        },
+        "changes": changes,
+        "skipped": skipped,
+    }
+
+
 def build_context(
     inputs: Mapping[str, Any],
     figures: Mapping[str, str | None],
     report_meta: Mapping[str, Any],
     top_sources: int = 8,
     max_recommendations: int = 4,
+    recommendations_document: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Everything the template renders, as plain dicts and lists."""
+    """Everything the template renders, as plain dicts and lists.
+
+    ``recommendations_document``: what the report stage writes as recommendations.json
+    (probes.apply.recommendations_document), for the "Apply it" section."""
     tables, jsons, not_run = inputs["tables"], inputs["json"], inputs["not_run"]
     scaling = scaling_section(tables, not_run, jsons)
     mask = mask_section(tables, not_run, jsons)
@@ -461,6 +616,7 @@ def build_context(
         "ce": ce_section(tables, not_run),
         "kernels": kernels_section(tables, not_run, jsons),
         "bucket": bucket_section(tables, not_run, jsons),
+        "apply": apply_section(recommendations_document, tables, not_run),
         "mask": mask,
         "controls": controls_section(jsons, not_run),
         "provenance": provenance_section(inputs["provenance"], jsons, not_run, report_meta),
@@ -475,6 +631,7 @@ SECTION_TITLES = (
     "Cross-entropy",
     "Kernels",
     "Bucketing",
+    "Apply it",
     "Mask gate",
     "Controls",
     "Provenance",

@@ -1,7 +1,7 @@
 """A drop-in sampler for the bucket size the sweep recommends.
 
 ``LengthGroupedSampler`` yields exactly the ordering the bucket sweep measured for a bucket size
-(``bucket.length_grouped_order`` on ``bucket.seeded_permutation(n, seed + epoch)``): shuffle,
+(``orders.length_grouped_order`` on ``orders.seeded_permutation(n, seed + epoch)``): shuffle,
 cut into buckets of ``bucket_size_batches × micro_batch_size`` examples, sort each bucket by length
 (descending), longest bucket head first. Batch its indices ``micro_batch_size`` at a time.
 
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from probes import bucket
+from probes import orders
 
 
 class LengthGroupedSampler(torch.utils.data.Sampler[int]):
@@ -90,8 +90,8 @@ class LengthGroupedSampler(torch.utils.data.Sampler[int]):
     def order(self, epoch: int | None = None) -> np.ndarray:
         """The example order of one epoch (default: the current one)."""
         epoch = self.epoch if epoch is None else int(epoch)
-        perm = bucket.seeded_permutation(self.lengths.size, self.seed + epoch)
-        return bucket.length_grouped_order(
+        perm = orders.seeded_permutation(self.lengths.size, self.seed + epoch)
+        return orders.length_grouped_order(
             self.lengths, perm, self.micro_batch_size, self.bucket_size_batches
         )
 

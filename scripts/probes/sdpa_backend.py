@@ -7,8 +7,36 @@ works from shapes, strides, dtype and mask presence only, so it runs on a machin
 On a CUDA machine :func:`confirm_with_torch` asks torch itself (``torch._fused_sdp_choice`` and the
 ``torch.backends.cuda.can_use_*`` checks) and the gate reports where the two disagree.
 
+Priority order per torch release (``priority_order()`` / ``check_prefer_cudnn_attention()`` in
+sdp_utils.cpp; the default order is ``at::Context``'s flash, efficient, math, cuDNN). Sources are
+the sdp_utils.cpp text of each era and the pytorch/pytorch pull requests named:
+
+=============  =================================================================================
+torch          cuDNN goes first (cuDNN, flash, efficient, math) when
+=============  =================================================================================
+2.0 - 2.4      never. 2.0/2.1 have no cuDNN backend; 2.2-2.4 try it last and only with
+               TORCH_CUDNN_SDPA_ENABLED=1 (#125343, default-on for H100, was reverted for 2.4 by
+               #128539).
+2.5            the GPU is sm90 or newer (``dprops->major >= 9``) and torch was built with
+               cuDNN >= 9.0: the 2.5 release made cuDNN the H100 default.
+2.6 - 2.8      never: #138522 deprioritised cuDNN after the 2.5 bugs (#139298);
+               ``priority_order()`` returns the default order (see #141133, #142132).
+2.9            sm90 or sm100 (minor 0) and torch built with cuDNN >= 9.9.0 (#162073, "for 2.9");
+               TORCH_CUDNN_SDPA_PREFERRED=0 opts out.
+2.10 and on    the *runtime* cuDNN is > 9.15.0 (9.15.1 fixed seq_len % 128 != 0, #169849, #171627)
+               and the GPU is sm90, sm100 or sm103 for CUDA 12 builds (#170800), any sm9x/sm10x
+               for CUDA 13 builds; TORCH_CUDNN_SDPA_DEPRIORITIZED=1 opts out. The 2.10 PyPI wheel
+               bundles cuDNN 9.10.2, so it keeps flash first; 2.11's cu130 wheel bundles 9.19 and
+               puts cuDNN first: measured on an H200 (docs/evidence/h200-2026-11-30: every SDPA call
+               of Gemma 3 270M ran in cuDNN).
+=============  =================================================================================
+
+When the config gives no cuDNN version, the target's is the one the torch release's default
+Linux x86-64 wheel bundles (:data:`BUNDLED_CUDNN`); a release newer than the table is assumed to
+bundle at least the newest cuDNN listed, and the target says so (``cudnn_version_source``).
+
 Not modelled (assumed favourable): runtime-disabled backends, deterministic mode, storage-offset
-alignment for the efficient kernel, nested tensors.
+alignment for the efficient kernel, nested tensors, the opt-out environment variables.
 """
 
 from __future__ import annotations
@@ -26,6 +54,30 @@ HALF_DTYPES = ("float16", "bfloat16")
 DEFAULT_ORDER = (FLASH, EFFICIENT, MATH, CUDNN)
 CUDNN_FIRST_ORDER = (CUDNN, FLASH, EFFICIENT, MATH)
 RULES_SOURCE = "torch sdp_utils.cpp (CUDA, torch>=2.10): select_sdp_backend filters"
+
+# When each torch release puts cuDNN first (see the module docstring): first release -> rule.
+NEVER = "never"
+SM90_PLUS = "sm90+ and cuDNN >= 9.0"
+SM90_SM100_CUDNN_9_9 = "sm90/sm100 and cuDNN >= 9.9.0"
+CUDNN_ABOVE_9_15 = "runtime cuDNN > 9.15.0 on sm90/sm100/sm103 (CUDA 12) or sm9x/sm10x (CUDA 13)"
+CUDNN_FIRST_RULES: tuple[tuple[tuple[int, int], str, str], ...] = (
+    ((2, 0), NEVER, "no cuDNN backend (2.0/2.1); tried last and opt-in (2.2-2.4, #128539)"),
+    ((2, 5), SM90_PLUS, "2.5 release: cuDNN the default on H100 and newer"),
+    ((2, 6), NEVER, "#138522 deprioritised cuDNN after the 2.5 bugs"),
+    ((2, 9), SM90_SM100_CUDNN_9_9, "#162073: cuDNN first on sm90/sm100 for 2.9"),
+    ((2, 10), CUDNN_ABOVE_9_15, "#171627/#169849, #170800: cuDNN first above 9.15.0"),
+)
+# cuDNN (torch.backends.cudnn.version() form) and CUDA major of each release's default Linux
+# x86-64 wheel; used when mask.cudnn_version is null.
+BUNDLED_CUDNN: dict[tuple[int, int], tuple[int, int, str]] = {
+    (2, 5): (90100, 12, "cu124 wheel, nvidia-cudnn-cu12 9.1.0.70"),
+    (2, 6): (90100, 12, "cu124 wheel, nvidia-cudnn-cu12 9.1.0.70"),
+    (2, 7): (90501, 12, "cu126 wheel, nvidia-cudnn-cu12 9.5.1.17"),
+    (2, 8): (91002, 12, "cu128 wheel, nvidia-cudnn-cu12 9.10.2.21"),
+    (2, 9): (91002, 12, "cu128 wheel, nvidia-cudnn-cu12==9.10.2.21 (PyPI metadata)"),
+    (2, 10): (91002, 12, "cu128 wheel, nvidia-cudnn-cu12==9.10.2.21 (PyPI metadata)"),
+    (2, 11): (91900, 13, "cu130 wheel, cuDNN 9.19 as torch reported it on an H200 (docs/evidence)"),
+}
 
 
 @dataclass(frozen=True)
@@ -65,9 +117,11 @@ class Target:
 
     compute_capability: tuple[int, int] = (9, 0)
     cudnn_version: int | None = None  # e.g. 91002 for cuDNN 9.10.2; None = unknown
-    prefer_cudnn: bool | None = None  # None: derive from cudnn_version as torch does
+    prefer_cudnn: bool | None = None  # None: derive from torch_version and cudnn_version
     requires_grad: bool = True  # a training step: q/k/v carry gradients
-    torch_version: str = ""
+    torch_version: str = ""  # "" = unknown: the newest rules
+    cuda_major: int | None = None  # CUDA major torch was built with; None: from torch_version
+    cudnn_version_source: str = "given"
 
     @property
     def sm(self) -> str:
@@ -76,12 +130,35 @@ class Target:
     def priority_order(self) -> tuple[str, ...]:
         return CUDNN_FIRST_ORDER if self.cudnn_preferred() else DEFAULT_ORDER
 
+    def cudnn_first_rule(self) -> tuple[str, str]:
+        """(rule, source) of torch's check_prefer_cudnn_attention for this torch release."""
+        release = torch_release(self.torch_version)
+        chosen = CUDNN_FIRST_RULES[-1]
+        if release is not None:
+            chosen = next(
+                (entry for entry in reversed(CUDNN_FIRST_RULES) if release >= entry[0]),
+                CUDNN_FIRST_RULES[0],
+            )
+        return chosen[1], chosen[2]
+
     def cudnn_preferred(self) -> bool:
-        # torch puts cuDNN first on sm90/sm10x when cuDNN > 9.15.0 (check_prefer_cudnn_attention)
+        """Whether torch's priority order starts with cuDNN here (check_prefer_cudnn_attention)."""
         if self.prefer_cudnn is not None:
             return self.prefer_cudnn
-        major = self.compute_capability[0]
-        return self.cudnn_version is not None and self.cudnn_version > 91500 and major in (9, 10)
+        version = self.cudnn_version
+        if version is None:
+            return False
+        major, minor = self.compute_capability
+        rule, _ = self.cudnn_first_rule()
+        if rule == SM90_PLUS:
+            return version >= 90000 and major >= 9
+        if rule == SM90_SM100_CUDNN_9_9:
+            return version >= 90900 and major in (9, 10) and minor == 0
+        if rule == CUDNN_ABOVE_9_15:
+            cuda_major = self.cuda_major or cuda_major_of(self.torch_version)
+            any_minor = cuda_major is not None and cuda_major >= 13
+            return version > 91500 and major in (9, 10) and (any_minor or minor in (0, 3))
+        return False
 
 
 @dataclass
@@ -216,12 +293,73 @@ def _mask_shape_ok(call: SdpaCall) -> bool:
     return len(shape) == 4 and shape[0] in (1, call.q_shape[0]) and shape[1] in (1, call.q_shape[1])
 
 
-def _torch_minor(version: str) -> tuple[int, int] | None:
+def torch_release(version: str) -> tuple[int, int] | None:
+    """'2.11.0+cu130' -> (2, 11); None when unreadable."""
     parts = version.split("+")[0].split(".")
     try:
         return int(parts[0]), int(parts[1])
     except (IndexError, ValueError):
         return None
+
+
+def cuda_major_of(torch_version: str) -> int | None:
+    """The CUDA major a torch build targets: its local tag (+cu130 -> 13), else the default
+    wheel's from BUNDLED_CUDNN; None for an unknown release without a tag."""
+    local = torch_version.split("+", 1)[1] if "+" in torch_version else ""
+    if local.startswith("cu") and local[2:].isdigit() and len(local) >= 4:
+        return int(local[2:-1])
+    bundled = bundled_cudnn(torch_version)
+    return bundled[1] if bundled else None
+
+
+def bundled_cudnn(torch_version: str) -> tuple[int, int, str] | None:
+    """(cuDNN, CUDA major, source) of the release's default wheel; a release newer than the
+    table gets the newest entry, marked as assumed; None for older or unreadable versions."""
+    release = torch_release(torch_version)
+    if release is None:
+        return None
+    if release in BUNDLED_CUDNN:
+        return BUNDLED_CUDNN[release]
+    newest = max(BUNDLED_CUDNN)
+    if release > newest:
+        cudnn, cuda, _ = BUNDLED_CUDNN[newest]
+        return (
+            cudnn,
+            cuda,
+            (
+                f"assumed: torch {release[0]}.{release[1]} is newer than the table; at least the "
+                f"cuDNN of torch {newest[0]}.{newest[1]}'s wheel"
+            ),
+        )
+    return None
+
+
+def resolve_target(
+    compute_capability: tuple[int, int],
+    torch_version: str,
+    cudnn_version: int | None = None,
+    prefer_cudnn: bool | None = None,
+    requires_grad: bool = True,
+) -> Target:
+    """The target for a torch release: a cuDNN version not given is the one its wheel bundles."""
+    source = "given (mask.cudnn_version)"
+    cuda_major = cuda_major_of(torch_version)
+    if cudnn_version is None:
+        bundled = bundled_cudnn(torch_version)
+        if bundled is None:
+            source = f"unknown: torch {torch_version or '?'} is not in the bundled-cuDNN table"
+        else:
+            cudnn_version, _, source = bundled
+            source = f"bundled with torch {torch_version}: {source}"
+    return Target(
+        compute_capability=compute_capability,
+        cudnn_version=cudnn_version,
+        prefer_cudnn=prefer_cudnn,
+        requires_grad=requires_grad,
+        torch_version=torch_version,
+        cuda_major=cuda_major,
+        cudnn_version_source=source,
+    )
 
 
 def _cudnn_d256_min_version(target: Target) -> int:
@@ -232,7 +370,7 @@ def _cudnn_d256_min_version(target: Target) -> int:
     torch source; which release moved it is not verified, so it applies from 2.12 on (and when the
     torch version is unknown).
     """
-    minor = _torch_minor(target.torch_version)
+    minor = torch_release(target.torch_version)
     if minor is not None and minor <= (2, 11):
         return 90501
     return 92201
@@ -325,11 +463,14 @@ def local_target(requires_grad: bool = True) -> Target:
     import torch
 
     major, minor = torch.cuda.get_device_capability()
+    cuda = torch.version.cuda
     return Target(
         compute_capability=(major, minor),
         cudnn_version=torch.backends.cudnn.version(),
         requires_grad=requires_grad,
         torch_version=torch.__version__,
+        cuda_major=int(cuda.split(".")[0]) if cuda else None,
+        cudnn_version_source="this machine's torch.backends.cudnn.version()",
     )
 
 
@@ -352,15 +493,27 @@ def _torch_tensors(call: SdpaCall, device: str, requires_grad: bool) -> tuple[An
     return query, key, value, mask
 
 
-def confirm_with_torch(call: SdpaCall, device: str = "cuda", requires_grad: bool = True) -> dict:
-    """Ask torch on `device` which backend SDPA picks and which backends it can use.
+NO_CUDA = "not confirmed: no CUDA"
 
-    Returns {"backend": name or None, "can_use": {flash, efficient, cudnn: bool}}. On a CPU device
-    every can_use_* is False (they are CUDA checks) and "backend" is torch's CPU choice; the tests
-    use that to exercise this path without a GPU.
+
+def confirm_with_torch(call: SdpaCall, device: str = "cuda", requires_grad: bool = True) -> dict:
+    """Ask torch on a CUDA `device` which backend SDPA picks and which backends it can use.
+
+    Returns {"ran": True, "backend": name, "can_use": {flash, efficient, cudnn: bool}}. Anywhere
+    else torch's CUDA dispatch cannot be asked (the can_use_* checks answer False for CPU
+    tensors, and the CPU chooses among its own kernels), so nothing runs and the record says why:
+    {"ran": False, "backend": None, "can_use": {}, "reason": ...}.
     """
     import torch
 
+    if not str(device).startswith("cuda") or not cuda_available():
+        return {
+            "ran": False,
+            "backend": None,
+            "can_use": {},
+            "reason": f"{NO_CUDA} (device {device!r}, torch.cuda.is_available()="
+            f"{bool(torch.cuda.is_available())})",
+        }
     query, key, value, mask = _torch_tensors(call, device, requires_grad)
     params = torch.backends.cuda.SDPAParams(
         query, key, value, mask, call.dropout_p, call.is_causal, call.enable_gqa
@@ -377,12 +530,14 @@ def confirm_with_torch(call: SdpaCall, device: str = "cuda", requires_grad: bool
             query, key, value, mask, call.dropout_p, call.is_causal, enable_gqa=call.enable_gqa
         )
         backend = _TORCH_BACKEND_NAMES.get(int(choice), str(choice))
-    return {"backend": backend, "can_use": can_use}
+    return {"ran": True, "backend": backend, "can_use": can_use}
 
 
 def target_as_dict(target: Target) -> dict[str, Any]:
     out = asdict(target)
     out["compute_capability"] = f"{target.compute_capability[0]}.{target.compute_capability[1]}"
     out["priority_order"] = list(target.priority_order())
+    rule, rule_source = target.cudnn_first_rule()
+    out["cudnn_first_rule"] = f"{rule} ({rule_source})"
     out["rules_source"] = RULES_SOURCE
     return out

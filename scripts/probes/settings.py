@@ -48,6 +48,7 @@ class TrainingConfig:
 class MaskConfig:
     target_compute_capability: str | float
     dtype: str
+    torch_version: str | None
     cudnn_version: int | None
     prefer_cudnn: bool | None
     scenarios: tuple[str, ...]

@@ -27,6 +27,8 @@ rule default_data:
         counts="resources/data/chitchat.counts.json",
     log:
         "logs/default_data.log",
+    benchmark:
+        "benchmarks/default_data.tsv"
     conda:
         "../envs/probes.yaml"
     script:

@@ -17,7 +17,8 @@ def out(stage, key):
     """An output path of a stage, from the contract (probes.contracts.STAGE_OUTPUTS).
 
     Downstream inputs use it too, not `rules.X.output.Y`: a rule reference makes Snakemake run
-    the upstream rule even under `--allowed-rules`, which users rely on to rerun one stage."""
+    the upstream rule even under `--allowed-rules`, which users rely on to rerun one stage.
+    """
     return stage_outputs(stage)[key]
 
 

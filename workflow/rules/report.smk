@@ -19,6 +19,8 @@ rule report:
             labels={"figure": "{name}"},
             caption="../report/figures.rst",
         ),
+        # every recommended change as settings for the installed libraries (probes.apply)
+        recommendations=out("report", "recommendations"),
     log:
         "logs/report.log",
     benchmark:
