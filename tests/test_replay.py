@@ -87,6 +87,20 @@ def test_allocation_spends_the_budget_where_the_micro_batches_are():
     assert rp.allocate(np.array([1, 1]), 4, 8).tolist() == [1, 1]
 
 
+def test_systematic_sample_spans_the_key_with_equal_chances():
+    rng = np.random.default_rng(0)
+    members = np.arange(100, 200)
+    key = np.arange(100)[::-1].astype(float)
+    counts = np.zeros(100)
+    for _ in range(2000):
+        picks = rp.systematic_sample(members, key, 10, rng)
+        assert len(set(picks)) == 10
+        assert np.ptp(key[picks - 100]) >= 80  # spread over the loss-token range
+        counts[picks - 100] += 1
+    assert counts.min() > 0.7 * counts.mean() and counts.max() < 1.3 * counts.mean()
+    assert sorted(rp.systematic_sample(members[:3], key[:3], 5, rng)) == [100, 101, 102]
+
+
 def test_sample_is_stratified_without_replacement(plans):
     settings = rp.ReplaySettings(5, 3, 100, ACCUM)
     sample = rp.sample_all(plans, settings)

@@ -121,19 +121,36 @@ def allocate(counts: np.ndarray, per_stratum: int, budget: int) -> np.ndarray:
     return alloc
 
 
+def systematic_sample(
+    members: np.ndarray, key: np.ndarray, take: int, rng: np.random.Generator
+) -> np.ndarray:
+    """`take` of `members`, evenly spaced along `key` (loss tokens) from a random start: each
+    member is drawn with the same probability take/N (the stratum mean stays unbiased), and the
+    sample spans the loss-token range, which a micro-batch's cost also depends on (the head and
+    cross-entropy run over the loss tokens). Conservative for the SRS bootstrap."""
+    n = members.size
+    if take >= n:
+        return members.copy()
+    order = members[np.argsort(key, kind="stable")]
+    step = n / take
+    positions = np.floor(rng.uniform(0, step) + step * np.arange(take)).astype(np.int64)
+    return order[np.minimum(positions, n - 1)]
+
+
 def stratified_sample(
     plan: pd.DataFrame, n_strata: int, per_stratum: int, rng: np.random.Generator
 ) -> pd.DataFrame:
-    """A strategy's sampled micro-batches (see `allocate`), without replacement, with each row's
-    stratum, the stratum's size and bounds."""
+    """A strategy's sampled micro-batches (see `allocate`, `systematic_sample`), without
+    replacement, with each row's stratum, the stratum's size and bounds."""
     sizes = plan["computed_tokens"].to_numpy(dtype=np.float64)
     stratum, bounds = assign_strata(sizes, n_strata)
     counts = np.bincount(stratum)
     takes = allocate(counts, per_stratum, n_strata * per_stratum)
+    loss = plan["loss_tokens"].to_numpy(dtype=np.float64)
     picked = []
     for h in range(len(counts)):
         members = np.flatnonzero(stratum == h)
-        picked.append(np.sort(rng.choice(members, size=int(takes[h]), replace=False)))
+        picked.append(np.sort(systematic_sample(members, loss[members], int(takes[h]), rng)))
     chosen = np.concatenate(picked)
     sample = plan.iloc[chosen].copy()
     sample["stratum"] = stratum[chosen]
