@@ -15,6 +15,28 @@ from probes.settings import WorkflowConfig
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = REPO / "config" / "chat_templates" / "gemma.jinja"
 CANARY = "CANARY-7f3a9c-DO-NOT-LEAK"
+# The entry script of each stage (what its rule's `script:` names).
+STAGE_SCRIPTS = {
+    "mask": "step0_mask.py",
+    "padding": "step2_padding.py",
+    "bucket": "step_bucket.py",
+    "profile": "step1_profile.py",
+    "report": "render_report.py",
+}
+# A 4-layer Gemma 3 text config (3 sliding, window 8 : 1 full) for the mask gate: config only.
+TINY_GEMMA3_CONFIG = {
+    "model_type": "gemma3_text",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+}
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 WORDS = (
     "hello how are you today i am fine thanks what is your favorite food pizza pasta "

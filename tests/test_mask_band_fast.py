@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import TINY_GEMMA3_CONFIG
 from probes import mask_band
 from probes.mask import packed_doc_ids, padded_doc_ids
 
@@ -107,19 +108,7 @@ def test_layers_sharing_a_mask_are_measured_once(monkeypatch):
         return original(mask_tensor, key_is_pad)
 
     monkeypatch.setattr(mask_band, "row_intervals", counting)
-    config = {
-        "model_type": "gemma3_text",
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 32,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 512,
-        "sliding_window": 8,
-        "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
-    }
+    config = TINY_GEMMA3_CONFIG
     mask_cfg = mask.merged_mask_config({"scenarios": ["right_padded"], "confirm_on_cuda": False})
     table, _ = mask.evaluate(
         config, mask_cfg, {"micro_batch_size": 2, "max_seq_len": 24}, progress=False

@@ -10,32 +10,20 @@ import pandas as pd
 import pytest
 import yaml
 
-from conftest import workflow_config
+from conftest import TINY_GEMMA3_CONFIG, workflow_config
 from probes import mask_stage
 from probes.contracts import STAGE_OUTPUTS
 from probes.stage import call_stage
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "step0_mask.py"
-TINY_GEMMA3 = {
-    "model_type": "gemma3_text",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 32,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "sliding_window": 8,
-    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
-}
 
 
 @pytest.fixture
 def tiny_config(tmp_path: Path) -> Path:
     path = tmp_path / "model" / "config.json"
     path.parent.mkdir()
-    path.write_text(json.dumps(TINY_GEMMA3))
+    path.write_text(json.dumps(TINY_GEMMA3_CONFIG))
     return path
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from conftest import CANARY, REPO, chat_rows, copy_workflow, workflow_config, write_jsonl
 from probes import padding_stage
-from probes.contracts import STAGE_OUTPUTS
+from probes.contracts import LENGTH_COLUMNS, STAGE_OUTPUTS
 from probes.data import DataError
 
 OUTPUTS = ("lengths.parquet", "summary.parquet", "distribution.parquet", "ce_chunks.parquet")
@@ -81,19 +81,7 @@ def test_every_bad_row_is_counted_in_its_bucket_and_the_run_goes_on(
     assert by_row.loc[6, "status"] == "TRUNCATED"
     assert by_row.loc[6, "n_tokens"] == 128 and by_row.loc[6, "n_truncated_tokens"] > 0
     assert (lengths["file"] == "messy.jsonl").all()
-    assert list(lengths.columns[:11]) == [
-        "example_id",
-        "file",
-        "row",
-        "source",
-        "status",
-        "reason",
-        "n_tokens",
-        "n_tokens_full",
-        "n_loss_tokens",
-        "n_turns",
-        "n_truncated_tokens",
-    ]
+    assert tuple(lengths.columns[: len(LENGTH_COLUMNS)]) == LENGTH_COLUMNS
     summary = pd.read_parquet(outdir / "summary.parquet")
     counts = summary[(summary["section"] == "status") & (summary["metric"] == "count")]
     assert counts.set_index("status")["value"].to_dict() == {

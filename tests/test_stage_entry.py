@@ -9,18 +9,13 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from conftest import STAGE_SCRIPTS
 from probes.contracts import STAGE_OUTPUTS
 from probes.errors import ProbeError
 from probes.stage import all_or_nothing, call_stage
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = {
-    "mask": "step0_mask.py",
-    "padding": "step2_padding.py",
-    "bucket": "step_bucket.py",
-    "profile": "step1_profile.py",
-    "report": "render_report.py",
-}
+SCRIPTS = STAGE_SCRIPTS
 
 
 def script(stage: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
