@@ -329,7 +329,7 @@ def profile_tables() -> dict[str, pd.DataFrame]:
             )
         ]
     )
-    # probes.profile_stage.run_ce: the step, then one change per row (positions, then chunking)
+    # probes.profile_ce.run_ce: the step, then one change per row (positions, then chunking)
     ce = pd.DataFrame(
         {
             "variant": [

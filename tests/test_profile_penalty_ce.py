@@ -66,7 +66,7 @@ def test_predicted_step_times_per_variant_by_hand():
 
 
 def test_profile_penalty_prediction_is_none_beyond_the_fitted_range():
-    from probes.profile_stage import predicted_penalties
+    from probes.profile_penalty import predicted_penalties
 
     lengths = [128, 256, 512]
     fit = fit_step_time(lengths, [1e-6 * t * t + 1e-3 * t + 0.1 for t in lengths])
@@ -112,7 +112,7 @@ def test_head_variants_name_positions_and_the_loss_they_time(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from probes.harness import load_harness
-    from probes.profile_stage import head_variants
+    from probes.profile_ce import head_variants
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     labels = torch.full((2, 10), -100)

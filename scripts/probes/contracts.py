@@ -276,7 +276,7 @@ TABLES: dict[str, TableSpec] = {
             "predicted_penalty",
         ),
         # medians over n_batches drawn batches, with the spread; prediction: its basis or
-        # "none: reason" (probes.profile_stage.run_padding_penalty)
+        # "none: reason" (probes.profile_penalty.run_padding_penalty)
         (
             "measured_penalty_min",
             "measured_penalty_max",
@@ -293,7 +293,7 @@ TABLES: dict[str, TableSpec] = {
         "profile",
         "Cross-entropy",
         # variants: train_step | all_positions_unchunked | loss_positions_unchunked |
-        # loss_positions_chunked (probes.profile_stage.run_ce); source: the loss function timed
+        # loss_positions_chunked (probes.profile_ce.run_ce); source: the loss function timed
         ("variant", "status", "time_s", "step_share"),
         (
             "positions",

@@ -851,7 +851,7 @@ def synthetic_runner(cost: SyntheticCost) -> Any:
     """A StepRunner over a synthetic harness: compute_loss spins for the known cost of the batch
     shape it is given, the optimizer step for the known optimizer cost."""
     from probes.harness import Harness
-    from probes.profile_stage import StepRunner
+    from probes.training_step import StepRunner
 
     def compute_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> _SyntheticLoss:
         start = time.perf_counter()

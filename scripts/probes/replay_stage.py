@@ -167,10 +167,10 @@ def load_runner(
     model_path: str | Path, profile: Mapping[str, Any], device: torch.device, dtype: torch.dtype
 ) -> tuple[Any, int, int, dict[str, Any]]:
     """The real model through the profile stage's own loader and the user's harness."""
-    from probes import profile_stage as ps
+    from probes import training_step as ts
     from probes.harness import load_harness
 
-    settings = ps.Settings(
+    settings = ts.Settings(
         device=device,
         cpu_only=device.type != "cuda",
         dtype=dtype,
@@ -185,11 +185,11 @@ def load_runner(
         seed=0,
     )
     harness = load_harness(profile["harness"])
-    model = ps.load_model(model_path, settings, profile["attn_implementation"])
-    text = ps._text_config(model)
+    model = ts.load_model(model_path, settings, profile["attn_implementation"])
+    text = ts._text_config(model)
     options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}
-    model, optimizer, targets = ps.prepare_harness(model, harness, options)
-    runner = ps.StepRunner(model, harness, optimizer, device)
+    model, optimizer, targets = ts.prepare_harness(model, harness, options)
+    runner = ts.StepRunner(model, harness, optimizer, device)
     described = {**harness.describe(), "target_modules": len(targets), "options": options}
     return runner, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), described
 
@@ -211,7 +211,8 @@ def run_replay(
 ) -> dict[str, Any]:
     """Run the stage and write every output, or none. `cfg` is the whole (default-filled)
     workflow config: sections replay, training and profile are read."""
-    from probes import profile_stage as ps
+    from probes.profile_evidence import device_description
+    from probes.training_step import resolve_device
 
     missing = [k for k in OUTPUT_KEYS if k not in outputs] + [
         k for k in INPUT_KEYS if k not in inputs
@@ -220,7 +221,7 @@ def run_replay(
         raise ReplayError(f"replay: missing path(s) for {missing}")
     replay_cfg, training, profile = cfg["replay"], cfg["training"], cfg["profile"]
     started = time.perf_counter()
-    device = ps.resolve_device(profile["device"], profile["allow_cpu"])
+    device = resolve_device(profile["device"], profile["allow_cpu"])
     cpu_only = device.type != "cuda"
     cap = int(replay_cfg["cpu"]["max_seq_len"])
     plans, max_len = plans_for_device(inputs, training, cpu_only, cap)
@@ -335,7 +336,7 @@ def run_replay(
     run_info = run_metadata(dict(cfg))
     provenance = {
         **run_info,
-        "device": ps.device_description(device),
+        "device": device_description(device),
         "cpu_only": cpu_only,
         "dtype": str(dtype).replace("torch.", ""),
         "dtype_reason": dtype_reason,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 OK, OOM, ERROR = "OK", "OOM", "ERROR"
+SKIPPED = "SKIPPED"
 
 
 @dataclass
