@@ -11,12 +11,36 @@ import torch
 
 from probes import bucket_controls, fit
 from probes import plans as pl
-from probes import replay as rp
 from probes import replay_stage as rs
 from probes.config import fill_defaults, schema
 from probes.contracts import TRAINING_STATUSES
 from probes.errors import ControlFailedError
 from probes.io import read_json, write_json, write_parquet
+from probes.replay_control import SyntheticCost, exact_epoch_s, run_synthetic_control
+from probes.replay_estimate import (
+    REPLAY_COLUMNS,
+    Estimate,
+    FitPricing,
+    estimate_all,
+    naive_total,
+    rank_with_ties,
+    saving_interval,
+    strata_times,
+    strategy_table,
+    stratified_total,
+)
+from probes.replay_strata import allocate, assign_strata, systematic_sample
+from probes.replay_timing import (
+    FIT_POINT,
+    MICRO_BATCH,
+    OPTIMIZER_STEP,
+    ReplayRunner,
+    ReplaySettings,
+    batch_shape,
+    build_batch,
+    gpu_busy_share,
+    sample_all,
+)
 
 MICRO, ACCUM, MAX_LEN = 2, 4, 512
 
@@ -31,28 +55,28 @@ def plans() -> pd.DataFrame:
     return pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, bucket_size_batches=16, seed=0)
 
 
-def _deterministic_steps(plans, settings, cost: rp.SyntheticCost) -> pd.DataFrame:
+def _deterministic_steps(plans, settings, cost: SyntheticCost) -> pd.DataFrame:
     """The replay's sample with each micro-batch 'measured' at its exact known cost (no clock)."""
-    sample = rp.sample_all(plans, settings)
-    sample["time_s"] = [cost.micro_batch_s(*rp.batch_shape(r)) for r in sample.itertuples()]
+    sample = sample_all(plans, settings)
+    sample["time_s"] = [cost.micro_batch_s(*batch_shape(r)) for r in sample.itertuples()]
     sample["status"] = "OK"
-    sample["kind"] = rp.MICRO_BATCH
+    sample["kind"] = MICRO_BATCH
     sample["gpu_busy_share"] = np.nan
     return sample
 
 
-def _estimate(plans, seed, total_fn=rp.stratified_total, n_strata=6, per_stratum=4):
-    cost = rp.SyntheticCost.scaled_to(plans)
-    settings = rp.ReplaySettings(n_strata, per_stratum, 1000, ACCUM, seed=seed)
+def _estimate(plans, seed, total_fn=stratified_total, n_strata=6, per_stratum=4):
+    cost = SyntheticCost.scaled_to(plans)
+    settings = ReplaySettings(n_strata, per_stratum, 1000, ACCUM, seed=seed)
     steps = _deterministic_steps(plans, settings, cost)
     summary = pl.plan_summary(plans).set_index("strategy")
     per = {
-        name: rp.strata_times(group, int(summary.loc[name, "optimizer_steps"]))
+        name: strata_times(group, int(summary.loc[name, "optimizer_steps"]))
         for name, group in steps.groupby("strategy")
     }
     optimizer = np.full(8, cost.optimizer_s)
-    estimates = rp.estimate_all(per, optimizer, 1000, seed, total_fn=total_fn)
-    return estimates, rp.exact_epoch_s(plans, cost, ACCUM)
+    estimates = estimate_all(per, optimizer, 1000, seed, total_fn=total_fn)
+    return estimates, exact_epoch_s(plans, cost, ACCUM)
 
 
 def _covers(estimates, exact) -> dict[str, bool]:
@@ -63,7 +87,7 @@ def _covers(estimates, exact) -> dict[str, bool]:
     }
 
 
-def _coverage(plans, total_fn=rp.stratified_total, seeds=range(12)) -> float:
+def _coverage(plans, total_fn=stratified_total, seeds=range(12)) -> float:
     hits = [hit for seed in seeds for hit in _covers(*_estimate(plans, seed, total_fn)).values()]
     return sum(hits) / len(hits)
 
@@ -73,18 +97,18 @@ def _coverage(plans, total_fn=rp.stratified_total, seeds=range(12)) -> float:
 
 def test_strata_are_log_spaced_and_skip_empty_ones():
     sizes = np.array([10, 11, 12, 1000, 1100, 100000])
-    index, bounds = rp.assign_strata(sizes, 4)
+    index, bounds = assign_strata(sizes, 4)
     assert index.tolist() == [0, 0, 0, 1, 1, 2]
     assert np.allclose(bounds[:, 1] / bounds[:, 0], bounds[0, 1] / bounds[0, 0])
-    constant, one = rp.assign_strata(np.full(5, 64), 6)
+    constant, one = assign_strata(np.full(5, 64), 6)
     assert constant.tolist() == [0] * 5 and len(one) == 1
 
 
 def test_allocation_spends_the_budget_where_the_micro_batches_are():
-    takes = rp.allocate(np.array([3, 500, 2]), per_stratum=4, budget=24)
+    takes = allocate(np.array([3, 500, 2]), per_stratum=4, budget=24)
     assert takes.tolist()[0] == 3 and takes.tolist()[2] == 2
     assert takes.sum() == 24 and takes[1] == 19
-    assert rp.allocate(np.array([1, 1]), 4, 8).tolist() == [1, 1]
+    assert allocate(np.array([1, 1]), 4, 8).tolist() == [1, 1]
 
 
 def test_systematic_sample_spans_the_key_with_equal_chances():
@@ -93,17 +117,17 @@ def test_systematic_sample_spans_the_key_with_equal_chances():
     key = np.arange(100)[::-1].astype(float)
     counts = np.zeros(100)
     for _ in range(2000):
-        picks = rp.systematic_sample(members, key, 10, rng)
+        picks = systematic_sample(members, key, 10, rng)
         assert len(set(picks)) == 10
         assert np.ptp(key[picks - 100]) >= 80  # spread over the loss-token range
         counts[picks - 100] += 1
     assert counts.min() > 0.7 * counts.mean() and counts.max() < 1.3 * counts.mean()
-    assert sorted(rp.systematic_sample(members[:3], key[:3], 5, rng)) == [100, 101, 102]
+    assert sorted(systematic_sample(members[:3], key[:3], 5, rng)) == [100, 101, 102]
 
 
 def test_sample_is_stratified_without_replacement(plans):
-    settings = rp.ReplaySettings(5, 3, 100, ACCUM)
-    sample = rp.sample_all(plans, settings)
+    settings = ReplaySettings(5, 3, 100, ACCUM)
+    sample = sample_all(plans, settings)
     assert not sample.duplicated(["strategy", "micro_batch_index"]).any()
     for name, group in sample.groupby("strategy"):
         sizes = group.groupby("stratum")["stratum_size"].first()
@@ -123,8 +147,8 @@ def test_stratified_interval_covers_the_exact_total(plans):
 def test_the_test_catches_an_estimator_that_ignores_strata(plans):
     """The sample is not proportional to stratum size (every stratum gets its minimum): pricing
     every micro-batch at the plain sample mean is biased, and the same check must say so."""
-    assert _coverage(plans, rp.naive_total, seeds=range(4)) < 0.5
-    estimates, exact = _estimate(plans, 0, total_fn=rp.naive_total)
+    assert _coverage(plans, naive_total, seeds=range(4)) < 0.5
+    estimates, exact = _estimate(plans, 0, total_fn=naive_total)
     assert abs(estimates[pl.RANDOM].time_s / exact[pl.RANDOM] - 1) > 0.1
 
 
@@ -135,15 +159,15 @@ def test_census_of_a_small_plan_is_exact(plans):
 
 
 def test_saving_uses_joint_replicates():
-    base = rp.Estimate(10.0, 9.0, 11.0, np.array([9.0, 10.0, 11.0]))
-    same = rp.Estimate(5.0, 4.5, 5.5, np.array([4.5, 5.0, 5.5]))
-    saving, low, high = rp.saving_interval(same, base)
+    base = Estimate(10.0, 9.0, 11.0, np.array([9.0, 10.0, 11.0]))
+    same = Estimate(5.0, 4.5, 5.5, np.array([4.5, 5.0, 5.5]))
+    saving, low, high = saving_interval(same, base)
     assert saving == pytest.approx(0.5) and low == pytest.approx(0.5) and high == pytest.approx(0.5)
-    assert rp.saving_interval(base, base)[1:] == (0.0, 0.0)
+    assert saving_interval(base, base)[1:] == (0.0, 0.0)
 
 
 def test_ranking_reports_overlapping_intervals_as_ties():
-    ranks = rp.rank_with_ties(
+    ranks = rank_with_ties(
         ["a", "b", "c", "d"], [0.5, 0.45, 0.2, 0.0], [0.4, 0.35, 0.1, 0.0], [0.6, 0.55, 0.3, 0.0]
     )
     assert ranks["a"] == (1, 1) and ranks["b"] == (1, 1)
@@ -154,17 +178,17 @@ def test_ranking_reports_overlapping_intervals_as_ties():
 
 
 def _table(plans, invalid=None, pricing=None):
-    cost = rp.SyntheticCost.scaled_to(plans)
-    settings = rp.ReplaySettings(6, 4, 500, ACCUM, seed=0)
+    cost = SyntheticCost.scaled_to(plans)
+    settings = ReplaySettings(6, 4, 500, ACCUM, seed=0)
     steps = _deterministic_steps(plans, settings, cost)
-    return rp.strategy_table(
+    return strategy_table(
         plans, steps, np.full(8, cost.optimizer_s), settings, invalid, pricing, True, MAX_LEN
     ).set_index("strategy")
 
 
 def test_table_columns_validity_and_same_tokens_per_update(plans):
     table = _table(plans, invalid={pl.PACKING: "cross-document attention"})
-    assert list(table.reset_index().columns) == list(rp.REPLAY_COLUMNS)
+    assert list(table.reset_index().columns) == list(REPLAY_COLUMNS)
     assert not table.loc[pl.PACKING, "valid"] and pd.isna(table.loc[pl.PACKING, "rank"])
     assert table.loc[pl.RANDOM, "saving_vs_random"] == 0.0
     assert table.loc[pl.PACKING, "optimizer_steps"] < table.loc[pl.RANDOM, "optimizer_steps"]
@@ -176,20 +200,20 @@ def test_table_columns_validity_and_same_tokens_per_update(plans):
 
 
 def test_fit_never_prices_outside_its_measured_range(plans):
-    cost = rp.SyntheticCost.scaled_to(plans)
+    cost = SyntheticCost.scaled_to(plans)
     truth = fit.fit_step_time(
         [16, 64, 128, 256, MAX_LEN], [cost.micro_batch_s(2, t) for t in (16, 64, 128, 256, MAX_LEN)]
     )
-    inside = rp.FitPricing(truth, MICRO, 1, MAX_LEN)
+    inside = FitPricing(truth, MICRO, 1, MAX_LEN)
     table = _table(plans, pricing=inside)
     assert np.isnan(table.loc[pl.PACKING, "fit_predicted_saving"])
     assert "packed" in table.loc[pl.PACKING, "fit_reason"]
     # an exact fit predicts the exact saving of a padded strategy
-    exact = rp.exact_epoch_s(plans, cost, ACCUM)
+    exact = exact_epoch_s(plans, cost, ACCUM)
     assert table.loc[pl.GLOBAL_SORT, "fit_predicted_saving"] == pytest.approx(
         1 - exact[pl.GLOBAL_SORT] / exact[pl.RANDOM], rel=1e-6
     )
-    narrow = _table(plans, pricing=rp.FitPricing(truth, MICRO, 128, MAX_LEN))
+    narrow = _table(plans, pricing=FitPricing(truth, MICRO, 128, MAX_LEN))
     assert narrow["fit_predicted_saving"].isna().all()
     assert "never extrapolated" in narrow.loc[pl.RANDOM, "fit_reason"]
 
@@ -213,11 +237,9 @@ def test_fit_with_intervals_recovers_known_coefficients():
 
 
 def test_synthetic_control_recovers_known_savings_and_coefficients(plans):
-    settings = rp.ReplaySettings(16, 6, 500, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
-    cost = rp.SyntheticCost.scaled_to(plans, 0.002, 0.0015, 0.0015, 0.001)
-    control = rp.run_synthetic_control(
-        plans, settings, [32, 64, 128, 256, MAX_LEN], MICRO, cost=cost
-    )
+    settings = ReplaySettings(16, 6, 500, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    cost = SyntheticCost.scaled_to(plans, 0.002, 0.0015, 0.0015, 0.001)
+    control = run_synthetic_control(plans, settings, [32, 64, 128, 256, MAX_LEN], MICRO, cost=cost)
     assert set(control) >= {"name", "description", "expected", "observed", "passed"}
     assert control["passed"], control["observed"]
 
@@ -231,7 +253,7 @@ def test_packing_validity_reads_the_mask_gate():
 
 
 def test_gpu_busy_share_is_not_measured_on_cpu():
-    assert math.isnan(rp.gpu_busy_share(lambda: None, torch.device("cpu")))
+    assert math.isnan(gpu_busy_share(lambda: None, torch.device("cpu")))
 
 
 def test_dtype_is_the_profile_stages_choice():
@@ -275,7 +297,7 @@ def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
         tiny_model_dir, config["profile"], torch.device("cpu"), torch.float32
     )
     assert info["functions"]["compute_loss"].endswith("compute_loss")
-    replay = rp.ReplayRunner(runner, vocab, pad_id, seed=0)
+    replay = ReplayRunner(runner, vocab, pad_id, seed=0)
     padded = pd.Series(
         {
             "layout": pl.PADDED,
@@ -297,11 +319,11 @@ def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
         }
     )
     for row in (padded, packed):
-        batch = rp.build_batch(row, vocab, torch.Generator().manual_seed(0))
-        assert batch["input_ids"].shape == rp.batch_shape(row)
+        batch = build_batch(row, vocab, torch.Generator().manual_seed(0))
+        assert batch["input_ids"].shape == batch_shape(row)
         result = replay.time_micro_batch(row)
         assert result["status"] == "OK" and result["time_s"] > 0
-    assert "position_ids" in rp.build_batch(packed, vocab, torch.Generator().manual_seed(0))
+    assert "position_ids" in build_batch(packed, vocab, torch.Generator().manual_seed(0))
     assert replay.time_optimizer_step() > 0
 
 
@@ -337,14 +359,14 @@ def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
     )
     assert summary["control_passed"] and summary["cpu_only"]
     table = pd.read_parquet(outputs["estimates"])
-    assert list(table.columns) == list(rp.REPLAY_COLUMNS)
+    assert list(table.columns) == list(REPLAY_COLUMNS)
     assert set(table["strategy"]) == set(pl.STRATEGIES)
     assert not table.set_index("strategy").loc[pl.PACKING, "valid"]  # the gate saw a violation
     assert table["cpu_only"].all() and table["note"].str.contains("CPU-only").all()
     assert (table["max_seq_len"] == 32).all()  # capped on CPU
     steps = pd.read_parquet(outputs["steps"])
-    assert set(steps["kind"]) == {rp.MICRO_BATCH, rp.OPTIMIZER_STEP, rp.FIT_POINT}
-    assert len(set(steps.loc[steps["kind"] == rp.FIT_POINT, "padded_length"])) >= 5
+    assert set(steps["kind"]) == {MICRO_BATCH, OPTIMIZER_STEP, FIT_POINT}
+    assert len(set(steps.loc[steps["kind"] == FIT_POINT, "padded_length"])) >= 5
     fit_row = pd.read_parquet(outputs["fit"]).iloc[0]
     assert fit_row["range_high"] == 32 and fit_row["cpu_only"]
     assert read_json(outputs["control"])["passed"]
@@ -363,7 +385,7 @@ def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
 def test_failed_control_writes_nothing(tmp_path, tiny_model_dir, monkeypatch):
     inputs, outputs = _stage_inputs(tmp_path)
     monkeypatch.setattr(
-        rp, "run_synthetic_control", lambda *a, **k: {"passed": False, "observed": {"wall_s": 0}}
+        rs, "run_synthetic_control", lambda *a, **k: {"passed": False, "observed": {"wall_s": 0}}
     )
     with pytest.raises(ControlFailedError, match="positive control failed"):
         rs.run_replay(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)

@@ -54,7 +54,7 @@ WORKFLOW_RST_LINE = 'report: "workflow/report/workflow.rst"'
 REPLAY_STUB = """\
 import json
 import pandas as pd
-from probes.replay import REPLAY_COLUMNS
+from probes.replay_estimate import REPLAY_COLUMNS
 
 out = snakemake.output
 pd.DataFrame([{c: None for c in REPLAY_COLUMNS}]).astype(str).to_parquet(out.estimates)

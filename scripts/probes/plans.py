@@ -2,7 +2,7 @@
 
 A plan row is one micro-batch: its shape (rows × padded length, or the documents of a packed
 micro-batch), its real and loss tokens, and the ids of its examples (ids only, never text). The
-replay (probes.replay) times a stratified sample of these real shapes through the harness.
+replay (probes.replay_stage) times a stratified sample of these real shapes through the harness.
 
 The orders are the bucket stage's own: ``probes.orders.seeded_permutation`` (HF's shuffle),
 ``length_grouped_order`` (HF's get_length_grouped_indices) and

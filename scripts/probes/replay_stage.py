@@ -24,10 +24,19 @@ import torch
 
 from probes import fit as ft
 from probes import plans as pl
-from probes import replay as rp
 from probes.contracts import STAGE_OUTPUTS
 from probes.errors import ControlFailedError, ProbeError
 from probes.io import read_json, read_provenance, run_metadata
+from probes.replay_control import run_synthetic_control
+from probes.replay_estimate import FitPricing, strategy_table
+from probes.replay_timing import (
+    OPTIMIZER_STEP,
+    ReplayRunner,
+    ReplaySettings,
+    measure_fit,
+    run_sample,
+    sample_all,
+)
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 
@@ -97,9 +106,9 @@ def plans_for_device(
     return capped, cap
 
 
-def settings_for(cfg: Mapping[str, Any], grad_accum: int, cpu_only: bool) -> rp.ReplaySettings:
+def settings_for(cfg: Mapping[str, Any], grad_accum: int, cpu_only: bool) -> ReplaySettings:
     section = cfg["cpu"] if cpu_only else cfg
-    return rp.ReplaySettings(
+    return ReplaySettings(
         n_strata=int(section["n_strata"]),
         samples_per_stratum=int(section["samples_per_stratum"]),
         bootstrap_resamples=int(cfg["bootstrap_resamples"]),
@@ -111,9 +120,9 @@ def settings_for(cfg: Mapping[str, Any], grad_accum: int, cpu_only: bool) -> rp.
     )
 
 
-def control_settings(cfg: Mapping[str, Any], grad_accum: int) -> rp.ReplaySettings:
+def control_settings(cfg: Mapping[str, Any], grad_accum: int) -> ReplaySettings:
     control = cfg["control"]
-    return rp.ReplaySettings(
+    return ReplaySettings(
         n_strata=int(control["n_strata"]),
         samples_per_stratum=int(control["samples_per_stratum"]),
         bootstrap_resamples=int(cfg["bootstrap_resamples"]),
@@ -243,7 +252,7 @@ def run_replay(
 
     # the positive control first: cheap, and a broken estimator must not cost a GPU run
     control_cfg = replay_cfg["control"]
-    control = rp.run_synthetic_control(
+    control = run_synthetic_control(
         plans,
         control_settings(replay_cfg, grad_accum),
         fit_lengths,
@@ -278,7 +287,7 @@ def run_replay(
     torch.manual_seed(settings.seed)
     dtype, dtype_reason = replay_dtype(profile["dtype"], device)
     model_runner, vocab_size, pad_id, harness_info = load_runner(model_path, profile, device, dtype)
-    runner = rp.ReplayRunner(
+    runner = ReplayRunner(
         model_runner, vocab_size, pad_id, settings.seed, int(replay_cfg["repeats"])
     )
 
@@ -286,7 +295,7 @@ def run_replay(
     loss_share = float(random_plan["loss_tokens"].sum()) / float(random_plan["real_tokens"].sum())
     if training.get("loss_on") == "all":
         loss_share = 1.0
-    fit, fit_points = rp.measure_fit(
+    fit, fit_points = measure_fit(
         runner,
         fit_lengths,
         micro,
@@ -297,11 +306,11 @@ def run_replay(
     )
     LOG.info("fit %s: a=%.3g b=%.3g c=%.3g", fit.fit.method, fit.fit.a, fit.fit.b, fit.fit.c)
 
-    sample = rp.sample_all(plans, settings)
+    sample = sample_all(plans, settings)
     LOG.info("replaying %d sampled micro-batches", len(sample))
-    steps, optimizer_times = rp.run_sample(runner, sample, settings, progress=progress)
-    pricing = rp.FitPricing(fit.fit, micro, fit.low, fit.high)
-    table = rp.strategy_table(
+    steps, optimizer_times = run_sample(runner, sample, settings, progress=progress)
+    pricing = FitPricing(fit.fit, micro, fit.low, fit.high)
+    table = strategy_table(
         plans, steps, optimizer_times, settings, invalid, pricing, cpu_only, max_len
     )
     if cpu_only:
@@ -309,7 +318,7 @@ def run_replay(
         table["note"] = [f"{note}; {n}" if n else note for n in table["note"]]
 
     optimizer_rows = pd.DataFrame(
-        {"kind": rp.OPTIMIZER_STEP, "time_s": optimizer_times, "status": "OK"}
+        {"kind": OPTIMIZER_STEP, "time_s": optimizer_times, "status": "OK"}
     )
     all_steps = pd.concat([steps, optimizer_rows, fit_points], ignore_index=True)
     all_steps["example_ids"] = all_steps["example_ids"].map(
