@@ -166,7 +166,7 @@ def breakdown(config: Path, batch: int, seq_len: int) -> dict:
     """Per scenario: trace (model forward), of which mask building, and band extraction."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    from probes import mask, mask_band
+    from probes import mask_band, mask_gate, mask_layers
     from probes.mask_trace import read_config_json
 
     spent: dict[str, float] = {}
@@ -182,13 +182,13 @@ def breakdown(config: Path, batch: int, seq_len: int) -> dict:
         return wrapper
 
     mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    originals = dict(mapping), mask_band.row_intervals, mask.trace_attention
+    originals = dict(mapping), mask_band.row_intervals, mask_layers.trace_attention
     for name in ("sdpa", "eager"):
         mapping[name] = timed("build_masks_s", mapping[name])
     mask_band.row_intervals = timed("band_s", mask_band.row_intervals)
-    mask.trace_attention = timed("trace_s", mask.trace_attention)
+    mask_layers.trace_attention = timed("trace_s", mask_layers.trace_attention)
     per_scenario = {}
-    original_run_scenario = mask.run_scenario
+    original_run_scenario = mask_gate.run_scenario
 
     def run_scenario(probe, scenario, specs, settings):
         spent.clear()
@@ -202,12 +202,12 @@ def breakdown(config: Path, batch: int, seq_len: int) -> dict:
         per_scenario[scenario.name] = entry
         return rows
 
-    mask.run_scenario = run_scenario
+    mask_gate.run_scenario = run_scenario
     try:
         start = time.perf_counter()
-        _, gate = mask.evaluate(
+        _, gate = mask_gate.evaluate(
             read_config_json(config),
-            mask.merged_mask_config({"confirm_on_cuda": False}),
+            mask_gate.merged_mask_config({"confirm_on_cuda": False}),
             {"micro_batch_size": batch, "max_seq_len": seq_len},
             progress=False,
         )
@@ -215,8 +215,8 @@ def breakdown(config: Path, batch: int, seq_len: int) -> dict:
     finally:
         mapping.clear()
         mapping.update(originals[0])
-        mask_band.row_intervals, mask.trace_attention = originals[1], originals[2]
-        mask.run_scenario = original_run_scenario
+        mask_band.row_intervals, mask_layers.trace_attention = originals[1], originals[2]
+        mask_gate.run_scenario = original_run_scenario
     return {
         "shape": f"{batch}x{seq_len}",
         "evaluate_s": round(total, 2),
@@ -230,7 +230,7 @@ def trace_ablation(config: Path, batch: int, seq_len: int) -> dict:
     import torch
 
     from probes import mask_trace
-    from probes.mask import Scenario, _single_doc
+    from probes.mask_scenarios import Scenario, _single_doc
 
     inputs = Scenario("train", "", _single_doc(batch, seq_len)).inputs()
     timings = {}

@@ -6,7 +6,7 @@ import torch
 
 from conftest import TINY_GEMMA3_CONFIG
 from probes import mask_band
-from probes.mask import packed_doc_ids, padded_doc_ids
+from probes.mask_scenarios import packed_doc_ids, padded_doc_ids
 
 
 def brute_force(mask: torch.Tensor, key_is_pad: torch.Tensor | None = None) -> dict:
@@ -98,19 +98,21 @@ def test_blocks_of_rows_are_stitched_without_gaps(monkeypatch):
 def test_layers_sharing_a_mask_are_measured_once(monkeypatch):
     # 3 sliding + 1 full layer, right-padded: transformers builds two masks (one per layer type)
     # and hands the same tensor to every layer of a type, so two measurements, not four
-    from probes import mask
+    from probes import mask_gate, mask_layers
 
     calls = []
     original = mask_band.row_intervals
 
     def counting(mask_tensor, key_is_pad=None):
-        calls.append(mask.mask_identity(mask_tensor))
+        calls.append(mask_layers.mask_identity(mask_tensor))
         return original(mask_tensor, key_is_pad)
 
     monkeypatch.setattr(mask_band, "row_intervals", counting)
     config = TINY_GEMMA3_CONFIG
-    mask_cfg = mask.merged_mask_config({"scenarios": ["right_padded"], "confirm_on_cuda": False})
-    table, _ = mask.evaluate(
+    mask_cfg = mask_gate.merged_mask_config(
+        {"scenarios": ["right_padded"], "confirm_on_cuda": False}
+    )
+    table, _ = mask_gate.evaluate(
         config, mask_cfg, {"micro_batch_size": 2, "max_seq_len": 24}, progress=False
     )
     assert len(calls) == len(set(calls)) == 2
@@ -118,7 +120,7 @@ def test_layers_sharing_a_mask_are_measured_once(monkeypatch):
 
 
 def test_views_of_one_storage_share_an_identity_and_copies_do_not():
-    from probes.mask import mask_identity
+    from probes.mask_layers import mask_identity
 
     base = structured(np.zeros((2, 16), dtype=np.int64), window=4)
     assert mask_identity(base) == mask_identity(base[:, :, :, :])

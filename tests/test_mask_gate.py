@@ -5,7 +5,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from probes import mask, sdpa_backend
+from probes import mask, mask_control, mask_gate, mask_layers, sdpa_backend
+from probes.mask_layers import GateError
+from probes.mask_scenarios import Scenario, packed_doc_ids
 
 BASE = {
     "vocab_size": 64,
@@ -34,8 +36,8 @@ PINNED_TARGET = {"torch_version": "2.10.0"}
 
 
 def run(config, training=TRAINING, **mask_overrides) -> tuple[pd.DataFrame, dict]:
-    mask_cfg = mask.merged_mask_config({**PINNED_TARGET, **mask_overrides})
-    return mask.evaluate(config, mask_cfg, training, progress=False)
+    mask_cfg = mask_gate.merged_mask_config({**PINNED_TARGET, **mask_overrides})
+    return mask_gate.evaluate(config, mask_cfg, training, progress=False)
 
 
 def rows(table: pd.DataFrame, scenario: str, layer_type: str | None = None) -> pd.DataFrame:
@@ -193,14 +195,14 @@ def test_token_type_ids_scenario_skips_itself_for_text_models():
 
 
 def test_positive_control_recovers_the_known_answer():
-    control = mask.run_control()
+    control = mask_control.run_control()
     assert control["passed"], control["mismatches"]
     assert control["observed"]["wrong_window_detected"] is True
     assert set(control) >= {"name", "description", "expected", "observed", "passed"}
 
 
 def test_oversized_mask_is_refused_with_a_clear_message():
-    with pytest.raises(mask.GateError, match="max_mask_gib"):
+    with pytest.raises(GateError, match="max_mask_gib"):
         run(
             LLAMA,
             training={"micro_batch_size": 2, "max_seq_len": 64},
@@ -216,7 +218,7 @@ def test_unknown_scenario_names_the_key():
 
 def test_layers_table_has_the_stable_columns():
     table, _ = run(GEMMA3, scenarios=["train"])
-    assert list(table.columns) == list(mask.LAYER_COLUMNS)
+    assert list(table.columns) == list(mask_layers.LAYER_COLUMNS)
     assert str(table["band_lower"].dtype) == "Int64"
 
 
@@ -264,7 +266,7 @@ def test_gemma4_moe_global_layers_have_head_dim_512_and_lose_flash():
 def test_meta_replay_does_not_change_the_recorded_calls(monkeypatch):
     from probes import mask_trace
 
-    inputs = mask.Scenario("packed", "", mask.packed_doc_ids([10, 6, 8])).inputs()
+    inputs = Scenario("packed", "", packed_doc_ids([10, 6, 8])).inputs()
 
     def calls():
         probe = mask_trace.build_probe_model(GEMMA3)
@@ -278,9 +280,9 @@ def test_meta_replay_does_not_change_the_recorded_calls(monkeypatch):
 
 
 def test_a_layer_without_an_attention_call_fails_the_gate(monkeypatch):
-    traced = mask.trace_attention
+    traced = mask_layers.trace_attention
     monkeypatch.setattr(
-        mask, "trace_attention", lambda probe, inputs: traced(probe, inputs)[1:]
+        mask_layers, "trace_attention", lambda probe, inputs: traced(probe, inputs)[1:]
     )  # layer 0's call goes missing
     _, gate = run(LLAMA, scenarios=["train"])
     assert not gate["passed"]
@@ -341,7 +343,7 @@ def test_a_confirmation_disagreement_fails_the_gate(monkeypatch):
         "packed": {"agreed": 0, "total": 4},
     }
     assert confirm["disagreements"][0].endswith("predicted efficient, torch chose cudnn")
-    with pytest.raises(mask.GateError, match=r"1 of 12 calls agree \(train 1/4, right_padded 0/4"):
+    with pytest.raises(GateError, match=r"1 of 12 calls agree \(train 1/4, right_padded 0/4"):
         mask.run_gate(
             GEMMA3, {**PINNED_TARGET, "scenarios": CONFIRM_SCENARIOS}, TRAINING, progress=False
         )
