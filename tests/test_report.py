@@ -199,6 +199,19 @@ def test_overlapping_intervals_are_reported_as_a_tie(tmp_path):
         "**Tie:** Pack whole examples into 4,096-token rows and Sort the whole dataset by length "
         "(one bucket): their 95% intervals overlap"
     ) in section(markdown, "Summary")
+    assert "Highest measured saving: **Pack whole examples into 4,096-token rows**, tied" in (
+        section(markdown, "Summary")
+    )
+
+
+def test_bucket_figure_labels_bucket_sizes_without_collisions():
+    from probes.figures import spaced_ticks
+
+    sizes = np.array([1, 2, 4, 8, 16, 32, 50, 64, 128, 256, 400, 512, 1024, 2048, 3584])
+    ticks = spaced_ticks(sizes, keep=32)
+    assert 32 in ticks and ticks[0] == 1 and ticks[-1] == 3584
+    assert all(np.log10(b / a) >= 0.15 for a, b in zip(ticks, ticks[1:], strict=False))
+    assert spaced_ticks(np.array([1, 2, 4, 8, 24, 117]), keep=4) == [1, 2, 4, 8, 24, 117]
 
 
 def test_fit_disagreement_and_unpriced_fit_are_stated(tmp_path):

@@ -27,10 +27,12 @@ DPI = 110
 SIZE = (7.0, 4.2)
 
 
-def _save(fig: plt.Figure, path: str | Path, dpi: int, left: float = 0.1) -> None:
+def _save(
+    fig: plt.Figure, path: str | Path, dpi: int, left: float = 0.1, right: float = 0.97
+) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     # fixed margins: tight_layout costs half of the figures' time and the 5 s render budget
-    fig.subplots_adjust(left=left, right=0.97, bottom=0.12, top=0.92)
+    fig.subplots_adjust(left=left, right=right, bottom=0.12, top=0.92)
     # no embedded date, so the same inputs give the same bytes
     fig.savefig(path, dpi=dpi, metadata={"Software": None})
     plt.close(fig)
@@ -75,8 +77,9 @@ def length_histogram(
     ax.set_xlabel("tokens per example (log)")
     ax.set_ylabel("examples (log)")
     ax.set_title("Tokenized length per source (OK and TRUNCATED examples)")
-    ax.legend(fontsize=7, loc="upper right", frameon=False)
-    _save(fig, path, dpi)
+    # outside the axes: inside, it covered the pooled line and the tallest bins
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    _save(fig, path, dpi, right=0.74)
     return [name for name, _, _ in lines]
 
 
@@ -117,6 +120,30 @@ def scaling_curve(
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=8, frameon=False)
     _save(fig, path, dpi)
+
+
+def spaced_ticks(
+    values: np.ndarray, keep: float | None = None, min_decades: float = 0.15
+) -> list[float]:
+    """The values to label on a log axis, dropping any closer than `min_decades` to a labelled
+    neighbour (400 and 512 would print as "400512"); `keep` (the recommendation) always stays."""
+    values = sorted({float(v) for v in values if v > 0})
+    must = float(keep) if keep is not None and float(keep) in values else None
+    chosen: list[float] = []
+    for value in values:
+        near_must = must is not None and value != must and abs(np.log10(value / must)) < min_decades
+        if near_must:
+            continue
+        if value == must:
+            chosen = [c for c in chosen if abs(np.log10(value / c)) >= min_decades]
+            chosen.append(value)
+        elif not chosen or np.log10(value / chosen[-1]) >= min_decades:
+            chosen.append(value)
+    if values and values[-1] not in chosen:  # the global sort: replace the last label
+        if chosen and np.log10(values[-1] / chosen[-1]) < min_decades and chosen[-1] != must:
+            chosen.pop()
+        chosen.append(values[-1])
+    return chosen
 
 
 def bucket_tradeoff(
@@ -180,11 +207,12 @@ def bucket_tradeoff(
             ha="right", va="bottom", fontsize=7, color="0.3",
         )  # fmt: skip
     bottom.set_xscale("log")
-    bottom.set_xticks(sizes, [f"{v:g}" for v in sizes], fontsize=7)
+    ticks = spaced_ticks(sizes, recommended_size)
+    bottom.set_xticks(ticks, [f"{v:g}" for v in ticks], fontsize=7)
     bottom.minorticks_off()
     bottom.set_xlabel("bucket size (micro-batches per bucket, log; 1 = random, largest = sort)")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.subplots_adjust(left=0.12, right=0.97, bottom=0.11, top=0.94, hspace=0.08)
+    fig.subplots_adjust(left=0.13, right=0.97, bottom=0.11, top=0.94, hspace=0.08)
     fig.savefig(path, dpi=dpi, metadata={"Software": None})
     plt.close(fig)
 

@@ -237,6 +237,7 @@ def measured_changes(
         "disagreements": disagreements,
         "unpriced": unpriced,
         "best": recommended_rows[0]["title"] if recommended_rows else None,
+        "best_tied": bool(recommended_rows and recommended_rows[0]["tied"]),
         "cpu_only": cpu_only,
         "max_seq_len": max_seq_len,
         "host_bound": None if cpu_only else host_bound_note(frame),
