@@ -2,8 +2,9 @@
 
 Starts the cluster with tools/slurm/start-cluster.sh (root, Debian, apt or SLURM installed),
 runs the workflow on a tiny config so that every rule is a SLURM job, and checks from the run's
-own records that only `profile` was submitted with a GPU request and that it ran on the GPU
-SLURM gave it. Skipped without root/apt/SLURM, unless PROBES_REQUIRE_SLURM=1 (then it fails).
+own records that only the GPU rules (`profile`, `replay`) were submitted with a GPU request and
+that the profile ran on the GPU SLURM gave it. Skipped without root/apt/SLURM, unless
+PROBES_REQUIRE_SLURM=1 (then it fails).
 PROBES_SLURM_KEEP=1 leaves the cluster running afterwards.
 """
 
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 START = REPO / "tools" / "slurm" / "start-cluster.sh"
 STOP = REPO / "tools" / "slurm" / "stop-cluster.sh"
 CPU_RULES = {"mask", "padding", "bucket_sweep", "report"}
-GPU_RULE = "profile"
+GPU_RULES = {"profile", "replay"}
 # Settings for this test cluster, not for a user's: no slurmdbd (so squeue, not sacct, for job
 # status), no accounts, and a first status check after 1 s instead of 40 s.
 TEST_CLUSTER_ARGS = [
@@ -146,14 +147,15 @@ def slurm_gpu_record(job_id: str) -> str | None:
     return match.group(1) if match else None
 
 
-def assert_gpu_only_for(rule_with_gpu: str, cpu_rules: set[str], log: str) -> dict[str, str]:
-    """Every rule was a SLURM job; only `rule_with_gpu` asked for (and got) a GPU."""
+def assert_gpu_only_for(rules_with_gpu: set[str], cpu_rules: set[str], log: str) -> dict[str, str]:
+    """Every rule was a SLURM job; only `rules_with_gpu` asked for (and got) a GPU."""
     jobs = submitted_jobs(log)
-    assert set(jobs) == cpu_rules | {rule_with_gpu}, f"rules submitted to SLURM: {jobs}"
+    assert set(jobs) == cpu_rules | rules_with_gpu, f"rules submitted to SLURM: {jobs}"
     options = sbatch_options(log)
     assert set(options) == set(jobs), f"sbatch calls logged for {sorted(options)}"
-    assert gpu_request(options[rule_with_gpu]) == "1", options[rule_with_gpu]
-    assert slurm_gpu_record(jobs[rule_with_gpu]) is not None
+    for rule in rules_with_gpu:
+        assert gpu_request(options[rule]) == "1", options[rule]
+        assert slurm_gpu_record(jobs[rule]) is not None
     for rule in cpu_rules:
         assert gpu_request(options[rule]) is None, f"{rule}: {options[rule]}"
         assert slurm_gpu_record(jobs[rule]) is None, f"SLURM gave {rule} a GPU"
@@ -184,10 +186,10 @@ def test_workflow_on_slurm_gpu_request_only_for_profile(
     record_property("slurm_workflow_wall_s", round(wall_s, 1))
     print(f"workflow under SLURM: {wall_s:.1f} s")
 
-    jobs = assert_gpu_only_for(GPU_RULE, CPU_RULES, log)
+    jobs = assert_gpu_only_for(GPU_RULES, CPU_RULES, log)
     provenance = json.loads((workdir / "results" / "profile" / "provenance.json").read_text())
     slurm = provenance["slurm"]
-    assert slurm["job_id"] == jobs[GPU_RULE], "the profile ran in the job submitted for it"
+    assert slurm["job_id"] == jobs["profile"], "the profile ran in the job submitted for it"
     # Only SLURM sets it (the submitting environment had none): the GPU reached the job.
     assert slurm["cuda_visible_devices"] == "0"
     assert (workdir / "results" / "report" / "playbook-evidence.md").is_file()

@@ -1,5 +1,6 @@
-"""The cluster profile asks for a GPU for `profile` only; locally `--resources gpu=1` keeps GPU
-jobs from overlapping on one card. No SLURM needed: see test_slurm_cluster.py for the real one."""
+"""The cluster profile asks for a GPU for the GPU rules (`profile`, `replay`) only; locally
+`--resources gpu=1` keeps GPU jobs from overlapping on one card. No SLURM needed: see
+test_slurm_cluster.py for the real one."""
 
 from __future__ import annotations
 
@@ -23,14 +24,16 @@ WORKFLOW_PROFILES = [
     REPO / "profiles" / "default" / "config.yaml",
 ]
 GPU_KEYS = {"gpu", "gpus", "gres", "gpu_model"}
+# The rules that time the model on a card.
+GPU_RULES = {"profile", "replay"}
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
 
-def test_cluster_profile_uses_slurm_and_asks_for_a_gpu_for_profile_only():
+def test_cluster_profile_uses_slurm_and_asks_for_a_gpu_for_gpu_rules_only():
     profile = yaml.safe_load(CLUSTER_PROFILE.read_text())
     assert profile["executor"] == "slurm"
-    assert set(profile["set-resources"]) == {"profile"}, "only the profile rule is set here"
-    assert profile["set-resources"]["profile"]["gpu"] == 1
+    assert set(profile["set-resources"]) == GPU_RULES, "only the GPU rules are set here"
+    assert all(profile["set-resources"][rule]["gpu"] == 1 for rule in GPU_RULES)
     assert not GPU_KEYS & set(profile["default-resources"]), "CPU stages must ask for no GPU"
     assert {"runtime", "mem_mb"} <= set(profile["default-resources"])
 
@@ -65,15 +68,15 @@ def resource_names(line: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in line.split(", "))
 
 
-def test_dry_run_under_the_cluster_profile_requests_a_gpu_for_profile_only(tmp_path):
+def test_dry_run_under_the_cluster_profile_requests_a_gpu_for_gpu_rules_only(tmp_path):
     workdir = tmp_path / "repo"
     copy_workflow(workdir)
     # The default config: its model and data come from rules, so the DAG is complete.
     resources = dry_run_resources(["--profile", "config/profiles/slurm", "report"], workdir)
-    assert {"mask", "padding", "bucket_sweep", "profile", "report"} <= set(resources)
+    assert {"mask", "padding", "bucket_sweep", "report"} | GPU_RULES <= set(resources)
     for rule, line in resources.items():
         names = resource_names(line)
-        if rule == "profile":
+        if rule in GPU_RULES:
             assert names.get("gpu") == "1", line
         else:
             assert not GPU_KEYS & set(names), f"rule {rule} asks for a GPU: {line}"
