@@ -202,6 +202,7 @@ def test_overlapping_intervals_are_reported_as_a_tie(tmp_path):
     assert "Highest measured saving: **Pack whole examples into 4,096-token rows**, tied" in (
         section(markdown, "Summary")
     )
+    assert re.search(r"^\*\*Tie:\*\*", section(markdown, "Summary"), re.M)  # its own line
 
 
 def test_bucket_figure_labels_bucket_sizes_without_collisions():
