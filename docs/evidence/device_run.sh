@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# The one prepared script run on the lent H200 (see docs/evidence/README.md). The device machine
-# has torch/transformers/peft/pandas/pyarrow but not snakemake, so the stages run standalone.
+# The one prepared script for a lent H200 (see docs/evidence/README.md). The device machine has
+# torch/transformers/peft/pandas/pyarrow/jinja2 but not snakemake, so the stages run standalone
+# from scripts/ (PYTHONPATH, nothing installed).
 #
-# Carried in .device/: the default model's config.json (the 537 MB weights cannot travel: the
-# device tool carries at most 64 MiB), the padding stage's lengths.parquet and the bucket
-# recommendation. The profile therefore runs the real Gemma 3 270M *architecture* with
-# random-init bf16 weights: step time, memory and kernels depend on shapes, not weight values.
+# Carried in .device/: the default model's config.json and tokenizer files (the 537 MB weights
+# cannot travel: the device tool carries at most 64 MiB), and results/{mask,padding,bucket} of a
+# CPU run of the workflow (lengths, plans, recommendation, gate). The GPU stages therefore run the
+# real Gemma 3 270M *architecture* with random-init bf16 weights: step time, memory and kernels
+# depend on shapes, not weight values.
+#
+#   run(command="bash docs/evidence/device_run.sh", carry=[".device"], timeout_s=570)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
 EVIDENCE="$OUT/evidence"
 mkdir -p "$EVIDENCE"
 
@@ -18,22 +23,30 @@ config = AutoConfig.from_pretrained(".device/model")
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 model.save_pretrained("/tmp/gemma-3-270m-random")
+for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    src = f".device/model/{name}"
+    import os
+    if os.path.exists(src):
+        shutil.copy(src, "/tmp/gemma-3-270m-random")
 print("built", type(model).__name__, sum(p.numel() for p in model.parameters()), "parameters (random init)")
 PY
 
-# 1) the profile stage at 4 lengths up to 16k
-OUT="$EVIDENCE/gpu-run" MODEL=/tmp/gemma-3-270m-random LENGTHS=.device/lengths.parquet \
-  RECOMMENDATION=.device/recommendation.json bash docs/evidence/run_gpu_profile.sh 2>&1 \
-  | tee "$EVIDENCE/profile_console.txt"
+# 0) the CUDA-only tests (backend confirmation against what torch dispatched)
+python3 -m pytest -q -p no:cacheprovider tests/test_mask_backend.py 2>&1 | tail -5 \
+  | tee "$EVIDENCE/pytest_mask_backend.txt"
+
+# 1) profile + replay + report, on the random-init model with the CPU run's lengths and plans
+OUT="$EVIDENCE/gpu-run" MODEL=/tmp/gemma-3-270m-random RESULTS=.device/results \
+  bash docs/evidence/run_gpu_profile.sh 2>&1 | tee "$EVIDENCE/gpu_console.txt"
 
 # 2) the mask gate with CUDA confirmation of the predicted backends (default and 27B configs)
 for name in gemma-3-270m:.device/model/config.json gemma-3-27b:config/models/gemma-3-27b-it/config.json; do
-  timeout 120 python3 scripts/step0_mask.py --model-config "${name#*:}" \
-    --outdir "$EVIDENCE/mask-${name%%:*}" --log "$EVIDENCE/mask-${name%%:*}.log" \
+  timeout 120 python3 scripts/step0_mask.py --set "model.config_path=${name#*:}" \
+    --results "$EVIDENCE/mask-${name%%:*}" --log "$EVIDENCE/mask-${name%%:*}.log" \
     > "$EVIDENCE/mask-${name%%:*}.stdout" 2>&1
   echo "mask ${name%%:*}: exit $?"
-  python3 -c "import json,sys; g=json.load(open(sys.argv[1])); print(json.dumps({k: g.get(k) for k in ('passed','headline','confirm','confirmation')}, default=str)[:1500])" \
-    "$EVIDENCE/mask-${name%%:*}/gate.json" 2>&1
+  python3 -c "import json,sys; g=json.load(open(sys.argv[1])); print(json.dumps({k: g.get(k) for k in ('passed','headline','confirm','target')}, default=str)[:1500])" \
+    "$EVIDENCE/mask-${name%%:*}/mask/gate.json" 2>&1
 done
 
 # files back are limited (8 files, 2 folders down): one archive holds everything

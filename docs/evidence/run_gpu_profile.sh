@@ -1,30 +1,37 @@
 #!/usr/bin/env bash
-# One prepared GPU run of the profile stage (no Snakemake needed), for the evidence in this folder.
+# One prepared GPU run of the GPU stages (no Snakemake needed): profile (scaling, padding
+# penalty, CE variants, kernel table, MFU with its FlopCounterMode check) and replay (measured
+# epoch time per batching strategy with bootstrap intervals), then the report from them.
 #
 # Run from the repository root on a machine with one idle CUDA GPU, after copying in
-#   resources/model/gemma-3-270m   (rule default_model)
-#   results/padding/lengths.parquet (rule padding)
-#   results/bucket/recommendation.json (rule bucket_sweep; optional, recorded if present)
-# Needs python3 with torch, transformers, peft, pandas, pyarrow, pyyaml, tqdm.
-# Writes everything under $OUT (default docs/evidence/gpu-run) and prints the key numbers.
-# Budget: about 1-3 minutes on an H100/H200; hard stop at 330 s so the outputs still come back.
+#   $MODEL                              a model directory (config.json, tokenizer, safetensors)
+#   $RESULTS/padding/lengths.parquet    rule padding
+#   $RESULTS/bucket/{recommendation.json,plans.parquet,summary.parquet,...}  rule bucket_sweep
+#   $RESULTS/mask/gate.json             rule mask (the packed scenario decides packing's validity)
+# Needs python3 with torch, transformers, peft, pandas, pyarrow, pyyaml, tqdm, jinja2, matplotlib;
+# the package is used from scripts/ (PYTHONPATH), so nothing is installed.
+# Budget: a few minutes on an H100/H200; each stage has a hard stop so the outputs still come back.
 set -uo pipefail
 
 OUT="${OUT:-docs/evidence/gpu-run}"
 MODEL="${MODEL:-resources/model/gemma-3-270m}"
-LENGTHS="${LENGTHS:-results/padding/lengths.parquet}"
-RECOMMENDATION="${RECOMMENDATION:-results/bucket/recommendation.json}"
-DEVICE="${DEVICE:-cuda}"                          # DEVICE=cpu SEQ_LENGTHS="64 128 256" to rehearse
-SEQ_LENGTHS="${SEQ_LENGTHS:-2048 4096 8192 16384}"
-mkdir -p "$OUT"
+RESULTS="${RESULTS:-results}"
+DEVICE="${DEVICE:-cuda}"                      # DEVICE=cpu CPU_LENGTHS=[64,128,256] to rehearse
+CUDA_LENGTHS="${CUDA_LENGTHS:-[2048,4096,8192,16384]}"
+CPU_LENGTHS="${CPU_LENGTHS:-[64,128,256]}"
+mkdir -p "$OUT/results"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD/scripts${PYTHONPATH:+:$PYTHONPATH}"
 
-for need in "$MODEL/config.json" "$MODEL/model.safetensors" "$LENGTHS"; do
+for need in "$MODEL/config.json" "$RESULTS/padding/lengths.parquet" \
+  "$RESULTS/bucket/recommendation.json" "$RESULTS/bucket/plans.parquet" "$RESULTS/mask/gate.json"; do
   if [[ ! -f "$need" ]]; then
     echo "missing $need: copy it in first (see the header of $0)" | tee "$OUT/ERROR.txt"
     exit 2
   fi
 done
+# the CPU stages' outputs the report reads, as the workflow wrote them
+cp -r "$RESULTS/mask" "$RESULTS/padding" "$RESULTS/bucket" "$OUT/results/"
 
 {
   echo "## host"
@@ -32,50 +39,55 @@ done
   nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu,driver_version \
     --format=csv 2>&1 || echo "nvidia-smi unavailable"
   nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv 2>&1 || true
-  python3 -c 'import sys, torch, transformers, peft; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available()); print("transformers", transformers.__version__, "peft", peft.__version__)'
+  python3 -c 'import sys, torch, transformers, peft; print("python", sys.version.split()[0]); print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), "available", torch.cuda.is_available()); print("transformers", transformers.__version__, "peft", peft.__version__)'
 } 2>&1 | tee "$OUT/environment.txt"
 
-# 4 lengths up to 16k: least squares over 4 points leaves residuals to judge the fit by.
-start=$(date +%s)
-timeout 330 python3 scripts/step1_profile.py \
-  --device "$DEVICE" \
-  --model-path "$MODEL" \
-  --lengths "$LENGTHS" \
-  --recommendation "$RECOMMENDATION" \
-  --seq-lengths $SEQ_LENGTHS \
-  --warmup 2 --repeats 5 --kernel-steps 3 \
-  --idle-timeout 60 \
-  --out-dir "$OUT/profile" \
-  --log "$OUT/profile.log" > "$OUT/stdout.txt" 2>&1
-rc=$?
-end=$(date +%s)
-echo "exit code $rc after $((end - start)) s" | tee "$OUT/exit.txt"
+SETTINGS=(--results "$OUT/results" --set "model.path=$MODEL" --set "profile.device=$DEVICE"
+  --set "profile.cuda.lengths=$CUDA_LENGTHS" --set "profile.cpu.lengths=$CPU_LENGTHS"
+  --set "profile.idle.timeout_s=60")
 
-if [[ $rc -ne 0 ]]; then
-  echo "## last lines of the log"
-  tail -n 60 "$OUT/stdout.txt"
-  exit $rc
-fi
+run_stage() {  # name, limit in seconds, script
+  local name=$1 limit=$2 script=$3 start rc
+  start=$(date +%s)
+  timeout "$limit" python3 "scripts/$script" "${SETTINGS[@]}" --log "$OUT/$name.log" \
+    > "$OUT/$name.stdout.txt" 2>&1
+  rc=$?
+  echo "$name: exit code $rc after $(($(date +%s) - start)) s" | tee -a "$OUT/exit.txt"
+  [[ $rc -eq 0 ]] || tail -n 40 "$OUT/$name.stdout.txt"
+  return $rc
+}
 
-# the key numbers: everything in profile-output.txt above the raw key_averages() table
-echo "## key numbers (full evidence: $OUT/profile/profile-output.txt)"
-sed -n '1,/^=== torch.profiler key_averages/p' "$OUT/profile/profile-output.txt"
-python3 - "$OUT/profile" <<'PY'
+run_stage profile 330 step1_profile.py
+run_stage replay 420 step_replay.py
+run_stage report 120 render_report.py
+
+# the key numbers: the profile's evidence text, the replay's estimates, every control
+echo "## key numbers (full evidence under $OUT/results)"
+sed -n '1,/^=== torch.profiler key_averages/p' "$OUT/results/profile/profile-output.txt" 2>/dev/null
+python3 - "$OUT/results/profile" <<'PY'
 import json, sys
 from pathlib import Path
 
 import pandas as pd
 
 out = Path(sys.argv[1])
-pd.set_option("display.width", 200)
-pd.set_option("display.max_columns", 20)
-scaling = pd.read_parquet(out / "scaling.parquet")
-print(scaling[["seq_len", "batch", "status", "time_s", "time_std_s", "peak_mem_bytes",
-               "quadratic_share", "residual_s", "mfu", "mfu_frozen_base"]].to_string(index=False))
-print(pd.read_parquet(out / "fit.parquet")[["a", "b", "c", "method", "condition_number",
-                                             "residual_rms_s", "max_rel_residual"]].to_string(index=False))
-control = json.loads((out / "control.json").read_text())
-print("controls passed:", control["passed"],
-      {c["name"]: c["passed"] for c in control["checks"]})
-print("double count:", control["observed"]["kernel_sum_within_wall_time"])
+pd.set_option("display.width", 220)
+pd.set_option("display.max_columns", 30)
+if (out / "scaling.parquet").exists():
+    scaling = pd.read_parquet(out / "scaling.parquet")
+    print(scaling[["seq_len", "batch", "status", "time_s", "peak_mem_bytes", "quadratic_share",
+                   "mfu", "mfu_dense_6n"]].to_string(index=False))
+if (out / "replay.parquet").exists():
+    replay = pd.read_parquet(out / "replay.parquet")
+    print(replay[["strategy", "valid", "micro_batches", "sampled", "estimated_time_s", "ci_low_s",
+                  "ci_high_s", "saving_vs_random", "saving_ci_low", "saving_ci_high",
+                  "fit_predicted_saving", "fit_agrees", "host_bound_share"]].to_string(index=False))
+    fit = pd.read_parquet(out / "replay_fit.parquet")
+    print(fit.filter(regex=r"^(a|b|c)(_ci_low|_ci_high)?$|range_").to_string(index=False))
+for name in ("control.json", "replay_control.json"):
+    path = out / name
+    if path.exists():
+        control = json.loads(path.read_text())
+        print(name, "passed:", control.get("passed"),
+              {c["name"]: c["passed"] for c in control.get("checks", [])})
 PY
