@@ -549,6 +549,9 @@ def apply_section(
         for name, info in (document.get("libraries") or {}).items()
         if isinstance(info, Mapping)
     }
+    # Measure the decision: once the replay has timed strategies, a change it did not time gets
+    # no estimated price beside the measured ones (an estimate next to a measurement reads as one).
+    replayed = "replay" not in not_run and not tables.get("replay_estimates", pd.DataFrame()).empty
     changes, skipped = [], []
     for change in document.get("changes") or []:
         if not change.get("applies"):
@@ -573,7 +576,7 @@ def apply_section(
                     for library, result in (change.get("verification") or {}).items()
                 },
                 "saving": change_measurement(change, tables, not_run)
-                or estimated_saving(change, tables, not_run),
+                or (None if replayed else estimated_saving(change, tables, not_run)),
                 "tokens_before": finite(tokens.get("before")),
                 "tokens_after": finite(tokens.get("after")),
                 "tokens_how": tokens.get("how"),
@@ -583,6 +586,7 @@ def apply_section(
     baseline = document.get("baseline") or {}
     return {
         "status": "ok",
+        "replayed": replayed,
         "libraries": libraries,
         "baseline": {
             "micro_batch_size": baseline.get("micro_batch_size"),
