@@ -417,6 +417,93 @@ def control(name: str, passed: bool = True, checks: int = 0) -> dict:
     return entry
 
 
+REPLAY_GRAD_ACCUM, REPLAY_MAX_LEN, REPLAY_BUCKET = 8, 4096, 4
+
+
+def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
+    """probes.replay_stage's three tables, made by the stage's own functions: the plans of the
+    fixture lengths (probes.plans), the stratified sample (probes.replay_timing.sample_all)
+    'timed' at a known synthetic cost (no clock), the per-strategy table (strategy_table) with the
+    fit as its diagnostic, and the fit with bootstrap intervals (probes.fit.fit_with_intervals)."""
+    from probes import fit as ft
+    from probes import plans as pl
+    from probes.replay_control import SyntheticCost
+    from probes.replay_estimate import FitPricing, strategy_table
+    from probes.replay_timing import (
+        FIT_POINT,
+        HOST_BOUND_THRESHOLD,
+        MICRO_BATCH,
+        OPTIMIZER_STEP,
+        TIMER,
+        ReplaySettings,
+        batch_shape,
+        sample_all,
+    )
+
+    lengths = padding_lengths()
+    used = lengths[lengths["status"].isin(["OK", "TRUNCATED"])]
+    loss = used["n_loss_tokens"].to_numpy(np.int64)
+    examples = pl.PlanExamples(
+        used["example_id"].to_numpy(object), used["n_tokens"].to_numpy(np.int64), loss
+    )
+    plans = pl.build_plans(
+        examples, BATCH, REPLAY_GRAD_ACCUM, REPLAY_MAX_LEN, REPLAY_BUCKET, seed=0
+    )
+    cost = SyntheticCost.scaled_to(plans)
+    settings = ReplaySettings(4, 3, 400, REPLAY_GRAD_ACCUM, seed=0)
+    rng = np.random.default_rng(3)
+    steps = sample_all(plans, settings)
+    exact = np.array([cost.micro_batch_s(*batch_shape(r)) for r in steps.itertuples()])
+    steps["time_s"] = exact * rng.uniform(0.97, 1.03, len(steps))
+    steps["times_s"] = [[t] for t in steps["time_s"]]
+    steps["status"] = "OK"
+    steps["kind"] = MICRO_BATCH
+    steps["timer"] = TIMER
+    steps["gpu_busy_share"] = np.nan if cpu_only else rng.uniform(0.4, 0.99, len(steps))
+    steps["host_bound"] = steps["gpu_busy_share"] < HOST_BOUND_THRESHOLD
+    optimizer = np.full(8, cost.optimizer_s)
+    fit_lengths = np.repeat([32, 256, 1024, 2048, 4096], 3)
+    fit_times = [cost.micro_batch_s(BATCH, int(t)) for t in fit_lengths]
+    fitted = ft.fit_with_intervals(fit_lengths, fit_times * rng.uniform(0.99, 1.01, 15), 200)
+    pricing = FitPricing(fitted.fit, BATCH, fitted.low, fitted.high)
+    table = strategy_table(plans, steps, optimizer, settings, {}, pricing, cpu_only, REPLAY_MAX_LEN)
+    points = pd.DataFrame(
+        {
+            "kind": FIT_POINT,
+            "padded_length": fit_lengths,
+            "rows": BATCH,
+            "computed_tokens": BATCH * fit_lengths,
+            "time_s": fit_times,
+            "status": "OK",
+        }
+    )
+    optimizer_rows = pd.DataFrame({"kind": OPTIMIZER_STEP, "time_s": optimizer, "status": "OK"})
+    all_steps = pd.concat([steps, optimizer_rows, points], ignore_index=True)
+    for column in ("example_ids", "example_lengths", "example_loss_tokens", "documents_per_row"):
+        all_steps[column] = all_steps[column].map(
+            lambda v: list(v) if isinstance(v, list | np.ndarray) else []
+        )
+    all_steps["times_s"] = all_steps["times_s"].map(lambda v: v if isinstance(v, list) else [])
+    fit_row = fitted.as_row() | {"rows": BATCH, "loss_share": 0.5, "cpu_only": cpu_only}
+    fit_row |= {"max_seq_len": REPLAY_MAX_LEN, "lengths_source": "configured"}
+    return {"estimates": table, "steps": all_steps, "fit": pd.DataFrame([fit_row])}
+
+
+def replay_control(passed: bool = True) -> dict:
+    """replay_control.json as probes.replay_control.run_synthetic_control writes it (abridged)."""
+    return {
+        "name": "replay_recovers_known_step_cost",
+        "description": "a synthetic harness spins c + b*rows*T + a*rows*T^2 s per micro-batch",
+        "expected": {"time_ratio_rel_error_max": 0.05, "fit_rel_error_max": 0.1},
+        "observed": {
+            "strategies": {"packing": {"time_ratio_rel_error": 0.01 if passed else 0.2}},
+            "fit": {"rel_error": {"a": 0.02, "b": 0.01, "c": 0.03}},
+            "wall_s": 2.5,
+        },
+        "passed": passed,
+    }
+
+
 def write_stage(
     stage: str,
     paths: dict[str, Path],
@@ -460,6 +547,16 @@ def write_stage(
         write_parquet(sweep, paths["bucket_sweep"], meta)
         write_parquet(summary, paths["bucket_summary"], meta)
         write_json(bucket_recommendation(summary), paths["bucket_recommendation"])
+    elif stage == "replay":
+        if profile == "not_run":
+            for name in ("estimates", "steps", "fit"):
+                write_parquet(pd.DataFrame(), paths[f"replay_{name}"], meta)
+            write_json({"status": "not_run", "reason": NOT_RUN_REASON}, paths["replay_control"])
+            return
+        for name, frame in replay_tables(cpu_only=profile == "cpu").items():
+            write_parquet(frame, paths[f"replay_{name}"], meta)
+        write_json(replay_control("replay" not in failed), paths["replay_control"])
+        return
     elif profile == "not_run":
         for name in ("scaling", "fit", "padding_penalty", "ce", "kernels"):
             write_parquet(pd.DataFrame(), paths[f"profile_{name}"], meta)

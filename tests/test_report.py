@@ -90,6 +90,8 @@ def test_every_linked_figure_exists(rendered):
         "bucket.png",
         "kernels.png",
         "lengths.png",
+        "replay_epoch.png",
+        "replay_fit.png",
         "scaling.png",
     ]
     for link in links:
@@ -125,18 +127,147 @@ def test_numbers_carry_units(rendered):
     assert not re.search(r"\b(nan|NaN|None|inf)\b", markdown)  # python reprs, not numbers
 
 
-def test_summary_ranks_recommendations_with_fitted_savings(rendered):
-    summary = section(rendered[0], "Summary")
-    lines = [line for line in summary.splitlines() if re.match(r"^\| \d ", line)]
-    assert [line.split("|")[2].strip() for line in lines] == [
-        "**Pad each batch to its longest member, not to max_seq_len**",
-        "**Pack whole examples into max_seq_len rows (packing_ffd)**",
+def summary_rows(markdown: str) -> list[list[str]]:
+    """The Summary table's rows, split into cells (rank, change, saving, versus, fit, steps)."""
+    summary = section(markdown, "Summary")
+    rows = [line for line in summary.splitlines() if re.match(r"^\| (\d|—)", line)]
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in rows]
+
+
+def plant_replay(paths, **columns_by_strategy) -> None:
+    """Overwrite columns of replay.parquet per strategy: plant_replay(p, packing={...})."""
+    table = pd.read_parquet(paths["replay_estimates"])
+    for strategy, values in columns_by_strategy.items():
+        for column, value in values.items():
+            table.loc[table["strategy"] == strategy, column] = value
+    write_parquet(table, paths["replay_estimates"], {})
+
+
+def render_planted(tmp_path: Path, **columns_by_strategy) -> str:
+    paths = write_results(tmp_path / "results")
+    plant_replay(paths, **columns_by_strategy)
+    out = tmp_path / "results" / "report" / "playbook-evidence.md"
+    render_report(paths, out)
+    return out.read_text()
+
+
+def test_summary_ranks_changes_by_measured_saving(tmp_path):
+    """The order follows the measured savings planted in replay.parquet (three distinct groups,
+    listed in the file in the opposite order), not the fit or the token counts."""
+    markdown = render_planted(
+        tmp_path,
+        packing={"saving_vs_random": 0.10, "saving_ci_low": 0.08, "saving_ci_high": 0.12}
+        | {"rank": 3, "tie_group": 3},
+        global_sort={"saving_vs_random": 0.50, "saving_ci_low": 0.45, "saving_ci_high": 0.55}
+        | {"rank": 1, "tie_group": 1},
+        length_grouped={"saving_vs_random": 0.30, "saving_ci_low": 0.25, "saving_ci_high": 0.35}
+        | {"rank": 2, "tie_group": 2},
+        random={"rank": 4, "tie_group": 4},
+    )
+    rows = summary_rows(markdown)
+    assert [r[1] for r in rows] == [
+        "**Sort the whole dataset by length (one bucket)**",
         "**Group batches by length: buckets of 4 micro-batches**",
-        "**Chunk the cross-entropy: 819 tokens a chunk**",
+        "**Pack whole examples into 4,096-token rows**",
+        "**Random batches (the baseline)**",
+        "**Pad each batch to its longest member, not to max_seq_len**",
     ]
-    assert "measured on NVIDIA H200" in summary
-    assert "memory, not time" in lines[-1]
-    assert re.search(r"\| \d+\.\d% \| random batches", lines[1])
+    assert [r[0] for r in rows] == ["1", "2", "3", "4", "—"]
+    assert rows[0][2] == "50.0% [45.0%, 55.0%]" and rows[0][3] == "random batches"
+    assert rows[-1][3] == "padding to max_seq_len"
+    summary = section(markdown, "Summary")
+    assert "Best measured change: **Sort the whole dataset by length (one bucket)**" in summary
+    assert "**Tie:**" not in summary
+    assert "No time model" not in summary and "(linear) to" not in summary
+    assert "figures/replay_epoch.png" in summary
+
+
+def test_overlapping_intervals_are_reported_as_a_tie(tmp_path):
+    markdown = render_planted(
+        tmp_path,
+        packing={"saving_vs_random": 0.40, "saving_ci_low": 0.30, "saving_ci_high": 0.50}
+        | {"rank": 1, "tie_group": 1},
+        global_sort={"saving_vs_random": 0.35, "saving_ci_low": 0.32, "saving_ci_high": 0.38}
+        | {"rank": 1, "tie_group": 1},
+        length_grouped={"saving_vs_random": 0.10, "saving_ci_low": 0.05, "saving_ci_high": 0.15}
+        | {"rank": 3, "tie_group": 2},
+        random={"rank": 4, "tie_group": 3},
+    )
+    rows = summary_rows(markdown)
+    assert [r[0] for r in rows[:3]] == ["1 (tie)", "1 (tie)", "3"]
+    assert (
+        "**Tie:** Pack whole examples into 4,096-token rows and Sort the whole dataset by length "
+        "(one bucket): their 95% intervals overlap"
+    ) in section(markdown, "Summary")
+    assert "Highest measured saving: **Pack whole examples into 4,096-token rows**, tied" in (
+        section(markdown, "Summary")
+    )
+    assert re.search(r"^\*\*Tie:\*\*", section(markdown, "Summary"), re.M)  # its own line
+
+
+def test_bucket_figure_labels_bucket_sizes_without_collisions():
+    from probes.figures import spaced_ticks
+
+    sizes = np.array([1, 2, 4, 8, 16, 32, 50, 64, 128, 256, 400, 512, 1024, 2048, 3584])
+    ticks = spaced_ticks(sizes, keep=32)
+    assert 32 in ticks and ticks[0] == 1 and ticks[-1] == 3584
+    assert all(np.log10(b / a) >= 0.15 for a, b in zip(ticks, ticks[1:], strict=False))
+    assert spaced_ticks(np.array([1, 2, 4, 8, 24, 117]), keep=4) == [1, 2, 4, 8, 24, 117]
+
+
+def test_fit_disagreement_and_unpriced_fit_are_stated(tmp_path):
+    markdown = render_planted(
+        tmp_path,
+        global_sort={"fit_predicted_saving": 0.31, "fit_agrees": False},
+        length_grouped={"fit_predicted_saving": float("nan"), "fit_agrees": None}
+        | {"fit_reason": "padded lengths 38..4096 reach outside the fit's measured range"},
+    )
+    rows = {r[1]: r for r in summary_rows(markdown)}
+    sort = next(r for title, r in rows.items() if "Sort the whole dataset" in title)
+    assert sort[4] == "31.0%: **disagrees** with the measurement beyond its interval"
+    grouped = next(r for title, r in rows.items() if "Group batches by length" in title)
+    assert grouped[4].startswith("cannot price: padded lengths 38..4096 reach outside")
+    summary = section(markdown, "Summary")
+    assert "**The fit and the measurement disagree** for Sort the whole dataset" in summary
+    assert "The fit cannot price: " in summary and "Group batches by length" in summary
+
+
+def test_invalid_packing_is_never_recommended(tmp_path):
+    reason = "gate.json: the mask gate's packed scenario has 3 violation(s)"
+    markdown = render_planted(
+        tmp_path,
+        packing={"valid": False, "invalid_reason": reason, "rank": None, "tie_group": None},
+    )
+    rows = summary_rows(markdown)
+    assert not any("Pack whole examples" in r[1] for r in rows)
+    summary = section(markdown, "Summary")
+    assert (
+        f"**Not recommended: Pack whole examples into 4,096-token rows** (`packing`) is invalid "
+        f"here: {reason}"
+    ) in summary
+    assert "Best measured change: **Pack" not in summary
+    applied = section(markdown, "Apply it")
+    packing = applied.split("Pack whole examples into 4096-token rows")[1]
+    assert "**invalid here, do not apply**" in packing.split("###")[0]
+
+
+def test_changed_optimizer_steps_are_said_next_to_the_saving(rendered):
+    packing = next(r for r in summary_rows(rendered[0]) if "Pack whole" in r[1])
+    assert packing[5].startswith("optimizer steps 15 → 3 (")
+    assert "a hyperparameter change" in packing[5]
+    assert "grad_accum 1 instead of 8 keeps tokens per update comparable" in packing[5]
+
+
+def test_cuda_replay_states_host_bound_share_and_what_c_is(rendered):
+    summary = section(rendered[0], "Summary")
+    assert re.search(
+        r"Host-bound micro-batches \(GPU busy under 70% of the wall\): packing", summary
+    )
+    scaling = section(rendered[0], "Scaling")
+    assert "not a per-micro-batch cost that packing" in scaling
+    assert re.search(r"\| a \(s/token²\) \| \S+ \| \S+ … \S+ \|", scaling)
+    assert "Measured range: 32 tokens to 4,096 tokens" in scaling
+    assert "figures/replay_fit.png" in scaling
 
 
 def test_kernel_table_sums_device_rows_only(rendered):
@@ -206,8 +337,9 @@ def test_profile_not_run_renders_not_run(rendered_not_run):
     assert f"Wall clock: **Not run.** {NOT_RUN_REASON}" in section(markdown, "Cross-entropy")
     assert re.search(r"^\| profile \| profile_controls \| .* \| not run \|$", markdown, re.M)
     summary = section(markdown, "Summary")
-    assert f"No time model: the profile did not run ({NOT_RUN_REASON})" in summary
-    assert re.search(r"\d+\.\d% \(linear\) to \d+\.\d% \(quadratic\)", summary)
+    assert f"**No measured savings:** the replay did not run ({NOT_RUN_REASON})" in summary
+    assert "(linear) to" not in summary and not re.search(r"% \[", summary)
+    assert "| # | change | basis |" in summary  # what the stages found, listed unpriced
     assert sorted(Path(link).name for link in rep.linked_figures(markdown)) == [
         "bucket.png",
         "lengths.png",
@@ -217,7 +349,10 @@ def test_profile_not_run_renders_not_run(rendered_not_run):
 
 def test_cpu_fit_is_flagged(tmp_path):
     markdown, _ = render(tmp_path, profile="cpu")
-    assert "came from the CPU" in section(markdown, "Summary")
+    summary = section(markdown, "Summary")
+    assert "**CPU-only replay** (lengths capped at 4,096 tokens)" in summary
+    assert "**not comparable with a GPU**" in summary
+    assert "Host-bound" not in summary
     assert "**CPU-only run**" in section(markdown, "Scaling")
     assert "self CPU time of leaf ops" in section(markdown, "Kernels")
     assert "| CPU time |" in section(markdown, "Kernels")
@@ -397,8 +532,8 @@ def test_insufficient_fit_renders_no_fit(tmp_path):
     scaling = section(out.read_text(), "Scaling")
     assert "**No fit:** fewer than 3 usable points" in scaling
     assert "only 2 distinct length(s)" in scaling
-    assert "**Not used to price the savings:** the scaling fit has fewer than 3" in scaling
-    assert "(linear) to" in section(out.read_text(), "Summary")
+    assert "Fit diagnostic: the scaling fit has fewer than 3" in scaling
+    assert "(linear) to" not in section(out.read_text(), "Summary")
 
 
 def test_fit_with_fewer_than_three_points_is_not_used(tmp_path):
@@ -426,8 +561,6 @@ def test_bucket_numbers_come_from_the_stage_summary_not_the_sweep(tmp_path):
     bucketing = section(out.read_text(), "Bucketing")
     random_row = next(line for line in bucketing.splitlines() if line.startswith("| random |"))
     assert "| 12.3% |" in random_row
-    summary_text = section(out.read_text(), "Summary")
-    assert "token efficiency 12.3% →" in summary_text
 
 
 def test_bucket_section_rows_carry_only_contract_columns(tmp_path):
@@ -462,7 +595,7 @@ def test_script_help_and_standalone_render(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "results/report/figures/lengths.png").is_file()
-    assert "stages not run: ['profile']" in log.read_text()
+    assert "stages not run: ['profile', 'replay']" in log.read_text()
     assert CANARY not in done.stdout + done.stderr + log.read_text()
 
 
@@ -589,12 +722,13 @@ def test_apply_section_lists_each_change_with_snippets_and_savings(rendered):
     assert applied.count("```python") == 7  # packing has no plain-Trainer setting
     assert "Tokens per update: 9,888 tokens → 9,888 tokens" in applied
     assert "`drop_no_loss_examples` (no example without a loss token)" in applied
-    # the length-grouping saving is the Summary's, computed there by recommendations()
-    summary = section(markdown, "Summary")
-    row = next(x for x in summary.splitlines() if "Group batches by length" in x)
-    saving = row.split("|")[3].strip()
-    first = applied.split("### 2.")[0]
-    assert f"Estimated saving of training time: **{saving}** versus random batches" in first
+    # the length-grouping saving is the Summary's, measured by the replay; the built-in
+    # alternative (another bucket size) was not replayed: no estimated price beside measurements
+    row = next(r for r in summary_rows(markdown) if "Group batches by length" in r[1])
+    first, second = applied.split("### 2.")[0], applied.split("### 2.")[1].split("### 3.")[0]
+    assert f"Saving of training time: **measured** {row[2]} versus random batches" in first
+    assert "Saving of training time: not measured: the replay did not time this ordering" in second
+    assert "**estimated**" not in applied
     # batch_rebalance has its own row in the bucketing table
     assert re.search(r"^\| batch_rebalance \| — \| 80\.2% \|", section(markdown, "Bucketing"), re.M)
 
@@ -626,7 +760,9 @@ def test_batch_rebalance_saving_from_its_own_row(tmp_path):
 def test_apply_section_without_a_profile_brackets_the_saving(rendered_not_run):
     applied = section(rendered_not_run[0], "Apply it")
     assert re.search(
-        r"saving of training time: \d+\.\d% \(linear\) to \d+\.\d% \(quadratic\)", applied
+        r"Saving of training time: \*\*estimated\*\* \d+\.\d% \(linear\) to \d+\.\d% "
+        r"\(quadratic\), not measured by the replay",
+        applied,
     )
 
 

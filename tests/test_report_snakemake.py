@@ -50,20 +50,6 @@ report:
   figure_dpi: 40
 """
 WORKFLOW_RST_LINE = 'report: "workflow/report/workflow.rst"'
-# the replay stage (issue 12) is an input of the report; its stub writes minimal valid outputs
-REPLAY_STUB = """\
-import json
-import pandas as pd
-from probes.replay_estimate import REPLAY_COLUMNS
-
-out = snakemake.output
-pd.DataFrame([{c: None for c in REPLAY_COLUMNS}]).astype(str).to_parquet(out.estimates)
-pd.DataFrame({"kind": ["micro_batch"], "time_s": [0.1]}).to_parquet(out.steps)
-pd.DataFrame({"a": [0.0], "b": [0.0], "c": [0.1]}).to_parquet(out.fit)
-with open(out.control, "w") as handle:
-    record = {"name": "stub", "description": "", "expected": {}, "observed": {}, "passed": True}
-    json.dump(record, handle)
-"""
 
 
 def make_workdir(tmp_path: Path, profile: str) -> Path:
@@ -79,7 +65,8 @@ def make_workdir(tmp_path: Path, profile: str) -> Path:
     for stage, script in STUBBED_SCRIPTS.items():
         text = STUB.format(stage=stage, profile=profile)
         (source / "scripts" / script).write_text(text)
-    (source / "scripts" / "step_replay.py").write_text(REPLAY_STUB)
+    # the replay (issue 12): its fixture outputs are made by the stage's own functions
+    (source / "scripts" / "step_replay.py").write_text(STUB.format(stage="replay", profile=profile))
     snakefile = source / "Snakefile"
     if WORKFLOW_RST_LINE not in snakefile.read_text():  # the lead adds it to the real Snakefile
         snakefile.write_text(snakefile.read_text() + f"\n{WORKFLOW_RST_LINE}\n")
@@ -114,7 +101,8 @@ def test_report_rule_and_snakemake_report(tmp_path):
     snakemake(work, "--cores", "1", "report")
     markdown = (work / "results/report/playbook-evidence.md").read_text()
     figures = sorted(p.name for p in (work / "results/report/figures").glob("*.png"))
-    expected = ["bucket.png", "kernels.png", "lengths.png", "scaling.png"]
+    expected = ["bucket.png", "kernels.png", "lengths.png"]
+    expected += ["replay_epoch.png", "replay_fit.png", "scaling.png"]
     assert figures == expected
     assert sorted(Path(link).name for link in linked_figures(markdown)) == expected
     assert "rendered results/report/playbook-evidence.md" in (work / "logs/report.log").read_text()

@@ -96,7 +96,7 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
     },
 }
 # The probe stages in chain order; the report reads all of their outputs.
-STAGES = ("mask", "padding", "bucket", "profile")
+STAGES = ("mask", "padding", "bucket", "profile", "replay")
 
 
 def stage_outputs(stage: str, results_dir: str | Path = RESULTS_DIR) -> dict[str, str]:
@@ -312,6 +312,87 @@ TABLES: dict[str, TableSpec] = {
         ("category", "device_type", "device_time_s", "share"),
         ("share_of_wall", "n_kernels", "n_calls"),
     ),
+    # per strategy (probes.replay_estimate.REPLAY_COLUMNS): measured epoch time, saving vs random
+    # with its 95% bootstrap interval, rank and tie group, the fit's prediction beside it
+    "replay_estimates": TableSpec(
+        "replay",
+        "Summary",
+        (
+            "strategy",
+            "valid",
+            "invalid_reason",
+            "micro_batches",
+            "sampled",
+            "estimated_time_s",
+            "ci_low_s",
+            "ci_high_s",
+            "saving_vs_random",
+            "saving_ci_low",
+            "saving_ci_high",
+            "rank",
+            "tie_group",
+            "optimizer_steps",
+            "tokens_per_optimizer_step",
+            "grad_accum",
+            "grad_accum_for_same_tokens",
+            "fit_predicted_saving",
+            "fit_agrees",
+            "fit_reason",
+            "cpu_only",
+        ),
+        (
+            "strata",
+            "optimizer_step_s",
+            "real_tokens",
+            "computed_tokens",
+            "gpu_busy_share",
+            "host_bound_share",
+            "fit_predicted_time_s",
+            "max_seq_len",
+            "note",
+        ),
+    ),
+    # raw timings: sampled micro-batches, optimizer steps and fit points (kind), one row each
+    "replay_steps": TableSpec(
+        "replay",
+        "Scaling",
+        ("kind", "time_s", "status"),
+        ("strategy", "layout", "rows", "padded_length", "computed_tokens", "gpu_busy_share"),
+    ),
+    # the scaling fit over the data's own lengths, with bootstrap intervals and its range
+    "replay_fit": TableSpec(
+        "replay",
+        "Scaling",
+        (
+            "a",
+            "b",
+            "c",
+            "a_ci_low",
+            "a_ci_high",
+            "b_ci_low",
+            "b_ci_high",
+            "c_ci_low",
+            "c_ci_high",
+            "range_low",
+            "range_high",
+            "n_points",
+            "method",
+        ),
+        (
+            "rows",
+            "condition_number",
+            "residual_rms_s",
+            "max_rel_residual",
+            "r_squared",
+            "message",
+            "resamples",
+            "loss_share",
+            "cpu_only",
+            "max_seq_len",
+            "lengths_source",
+            "time_basis",
+        ),
+    ),
 }
 
 CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
@@ -328,6 +409,8 @@ JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "padding_control": ("padding", CONTROL_KEYS),
     "bucket_control": ("bucket", CONTROL_KEYS),
     "profile_control": ("profile", CONTROL_KEYS),
+    # the synthetic busy-wait harness: savings within 5%, a, b, c within 10%
+    "replay_control": ("replay", CONTROL_KEYS),
 }
 
 

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from probes import figures_replay  # noqa: E402
 from probes.contracts import PACKING, TRAINING_STATUSES  # noqa: E402
 from probes.report_format import label  # noqa: E402
 from probes.report_load import diversity_level_name  # noqa: E402
@@ -26,10 +27,12 @@ DPI = 110
 SIZE = (7.0, 4.2)
 
 
-def _save(fig: plt.Figure, path: str | Path, dpi: int, left: float = 0.1) -> None:
+def _save(
+    fig: plt.Figure, path: str | Path, dpi: int, left: float = 0.1, right: float = 0.97
+) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     # fixed margins: tight_layout costs half of the figures' time and the 5 s render budget
-    fig.subplots_adjust(left=left, right=0.97, bottom=0.12, top=0.92)
+    fig.subplots_adjust(left=left, right=right, bottom=0.12, top=0.92)
     # no embedded date, so the same inputs give the same bytes
     fig.savefig(path, dpi=dpi, metadata={"Software": None})
     plt.close(fig)
@@ -74,8 +77,9 @@ def length_histogram(
     ax.set_xlabel("tokens per example (log)")
     ax.set_ylabel("examples (log)")
     ax.set_title("Tokenized length per source (OK and TRUNCATED examples)")
-    ax.legend(fontsize=7, loc="upper right", frameon=False)
-    _save(fig, path, dpi)
+    # outside the axes: inside, it covered the pooled line and the tallest bins
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    _save(fig, path, dpi, right=0.74)
     return [name for name, _, _ in lines]
 
 
@@ -118,6 +122,30 @@ def scaling_curve(
     _save(fig, path, dpi)
 
 
+def spaced_ticks(
+    values: np.ndarray, keep: float | None = None, min_decades: float = 0.15
+) -> list[float]:
+    """The values to label on a log axis, dropping any closer than `min_decades` to a labelled
+    neighbour (400 and 512 would print as "400512"); `keep` (the recommendation) always stays."""
+    values = sorted({float(v) for v in values if v > 0})
+    must = float(keep) if keep is not None and float(keep) in values else None
+    chosen: list[float] = []
+    for value in values:
+        near_must = must is not None and value != must and abs(np.log10(value / must)) < min_decades
+        if near_must:
+            continue
+        if value == must:
+            chosen = [c for c in chosen if abs(np.log10(value / c)) >= min_decades]
+            chosen.append(value)
+        elif not chosen or np.log10(value / chosen[-1]) >= min_decades:
+            chosen.append(value)
+    if values and values[-1] not in chosen:  # the global sort: replace the last label
+        if chosen and np.log10(values[-1] / chosen[-1]) < min_decades and chosen[-1] != must:
+            chosen.pop()
+        chosen.append(values[-1])
+    return chosen
+
+
 def bucket_tradeoff(
     summary: pd.DataFrame,
     recommended_size: float | None,
@@ -125,53 +153,68 @@ def bucket_tradeoff(
     path: str | Path,
     dpi: int = DPI,
 ):
-    """Efficiency against source diversity (relative to random) over the bucket-size sweep.
+    """Efficiency (top) and source diversity relative to random (bottom) against bucket size,
+    on a log x axis, from the bucket stage's summary.parquet (probes.bucket.summarise).
 
-    `summary` is the bucket stage's summary.parquet (probes.bucket.summarise): mean over seeds,
-    with `diversity_rel_random` judged at `level`.
+    Both panels share the bucket size, so each label sits on its own x whatever the diversity
+    does (on real data it often moves by under 1%, and a packing point far off it used to set
+    the range and squeeze every bucket size into one corner). Packing has no bucket size: its
+    token efficiency is a labelled horizontal line, its diversity a note in the bottom panel.
     """
-    fig, ax = plt.subplots(figsize=SIZE)
-    sweep = summary[summary["bucket_size_batches"].notna()].sort_values("bucket_size_batches")
+    fig, (top, bottom) = plt.subplots(
+        2, 1, figsize=(SIZE[0], SIZE[1] * 1.25), sharex=True, height_ratios=(2.2, 1)
+    )
+    sweep = summary[summary["bucket_size_batches"].notna()].copy()
+    sweep["bucket_size_batches"] = sweep["bucket_size_batches"].astype("float64")
+    sweep = sweep.sort_values("bucket_size_batches")
+    sizes = sweep["bucket_size_batches"].to_numpy(dtype="float64")
     for column, style, name in (
         ("token_efficiency", "o-", "token efficiency"),
         ("attention_efficiency", "s--", "attention efficiency"),
     ):
-        ax.plot(sweep["diversity_rel_random"], sweep[column], style, markersize=4, label=name)
-    for _, row in sweep.iterrows():
-        ax.annotate(
-            f"{row['bucket_size_batches']:g}",
-            (row["diversity_rel_random"], row["token_efficiency"]),
-            textcoords="offset points",
-            xytext=(3, 4),
-            fontsize=7,
-        )
+        top.plot(sizes, sweep[column], style, markersize=4, label=name)
     packing = summary[summary["strategy"].str.startswith(PACKING)]
+    packing_notes = []
     for i, (_, row) in enumerate(packing.iterrows()):
-        ax.plot(
-            row["diversity_rel_random"],
-            row["token_efficiency"],
-            "*P"[i % 2],
-            markersize=11,
-            linestyle="none",
-            label=f"{row['strategy']} (token)",
-        )
+        top.axhline(
+            row["token_efficiency"], color=f"C{3 + i}", linestyle=":", linewidth=1.2,
+            label=f"{row['strategy']} token efficiency (no bucket size)",
+        )  # fmt: skip
+        packing_notes.append(f"{row['strategy']} {row['diversity_rel_random']:.3f}×")
     if recommended_size is not None:
-        chosen = sweep[sweep["bucket_size_batches"] == recommended_size]
-        ax.plot(
-            chosen["diversity_rel_random"],
-            chosen["token_efficiency"],
-            "o",
-            markersize=14,
-            markerfacecolor="none",
-            color="k",
-            label=f"recommended ({recommended_size:g} micro-batches/bucket)",
-        )
-    ax.set_xlabel(f"source diversity per {level} (relative to random)")
-    ax.set_ylabel("efficiency (real / padded)")
-    ax.set_title("Bucket-size sweep: efficiency vs diversity (labels: bucket size)")
-    ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=7, frameon=False, loc="lower left")
-    _save(fig, path, dpi)
+        chosen = sweep[sweep["bucket_size_batches"] == float(recommended_size)]
+        for ax, column in ((top, "token_efficiency"), (bottom, "diversity_rel_random")):
+            ax.plot(
+                chosen["bucket_size_batches"], chosen[column], "o", markersize=13,
+                markerfacecolor="none", color="k",
+                label=f"recommended ({float(recommended_size):g} micro-batches/bucket)"
+                if ax is top else None,
+            )  # fmt: skip
+    top.set_ylim(0, 1.05)
+    top.set_ylabel("efficiency (real / padded)")
+    top.set_title("Bucket-size sweep: efficiency and source diversity")
+    top.legend(fontsize=7, frameon=False, loc="lower right")
+    bottom.plot(sizes, sweep["diversity_rel_random"], "o-", color="C2", markersize=4)
+    bottom.axhline(1.0, color="0.6", linewidth=0.8)
+    low = float(np.nanmin(sweep["diversity_rel_random"])) if len(sweep) else 1.0
+    high = float(np.nanmax(sweep["diversity_rel_random"])) if len(sweep) else 1.0
+    pad = max((high - low) * 0.25, 0.005)
+    bottom.set_ylim(min(low, 1.0) - pad, max(high, 1.0) + pad)
+    bottom.set_ylabel(f"diversity per\n{level}, × random", fontsize=8)
+    if packing_notes:
+        bottom.text(
+            0.99, 0.05, "packing: " + ", ".join(packing_notes), transform=bottom.transAxes,
+            ha="right", va="bottom", fontsize=7, color="0.3",
+        )  # fmt: skip
+    bottom.set_xscale("log")
+    ticks = spaced_ticks(sizes, recommended_size)
+    bottom.set_xticks(ticks, [f"{v:g}" for v in ticks], fontsize=7)
+    bottom.minorticks_off()
+    bottom.set_xlabel("bucket size (micro-batches per bucket, log; 1 = random, largest = sort)")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.subplots_adjust(left=0.13, right=0.97, bottom=0.11, top=0.94, hspace=0.08)
+    fig.savefig(path, dpi=dpi, metadata={"Software": None})
+    plt.close(fig)
 
 
 def kernel_shares(kernels: pd.DataFrame, path: str | Path, cpu_only: bool, dpi: int = DPI):
@@ -189,7 +232,7 @@ def kernel_shares(kernels: pd.DataFrame, path: str | Path, cpu_only: bool, dpi: 
     _save(fig, path, dpi, left=0.24)
 
 
-FIGURES = ("lengths", "scaling", "bucket", "kernels")
+FIGURES = ("lengths", "scaling", "bucket", "kernels", "replay_epoch", "replay_fit")
 
 
 def draw_all(
@@ -224,4 +267,14 @@ def draw_all(
         kernels = device_rows(tables["profile_kernels"], cpu_only)
         kernel_shares(kernels, directory / "kernels.png", cpu_only, dpi)
         drawn["kernels"] = "kernels.png"
+    if "replay" not in not_run and not tables["replay_estimates"].empty:
+        figures_replay.epoch_time_by_strategy(
+            tables["replay_estimates"], directory / "replay_epoch.png", dpi
+        )
+        drawn["replay_epoch"] = "replay_epoch.png"
+        if not tables["replay_fit"].empty and not tables["replay_steps"].empty:
+            figures_replay.fit_vs_measured(
+                tables["replay_fit"], tables["replay_steps"], directory / "replay_fit.png", dpi
+            )
+            drawn["replay_fit"] = "replay_fit.png"
     return drawn

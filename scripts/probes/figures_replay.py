@@ -40,13 +40,15 @@ def epoch_time_by_strategy(replay: pd.DataFrame, path: str | Path, dpi: int = DP
     frame = replay.copy()
     frame["_order"] = frame["saving_vs_random"].fillna(-np.inf)
     frame = frame.sort_values("_order", ascending=True)
+    groups = frame["tie_group"].dropna().value_counts()
     labels = []
     for row in frame.itertuples():
         text = str(row.strategy)
         if not row.valid:
             text += " (invalid)"
         elif pd.notna(row.rank):
-            text = f"#{int(row.rank)} {text}"
+            tied = pd.notna(row.tie_group) and groups.get(row.tie_group, 0) > 1
+            text = f"#{int(row.rank)}{' (tie)' if tied else ''} {text}"
         labels.append(text)
     y = np.arange(len(frame))
     value = frame["estimated_time_s"].to_numpy(dtype=float)

@@ -14,13 +14,19 @@ from typing import Any
 import pandas as pd
 
 from probes.contracts import PACKING, STAGES, STATUSES, TRAINING_STATUSES, table_columns
-from probes.report_format import MISSING, finite, fmt_tokens, fmt_value, label, reason_code
+from probes.report_format import MISSING, finite, fmt_value, label, reason_code
 from probes.report_load import NOT_RUN, ReportInputError, diversity_level_name, not_run_reason
+from probes.report_replay import (
+    change_measurement,
+    host_bound_overall,
+    measured_changes,
+    replay_fit,
+    replay_problem,
+)
 from probes.report_savings import (
     change_saving,
     fit_problem,
     recommendations,
-    training_lengths,
     usable_fit,
     waste_table,
 )
@@ -494,41 +500,33 @@ def provenance_section(
 def summary_section(
     inputs: Mapping[str, Any], scaling: Mapping[str, Any], mask: Mapping[str, Any], limit: int
 ) -> dict[str, Any]:
+    """The Summary: changes ranked by the replay's measured saving with its 95% interval
+    (``probes.report_replay.measured_changes``), the fit's prediction beside each, and the
+    changes that save memory rather than time. Without a replay the changes are listed
+    unpriced: no fit or efficiency bracket stands in for a measurement."""
     tables, jsons, not_run = inputs["tables"], inputs["json"], inputs["not_run"]
     recs = recommendations(tables, jsons, not_run, limit=limit)
-    problem = fit_problem(tables, not_run)
-    if problem:
-        fit_note = (
-            f"No time model: {problem}. Savings are given as the range between a step whose "
-            "cost is linear in length (token efficiency) and one whose cost is quadratic "
-            "(attention efficiency)."
-        )
-    elif scaling.get("cpu_only"):
-        fit_note = (
-            "**The scaling fit came from the CPU**, at lengths up to "
-            f"{fmt_tokens(scaling.get('max_fitted_len'))}: its a/b/c do not transfer to a GPU, "
-            "so the savings below are indicative only. Rerun the profile on the training GPU."
-        )
-    else:
-        fit_note = (
-            f"Savings combine the scaling fit measured on {scaling.get('device')} with the "
-            "padding/bucket efficiencies."
-        )
-    extrapolated = None
-    lengths = training_lengths(tables["padding_lengths"]) if "padding" not in not_run else None
-    if not problem and lengths is not None and len(lengths):
-        p99, top = float(lengths.quantile(0.99)), scaling.get("max_fitted_len")
-        if top and p99 > top:
-            extrapolated = {"p99": p99, "max_fitted_len": top}
+    problem = replay_problem(tables, not_run)
+    measured = None if problem else measured_changes(tables, jsons, not_run)
     failed = [c for c in controls_section(jsons, not_run) if c["result"] == "FAILED"]
     return {
-        "recommendations": recs,
-        "fit_note": fit_note,
-        "priced": problem is None,
-        "extrapolated": extrapolated,
+        "measured": measured,
+        "replay_problem": problem,
+        # without a replay: what the padding and bucket stages found, titles only, no saving
+        "unpriced": [r for r in recs if r["kind"] == "time"] if problem else [],
+        "memory": [r for r in recs if r["kind"] == "memory"],
         "not_run": dict(not_run),
         "failed_controls": failed,
     }
+
+
+def estimated_saving(
+    change: Mapping[str, Any], tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]
+) -> dict[str, Any] | None:
+    """A change the replay did not measure: the estimate from token counts (and the profile's
+    fit where it is usable), labelled as such."""
+    estimate = change_saving(change, tables, not_run)
+    return None if estimate is None else {**estimate, "source": "estimated"}
 
 
 def apply_section(
@@ -537,8 +535,9 @@ def apply_section(
     not_run: Mapping[str, str],
 ) -> dict[str, Any]:
     """ "Apply it": each change of ``recommendations.json`` (probes.apply) with its snippets,
-    the libraries they were verified against, tokens per update, the caveat and the estimated
-    saving (``report_savings.change_saving``; measured savings replace it when a replay exists).
+    the libraries they were verified against, tokens per update, the caveat and its saving:
+    measured where the replay measured that change (``report_replay.change_measurement``),
+    else the estimate (``report_savings.change_saving``), each labelled with its source.
     """
     if document is None:
         return _not_run("no recommendations document was built")
@@ -550,6 +549,9 @@ def apply_section(
         for name, info in (document.get("libraries") or {}).items()
         if isinstance(info, Mapping)
     }
+    # Measure the decision: once the replay has timed strategies, a change it did not time gets
+    # no estimated price beside the measured ones (an estimate next to a measurement reads as one).
+    replayed = "replay" not in not_run and not tables.get("replay_estimates", pd.DataFrame()).empty
     changes, skipped = [], []
     for change in document.get("changes") or []:
         if not change.get("applies"):
@@ -573,7 +575,8 @@ def apply_section(
                     }
                     for library, result in (change.get("verification") or {}).items()
                 },
-                "saving": change_saving(change, tables, not_run),
+                "saving": change_measurement(change, tables, not_run)
+                or (None if replayed else estimated_saving(change, tables, not_run)),
                 "tokens_before": finite(tokens.get("before")),
                 "tokens_after": finite(tokens.get("after")),
                 "tokens_how": tokens.get("how"),
@@ -583,6 +586,7 @@ def apply_section(
     baseline = document.get("baseline") or {}
     return {
         "status": "ok",
+        "replayed": replayed,
         "libraries": libraries,
         "baseline": {
             "micro_batch_size": baseline.get("micro_batch_size"),
@@ -612,6 +616,12 @@ def build_context(
     return {
         "summary": summary_section(inputs, scaling, mask, max_recommendations),
         "scaling": scaling,
+        # the replay's fit and host-bound share, shown in Scaling whether or not the profile ran
+        "replay": {
+            "fit": replay_fit(tables, not_run),
+            "host_bound": host_bound_overall(tables, not_run),
+            "not_run": not_run.get("replay"),
+        },
         "padding": padding_section(tables, not_run, top_sources),
         "ce": ce_section(tables, not_run),
         "kernels": kernels_section(tables, not_run, jsons),

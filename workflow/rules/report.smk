@@ -2,8 +2,6 @@ rule report:
     input:
         # every probe output, keyed <stage>_<key> (probes.contracts.report_inputs)
         **report_inputs(),
-        # the replay (issue 12): measured savings per strategy, keyed replay_<key>
-        **{f"replay_{key}": path for key, path in stage_outputs("replay").items()},
         # from the workflow source, not the working directory (--directory elsewhere)
         template=workflow.source_path("../templates/playbook-evidence.md.j2"),
     output:
