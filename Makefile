@@ -24,5 +24,5 @@ test: setup
 	. $(BIN)/activate && pytest
 
 lint: setup
-	. $(BIN)/activate && ruff check scripts tests bench && ruff format --check scripts tests bench \
+	. $(BIN)/activate && ruff check scripts tests bench tools && ruff format --check scripts tests bench tools \
 		&& snakefmt --check Snakefile workflow && snakemake --lint

@@ -21,8 +21,8 @@ def tool(name: str) -> str:
 @pytest.mark.parametrize(
     "command",
     [
-        ["ruff", "check", "scripts", "tests", "bench"],
-        ["ruff", "format", "--check", "scripts", "tests", "bench"],
+        ["ruff", "check", "scripts", "tests", "bench", "tools"],
+        ["ruff", "format", "--check", "scripts", "tests", "bench", "tools"],
         ["snakefmt", "--check", "Snakefile", "workflow"],
     ],
     ids=["ruff-check", "ruff-format", "snakefmt"],

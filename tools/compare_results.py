@@ -4,8 +4,9 @@
 
 Parquet tables are compared as data (provenance metadata ignored). Timed columns (`*time*`,
 `*_s`, `mfu`, shares, memory, fitted coefficients) differ run to run, so for profile tables
-only the shape, the columns and the untimed text/integer columns (as sets of rows) are compared; JSON files are compared with their run-specific keys
-(provenance, wall time, dates) removed. Prints one line per file and exits 1 on a difference.
+only the shape, the columns and the untimed text/integer columns (as sets of rows) are
+compared; JSON files are compared with their run-specific keys (provenance, wall time, dates)
+removed. Prints one line per file and exits 1 on a difference.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ import torch
 from probes import batches as bt
 from probes import fit as ft
 from probes import plans as pl
+from probes.contracts import HOST_BOUND_THRESHOLD
 from probes.replay_strata import stratified_sample
 from probes.timing import OK, OOM, is_out_of_memory, release_memory, synchronize, wall_time
 
-HOST_BOUND_THRESHOLD = 0.7
 MICRO_BATCH, OPTIMIZER_STEP, FIT_POINT = "micro_batch", "optimizer_step", "fit_point"
 TIMER = "host wall between device synchronisations (probes.timing.wall_time)"
 

@@ -18,6 +18,7 @@ import pandas as pd
 
 from probes.contracts import (
     GLOBAL_SORT,
+    HOST_BOUND_THRESHOLD,
     LENGTH_GROUPED,
     PACKING,
     PAD_TO_MAX_SEQ_LEN,
@@ -33,7 +34,6 @@ CHANGE_STRATEGY = {
     PACKING: PACKING,
     "drop_no_loss_examples": RANDOM_NO_IDLE,
 }
-HOST_BOUND_THRESHOLD = 0.7  # probes.replay.HOST_BOUND_THRESHOLD: GPU busy below this share
 C_MEANING = (
     "c is the fixed cost of one eager step at these shapes: on a GPU mostly host launch "
     "overhead (Python and kernel launches the card waits on), not a per-micro-batch cost that "
