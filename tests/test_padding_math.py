@@ -1,4 +1,5 @@
-"""Padding waste, distribution and CE sizing: the pure functions of probes.padding."""
+"""Padding waste, distribution and CE sizing: the pure functions of probes.padding, and its
+control (probes.padding_control)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from probes.data import STATUSES
 from probes.padding import (
     GIB,
     STOCK_BYTES_PER_LOGIT,
-    brute_force_random_slots,
     ce_chunk_rows,
     ce_shapes,
     distribution_table,
@@ -22,9 +22,9 @@ from probes.padding import (
     model_dims,
     next_pow2,
     summary_table,
-    synthetic_control,
     waste_rows,
 )
+from probes.padding_control import brute_force_random_slots, synthetic_control
 
 
 def lengths_frame(n_tokens, statuses=None, sources=None, loss=None):

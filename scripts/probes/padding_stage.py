@@ -29,8 +29,8 @@ from probes.padding import (
     model_dims,
     no_usable_files,
     summary_table,
-    synthetic_control,
 )
+from probes.padding_control import synthetic_control
 from probes.settings import WorkflowConfig, as_dict
 from probes.stage import all_or_nothing
 from probes.tokenize import (
