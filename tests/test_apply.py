@@ -1,4 +1,5 @@
-"""probes.apply: every recommended change as settings that paste into the installed libraries."""
+"""probes.apply and its parts (apply_changes, apply_libraries, apply_snippets): every recommended
+change as settings that paste into the installed libraries."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from probes import apply, bucket, bucket_controls, orders
+from probes import (
+    apply,
+    apply_changes,
+    apply_libraries,
+    apply_snippets,
+    bucket,
+    bucket_controls,
+    orders,
+)
 from probes.contracts import TRAINING_STATUSES
 from probes.lengths import lengths_from_frame
 
@@ -43,7 +52,7 @@ def recommendation() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def document(recommendation) -> dict[str, Any]:
     return apply.recommendations_document(
-        recommendation, TRAINING, apply.installed_libraries(), no_loss_examples=12
+        recommendation, TRAINING, apply_libraries.installed_libraries(), no_loss_examples=12
     )
 
 
@@ -57,7 +66,7 @@ def build(cls: type, kwargs: dict[str, Any]) -> Any:
 
 
 def test_installed_libraries_are_read_from_the_classes():
-    libraries = apply.installed_libraries()
+    libraries = apply_libraries.installed_libraries()
     assert libraries["transformers"]["version"] == transformers.__version__
     assert libraries["trl"]["version"] == trl.__version__
     fields = {f.name for f in __import__("dataclasses").fields(transformers.TrainingArguments)}
@@ -125,7 +134,7 @@ def test_recommended_size_equal_to_hf_default_uses_the_builtin_setting(recommend
         **recommendation,
         "recommended": {**recommendation["recommended"], "bucket_size_batches": m_hf},
     }
-    document = apply.recommendations_document(same, TRAINING, apply.installed_libraries())
+    document = apply.recommendations_document(same, TRAINING, apply_libraries.installed_libraries())
     by_id = changes_by_id(document)
     change = by_id["length_grouped"]
     assert change["expressible_in_training_arguments"] is True
@@ -138,12 +147,12 @@ def test_recommended_size_equal_to_hf_default_uses_the_builtin_setting(recommend
 def test_legacy_transformers_gets_the_boolean_flag():
     legacy = {"version": "4.56.0", "sampling_field": "group_by_length"}
     legacy["sampling_strategies"] = ["random", "group_by_length"]
-    assert apply.sampling_kwargs("group_by_length", legacy) == {"group_by_length": True}
-    assert apply.sampling_kwargs("batch_rebalance", legacy) is None
+    assert apply_libraries.sampling_kwargs("group_by_length", legacy) == {"group_by_length": True}
+    assert apply_libraries.sampling_kwargs("batch_rebalance", legacy) is None
 
 
 def test_batch_rebalance_needs_the_strategy_and_the_sweep_row(recommendation):
-    libraries = apply.installed_libraries()
+    libraries = apply_libraries.installed_libraries()
     legacy = {
         **libraries,
         "transformers": {
@@ -192,8 +201,8 @@ def test_packing_keeps_tokens_per_update_comparable(recommendation, document):
     ],
 )
 def test_packing_plan(micro, grad_accum, mean, longest, max_seq_len, fill, rows, accum):
-    base = apply.Baseline(micro, grad_accum, max_seq_len, 1000, mean * 1000, longest)
-    plan = apply.packing_plan(base, n_bins=round(mean * 1000 / fill))
+    base = apply_changes.Baseline(micro, grad_accum, max_seq_len, 1000, mean * 1000, longest)
+    plan = apply_changes.packing_plan(base, n_bins=round(mean * 1000 / fill))
     assert (plan["per_device_train_batch_size"], plan["gradient_accumulation_steps"]) == (
         rows,
         accum,
@@ -213,7 +222,7 @@ def test_no_loss_filter_keeps_examples_with_a_loss_token(document):
     assert keep({"labels": [-100, -100, 7]}) is True
     assert keep({"labels": [-100, -100]}) is False
     empty = apply.recommendations_document(
-        bucket_recommendation(600), TRAINING, apply.installed_libraries(), 0, verify=False
+        bucket_recommendation(600), TRAINING, apply_libraries.installed_libraries(), 0, verify=False
     )
     assert changes_by_id(empty)["drop_no_loss_examples"]["applies"] is False
 
@@ -239,9 +248,9 @@ def test_verification_catches_what_the_library_would_reject_or_ignore(kwargs, re
         pytest.skip("transformers 4.x: no train_sampling_strategy")
     snippet = {
         "imports": ["from transformers import TrainingArguments"],
-        "args": "args = " + apply.call_text("TrainingArguments", kwargs),
+        "args": "args = " + apply_snippets.call_text("TrainingArguments", kwargs),
     }
-    result = apply.verify_snippet(snippet, kwargs)
+    result = apply_libraries.verify_snippet(snippet, kwargs)
     assert result["verified"] is False
     assert reason in result["reason"]
 
@@ -249,7 +258,9 @@ def test_verification_catches_what_the_library_would_reject_or_ignore(kwargs, re
 def test_nothing_to_gain_is_said_not_invented(recommendation):
     flat = {**recommendation, "status": "nothing_to_gain"}
     flat["recommended"] = {**recommendation["recommended"], "bucket_size_batches": 1}
-    document = apply.recommendations_document(flat, TRAINING, apply.installed_libraries(), 0, False)
+    document = apply.recommendations_document(
+        flat, TRAINING, apply_libraries.installed_libraries(), 0, False
+    )
     change = changes_by_id(document)["length_grouped"]
     assert change["applies"] is False and "nothing to gain" in change["reason"]
 
@@ -258,12 +269,12 @@ def test_missing_inputs_are_named():
     with pytest.raises(KeyError, match="examples_used"):
         apply.recommendations_document({"recommended": {}}, TRAINING, {}, verify=False)
     with pytest.raises(KeyError, match="training.grad_accum"):
-        apply.baseline_from(
+        apply_changes.baseline_from(
             {"input": {"examples_used": 1, "real_tokens": 1}}, {"micro_batch_size": 1}
         )
 
 
 def test_tokens_per_update_is_the_mean_step():
-    base = apply.Baseline(2, 8, 4096, 4, 400, 200)
+    base = apply_changes.Baseline(2, 8, 4096, 4, 400, 200)
     assert base.tokens_per_update == pytest.approx(16 * 100)
     assert np.isclose(base.mean_length, 100)
