@@ -26,9 +26,9 @@ from conftest import CANARY, workflow_config
 from probes import report as rep
 from probes import report_format as fmt
 from probes import report_load as load
+from probes import report_profile, report_stage
 from probes import report_savings as savings
 from probes import report_sections as sections
-from probes import report_stage
 from probes.contracts import STAGES, TABLES, TRAINING_STATUSES, table_columns
 from probes.flops import MFU_CONVENTION
 from probes.io import read_json, write_json, write_parquet
@@ -80,7 +80,7 @@ def section(markdown: str, title: str) -> str:
 def test_all_sections_present_in_order(rendered):
     markdown, _ = rendered
     titles = re.findall(r"^## (.+)$", markdown, re.M)
-    assert titles == list(sections.SECTION_TITLES)
+    assert titles == list(rep.SECTION_TITLES)
 
 
 def test_every_linked_figure_exists(rendered):
@@ -331,7 +331,7 @@ def test_canary_never_rendered(rendered):
 
 def test_profile_not_run_renders_not_run(rendered_not_run):
     markdown, out = rendered_not_run
-    assert re.findall(r"^## (.+)$", markdown, re.M) == list(sections.SECTION_TITLES)
+    assert re.findall(r"^## (.+)$", markdown, re.M) == list(rep.SECTION_TITLES)
     for title in ("Scaling", "Kernels"):
         assert f"**Not run.** {NOT_RUN_REASON}" in section(markdown, title)
     assert f"Wall clock: **Not run.** {NOT_RUN_REASON}" in section(markdown, "Cross-entropy")
@@ -663,7 +663,7 @@ def test_ce_effect_of_a_failed_variant_is_not_invented():
         {"variant": "loss_positions_unchunked", "status": "OK", "time_s": 0.2},
         {"variant": "loss_positions_chunked", "status": "OK", "time_s": 0.05},
     ]
-    effects = sections.ce_effects(rows)
+    effects = report_profile.ce_effects(rows)
     assert effects["position_selection"] is None
     assert effects["chunking"] == pytest.approx(
         {"before_s": 0.2, "after_s": 0.05, "saved_s": 0.15, "ratio": 0.25}

@@ -1,8 +1,10 @@
-"""The report's sections: one builder per section of the template, then ``build_context``.
+"""The report's sections: one builder per section of the template, and what they share.
 
 Each builder returns plain dicts and lists for the template, {"status": "not_run", "reason": ...}
 when the stage behind it did not run. Rows carry only the contract's columns (``_records``), so no
-column a stage wrote outside ``probes.contracts.TABLES`` is ever rendered.
+column a stage wrote outside ``probes.contracts.TABLES`` is ever rendered. The profile's sections
+are in ``probes.report_profile``, "Apply it" in ``probes.report_apply``; ``probes.report``
+assembles them all (``build_context``).
 """
 
 from __future__ import annotations
@@ -16,20 +18,8 @@ import pandas as pd
 from probes.contracts import PACKING, STAGES, STATUSES, TRAINING_STATUSES, table_columns
 from probes.report_format import MISSING, finite, fmt_value, label, reason_code
 from probes.report_load import NOT_RUN, ReportInputError, diversity_level_name, not_run_reason
-from probes.report_replay import (
-    change_measurement,
-    host_bound_overall,
-    measured_changes,
-    replay_fit,
-    replay_problem,
-)
-from probes.report_savings import (
-    change_saving,
-    fit_problem,
-    recommendations,
-    usable_fit,
-    waste_table,
-)
+from probes.report_replay import measured_changes, replay_problem
+from probes.report_savings import recommendations, waste_table
 
 OTHER_SOURCES = "(other)"  # the padding stage pools sources beyond its limit under this label
 DISTRIBUTION_STATS = ("count", "tokens", "p50", "p90", "p99", "max")
@@ -56,65 +46,6 @@ def _device_name(device: Any) -> str:
     if isinstance(device, Mapping):
         return str(device.get("name") or device.get("type") or "unknown")
     return str(device) if device else "unknown"
-
-
-def scaling_section(
-    tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str], jsons: Mapping[str, Any]
-) -> dict[str, Any]:
-    if "profile" in not_run:
-        return _not_run(not_run["profile"])
-    provenance = jsons["profile_provenance"]
-    scaling = tables["profile_scaling"].sort_values("seq_len")
-    fit = tables["profile_fit"]
-    ok = scaling["status"] == "OK"
-    return {
-        "status": "ok",
-        "cpu_only": bool(provenance.get("cpu_only")),
-        "device": _device_name(provenance.get("device")),
-        # probes.dtype_choice: the dtype the profile ran in and why (provenance.json)
-        "dtype": provenance.get("dtype"),
-        "dtype_reason": provenance.get("dtype_reason"),
-        # probes.flops.MFU_CONVENTION: how the `mfu` column counts model FLOPs
-        "mfu_convention": provenance.get("mfu_convention"),
-        "points": _records(scaling, table_columns("profile_scaling")),
-        "n_ok": int(ok.sum()),
-        "n_failed": int((~ok).sum()),
-        "fit": _records(fit, table_columns("profile_fit"))[0] if not fit.empty else None,
-        "fit_usable": usable_fit(tables, not_run) is not None,
-        "fit_problem": fit_problem(tables, not_run),
-        "max_fitted_len": finite(scaling.loc[ok, "seq_len"].max()),
-        "penalty": _records(
-            tables["profile_padding_penalty"], table_columns("profile_padding_penalty")
-        ),
-    }
-
-
-CE_ALL_UNCHUNKED = "all_positions_unchunked"
-CE_LOSS_UNCHUNKED = "loss_positions_unchunked"
-CE_LOSS_CHUNKED = "loss_positions_chunked"
-
-
-def _effect(before: Mapping[str, Any] | None, after: Mapping[str, Any] | None) -> dict | None:
-    """One change between two CE variants: both times, the time saved and after/before."""
-    if before is None or after is None:
-        return None
-    t0, t1 = finite(before.get("time_s")), finite(after.get("time_s"))
-    if t0 is None or t1 is None or t0 <= 0:
-        return None
-    return {"before_s": t0, "after_s": t1, "saved_s": t0 - t1, "ratio": t1 / t0}
-
-
-def ce_effects(rows: Sequence[Mapping[str, Any]]) -> dict[str, dict | None]:
-    """The CE variants' two effects apart: position selection (all positions → loss positions,
-    both unchunked) and chunking (loss positions unchunked → chunked). None where a variant
-    did not run or failed (e.g. OOM)."""
-    by_variant = {row["variant"]: row for row in rows if row.get("status") == "OK"}
-    return {
-        "position_selection": _effect(
-            by_variant.get(CE_ALL_UNCHUNKED), by_variant.get(CE_LOSS_UNCHUNKED)
-        ),
-        "chunking": _effect(by_variant.get(CE_LOSS_UNCHUNKED), by_variant.get(CE_LOSS_CHUNKED)),
-    }
 
 
 def distribution_rows(distribution: pd.DataFrame, top_sources: int) -> tuple[list[dict], int]:
@@ -182,51 +113,6 @@ def padding_section(
         "waste": waste_table(summary).to_dict(orient="records"),
         "train_tokens": float(lengths.loc[trains, "n_tokens"].sum()),
         "loss_tokens": float(lengths.loc[trains, "n_loss_tokens"].sum()),
-    }
-
-
-def ce_section(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) -> dict[str, Any]:
-    if "padding" in not_run:
-        chunks = _not_run(not_run["padding"])
-    else:
-        frame = tables["padding_ce_chunks"]
-        chunks = {
-            "status": "ok",
-            "rows": _records(frame, table_columns("padding_ce_chunks")),
-            "budget_gib": finite(frame["budget_gib"].iloc[0]) if "budget_gib" in frame else None,
-        }
-    if "profile" in not_run:
-        wall = _not_run(not_run["profile"])
-    else:
-        rows = _records(tables["profile_ce"], table_columns("profile_ce"))
-        for row in rows:
-            # the loss function each variant timed (stage-generated text, may carry its error)
-            row["source"] = stage_text(row["source"], 160) if row["source"] else None
-        wall = {"status": "ok", "rows": rows, "effects": ce_effects(rows)}
-    return {"status": "ok", "chunks": chunks, "wall": wall}
-
-
-def device_rows(kernels: pd.DataFrame, cpu_only: bool) -> pd.DataFrame:
-    """Device kernel rows only: the ATen op and the kernel it launched carry the same time."""
-    wanted = "CPU" if cpu_only else "CUDA"
-    return kernels[kernels["device_type"].astype(str).str.upper() == wanted]
-
-
-def kernels_section(
-    tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str], jsons: Mapping[str, Any]
-) -> dict[str, Any]:
-    if "profile" in not_run:
-        return _not_run(not_run["profile"])
-    cpu_only = bool(jsons["profile_provenance"].get("cpu_only"))
-    kernels = device_rows(tables["profile_kernels"], cpu_only)
-    kernels = kernels.sort_values("device_time_s", ascending=False)
-    return {
-        "status": "ok",
-        "cpu_only": cpu_only,
-        "rows": _records(kernels, table_columns("profile_kernels")),
-        "total_s": float(kernels["device_time_s"].sum()),
-        "share_sum": float(kernels["share"].sum()),
-        "dropped_rows": len(tables["profile_kernels"]) - len(kernels),
     }
 
 
@@ -518,131 +404,3 @@ def summary_section(
         "not_run": dict(not_run),
         "failed_controls": failed,
     }
-
-
-def estimated_saving(
-    change: Mapping[str, Any], tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]
-) -> dict[str, Any] | None:
-    """A change the replay did not measure: the estimate from token counts (and the profile's
-    fit where it is usable), labelled as such."""
-    estimate = change_saving(change, tables, not_run)
-    return None if estimate is None else {**estimate, "source": "estimated"}
-
-
-def apply_section(
-    document: Mapping[str, Any] | None,
-    tables: Mapping[str, pd.DataFrame],
-    not_run: Mapping[str, str],
-) -> dict[str, Any]:
-    """ "Apply it": each change of ``recommendations.json`` (probes.apply) with its snippets,
-    the libraries they were verified against, tokens per update, the caveat and its saving:
-    measured where the replay measured that change (``report_replay.change_measurement``),
-    else the estimate (``report_savings.change_saving``), each labelled with its source.
-    """
-    if document is None:
-        return _not_run("no recommendations document was built")
-    reason = not_run_reason(document)
-    if reason:
-        return _not_run(reason)
-    libraries = {
-        name: info.get("version") or f"not installed ({stage_text(info.get('reason'), 80)})"
-        for name, info in (document.get("libraries") or {}).items()
-        if isinstance(info, Mapping)
-    }
-    # Measure the decision: once the replay has timed strategies, a change it did not time gets
-    # no estimated price beside the measured ones (an estimate next to a measurement reads as one).
-    replayed = "replay" not in not_run and not tables.get("replay_estimates", pd.DataFrame()).empty
-    changes, skipped = [], []
-    for change in document.get("changes") or []:
-        if not change.get("applies"):
-            skipped.append({"id": change.get("id"), "reason": stage_text(change.get("reason"))})
-            continue
-        tokens = change.get("tokens_per_update") or {}
-        changes.append(
-            {
-                "id": change["id"],
-                "title": change.get("title"),
-                "how": change.get("how"),
-                "snippets": {
-                    library: snippet["text"]
-                    for library, snippet in (change.get("snippets") or {}).items()
-                    if isinstance(snippet, Mapping) and snippet.get("text")
-                },
-                "verification": {
-                    library: {
-                        "verified": result.get("verified"),
-                        "reason": stage_text(result.get("reason"), 160),
-                    }
-                    for library, result in (change.get("verification") or {}).items()
-                },
-                "saving": change_measurement(change, tables, not_run)
-                or (None if replayed else estimated_saving(change, tables, not_run)),
-                "tokens_before": finite(tokens.get("before")),
-                "tokens_after": finite(tokens.get("after")),
-                "tokens_how": tokens.get("how"),
-                "caveat": change.get("caveat"),
-            }
-        )
-    baseline = document.get("baseline") or {}
-    return {
-        "status": "ok",
-        "replayed": replayed,
-        "libraries": libraries,
-        "baseline": {
-            "micro_batch_size": baseline.get("micro_batch_size"),
-            "grad_accum": baseline.get("grad_accum"),
-            "tokens_per_update": finite(baseline.get("tokens_per_update")),
-        },
-        "changes": changes,
-        "skipped": skipped,
-    }
-
-
-def build_context(
-    inputs: Mapping[str, Any],
-    figures: Mapping[str, str | None],
-    report_meta: Mapping[str, Any],
-    top_sources: int = 8,
-    max_recommendations: int = 4,
-    recommendations_document: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Everything the template renders, as plain dicts and lists.
-
-    ``recommendations_document``: what the report stage writes as recommendations.json
-    (probes.apply.recommendations_document), for the "Apply it" section."""
-    tables, jsons, not_run = inputs["tables"], inputs["json"], inputs["not_run"]
-    scaling = scaling_section(tables, not_run, jsons)
-    mask = mask_section(tables, not_run, jsons)
-    return {
-        "summary": summary_section(inputs, scaling, mask, max_recommendations),
-        "scaling": scaling,
-        # the replay's fit and host-bound share, shown in Scaling whether or not the profile ran
-        "replay": {
-            "fit": replay_fit(tables, not_run),
-            "host_bound": host_bound_overall(tables, not_run),
-            "not_run": not_run.get("replay"),
-        },
-        "padding": padding_section(tables, not_run, top_sources),
-        "ce": ce_section(tables, not_run),
-        "kernels": kernels_section(tables, not_run, jsons),
-        "bucket": bucket_section(tables, not_run, jsons),
-        "apply": apply_section(recommendations_document, tables, not_run),
-        "mask": mask,
-        "controls": controls_section(jsons, not_run),
-        "provenance": provenance_section(inputs["provenance"], jsons, not_run, report_meta),
-        "figures": dict(figures),
-    }
-
-
-SECTION_TITLES = (
-    "Summary",
-    "Scaling",
-    "Padding",
-    "Cross-entropy",
-    "Kernels",
-    "Bucketing",
-    "Apply it",
-    "Mask gate",
-    "Controls",
-    "Provenance",
-)

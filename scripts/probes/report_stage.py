@@ -13,9 +13,8 @@ from typing import Any
 from probes import apply
 from probes.config import REPO_ROOT
 from probes.io import run_metadata
-from probes.report import linked_figures, render_markdown
+from probes.report import build_context, linked_figures, render_markdown
 from probes.report_load import ReportInputError, load_inputs, not_run_reason
-from probes.report_sections import build_context
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 
