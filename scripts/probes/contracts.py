@@ -316,8 +316,8 @@ TABLES: dict[str, TableSpec] = {
         ("category", "device_type", "device_time_s", "share"),
         ("share_of_wall", "n_kernels", "n_calls"),
     ),
-    # per strategy (probes.replay_estimate.REPLAY_COLUMNS): measured epoch time, saving vs random
-    # with its 95% bootstrap interval, rank and tie group, the fit's prediction beside it
+    # per strategy, in this column order (probes.replay_estimate): measured epoch time, saving vs
+    # random with its 95% bootstrap interval, rank and tie group, the fit's prediction beside it
     "replay_estimates": TableSpec(
         "replay",
         "Summary",

@@ -25,43 +25,14 @@ import pandas as pd
 
 from probes import fit as ft
 from probes import plans as pl
+from probes.contracts import table_columns
 from probes.replay_timing import MICRO_BATCH, ReplaySettings
 from probes.timing import OK
 
 CONFIDENCE = 0.95
 
-REPLAY_COLUMNS = (
-    "strategy",
-    "valid",
-    "invalid_reason",
-    "micro_batches",
-    "sampled",
-    "strata",
-    "estimated_time_s",
-    "ci_low_s",
-    "ci_high_s",
-    "saving_vs_random",
-    "saving_ci_low",
-    "saving_ci_high",
-    "rank",
-    "tie_group",
-    "optimizer_steps",
-    "optimizer_step_s",
-    "tokens_per_optimizer_step",
-    "grad_accum",
-    "grad_accum_for_same_tokens",
-    "real_tokens",
-    "computed_tokens",
-    "gpu_busy_share",
-    "host_bound_share",
-    "fit_predicted_saving",
-    "fit_predicted_time_s",
-    "fit_agrees",
-    "fit_reason",
-    "cpu_only",
-    "max_seq_len",
-    "note",
-)
+# The per-strategy table's columns: the contract's (required first, then optional).
+REPLAY_COLUMNS = table_columns("replay_estimates")
 
 
 # ---------------------------------------------------------------------------------------------
