@@ -18,10 +18,10 @@ import pandas as pd  # noqa: E402
 
 from probes import figures_replay  # noqa: E402
 from probes.contracts import PACKING, TRAINING_STATUSES  # noqa: E402
+from probes.report_findings import fit_problem  # noqa: E402
 from probes.report_format import label  # noqa: E402
 from probes.report_load import diversity_level_name  # noqa: E402
 from probes.report_profile import device_rows  # noqa: E402
-from probes.report_savings import fit_problem  # noqa: E402
 from probes.report_sections import OTHER_SOURCES  # noqa: E402
 
 DPI = 110

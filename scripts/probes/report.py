@@ -6,7 +6,7 @@ A number in the report is traceable in three hops: the template names a column
 The report is split by responsibility:
 
 - ``probes.report_load``: read and check every stage output (``load_inputs``);
-- ``probes.report_savings``: the time model, expected savings, the ranked recommendations;
+- ``probes.report_findings``: the stages' findings as counts (never a price), the fit check;
 - ``probes.report_sections``: one builder per section and what they share;
   ``probes.report_profile``: the profile's sections (scaling, cross-entropy, kernels);
   ``probes.report_apply``: the "Apply it" section;

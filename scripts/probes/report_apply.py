@@ -1,5 +1,5 @@
 """The report's "Apply it" section: each change of ``recommendations.json`` with its snippets,
-verification and saving, measured by the replay or else estimated, each labelled with its source."""
+verification and the saving the replay measured for it (none where it did not: no estimate)."""
 
 from __future__ import annotations
 
@@ -11,17 +11,7 @@ import pandas as pd
 from probes.report_format import finite
 from probes.report_load import not_run_reason
 from probes.report_replay import change_measurement
-from probes.report_savings import change_saving
 from probes.report_sections import _not_run, stage_text
-
-
-def estimated_saving(
-    change: Mapping[str, Any], tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]
-) -> dict[str, Any] | None:
-    """A change the replay did not measure: the estimate from token counts (and the profile's
-    fit where it is usable), labelled as such."""
-    estimate = change_saving(change, tables, not_run)
-    return None if estimate is None else {**estimate, "source": "estimated"}
 
 
 def apply_section(
@@ -32,7 +22,7 @@ def apply_section(
     """ "Apply it": each change of ``recommendations.json`` (probes.apply) with its snippets,
     the libraries they were verified against, tokens per update, the caveat and its saving:
     measured where the replay measured that change (``report_replay.change_measurement``),
-    else the estimate (``report_savings.change_saving``), each labelled with its source.
+    else none: no estimate stands in for a measurement.
     """
     if document is None:
         return _not_run("no recommendations document was built")
@@ -44,8 +34,7 @@ def apply_section(
         for name, info in (document.get("libraries") or {}).items()
         if isinstance(info, Mapping)
     }
-    # Measure the decision: once the replay has timed strategies, a change it did not time gets
-    # no estimated price beside the measured ones (an estimate next to a measurement reads as one).
+    # Measure the decision: a change the replay did not time gets no price at all
     replayed = "replay" not in not_run and not tables.get("replay_estimates", pd.DataFrame()).empty
     changes, skipped = [], []
     for change in document.get("changes") or []:
@@ -70,8 +59,7 @@ def apply_section(
                     }
                     for library, result in (change.get("verification") or {}).items()
                 },
-                "saving": change_measurement(change, tables, not_run)
-                or (None if replayed else estimated_saving(change, tables, not_run)),
+                "saving": change_measurement(change, tables, not_run),
                 "tokens_before": finite(tokens.get("before")),
                 "tokens_after": finite(tokens.get("after")),
                 "tokens_how": tokens.get("how"),

@@ -9,8 +9,8 @@ from typing import Any
 import pandas as pd
 
 from probes.contracts import table_columns
+from probes.report_findings import fit_problem
 from probes.report_format import finite
-from probes.report_savings import fit_problem, usable_fit
 from probes.report_sections import _device_name, _not_run, _records, stage_text
 
 
@@ -36,7 +36,7 @@ def scaling_section(
         "n_ok": int(ok.sum()),
         "n_failed": int((~ok).sum()),
         "fit": _records(fit, table_columns("profile_fit"))[0] if not fit.empty else None,
-        "fit_usable": usable_fit(tables, not_run) is not None,
+        "fit_usable": fit_problem(tables, not_run) is None,
         "fit_problem": fit_problem(tables, not_run),
         "max_fitted_len": finite(scaling.loc[ok, "seq_len"].max()),
         "penalty": _records(

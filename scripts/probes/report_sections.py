@@ -16,10 +16,10 @@ from typing import Any
 import pandas as pd
 
 from probes.contracts import PACKING, STAGES, STATUSES, TRAINING_STATUSES, table_columns
+from probes.report_findings import recommendations, waste_table
 from probes.report_format import MISSING, finite, fmt_value, label, reason_code
 from probes.report_load import NOT_RUN, ReportInputError, diversity_level_name, not_run_reason
 from probes.report_replay import measured_changes, replay_problem
-from probes.report_savings import recommendations, waste_table
 
 OTHER_SOURCES = "(other)"  # the padding stage pools sources beyond its limit under this label
 DISTRIBUTION_STATS = ("count", "tokens", "p50", "p90", "p99", "max")
