@@ -34,70 +34,17 @@ from typing import Any
 
 import numpy as np
 
-from probes import batch_metrics, bucket_controls, orders, rebalance
-from probes.lengths import LengthSet, read_lengths
-from probes.sampler import length_grouped_trainer, trainer_group_by_length_permutation
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the Trainer fixtures live with the tests
+
+from trainer_fixtures import RecordingCollator, TokenDataset, tiny_llama  # noqa: E402
+
+from probes import batch_metrics, bucket_controls, orders, rebalance  # noqa: E402
+from probes.lengths import LengthSet, read_lengths  # noqa: E402
+from probes.sampler import length_grouped_trainer, trainer_group_by_length_permutation  # noqa: E402
 
 SWEEP_SEEDS = (0, 1, 2, 3, 4)
 REBALANCE_TRAINER_SEED = 42  # BatchRebalanceSampler's default; the Trainer passes none
-VOCAB = 64
-
-
-class Recorder:
-    """Collator: pads to the longest row, records (rows, padded length) of each micro-batch."""
-
-    def __init__(self) -> None:
-        self.shapes: list[tuple[int, int]] = []
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        import torch
-
-        width = max(len(f["input_ids"]) for f in features)
-        ids = torch.zeros((len(features), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, feature in enumerate(features):
-            ids[row, : len(feature["input_ids"])] = torch.as_tensor(feature["input_ids"])
-            mask[row, : len(feature["input_ids"])] = 1
-        self.shapes.append((len(features), width))
-        return {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "labels": ids.masked_fill(mask == 0, -100),
-        }
-
-    @property
-    def padded_tokens(self) -> int:
-        return int(sum(r * w for r, w in self.shapes))
-
-
-class Examples:
-    """Token ids of the given lengths (constant ids: only shapes matter)."""
-
-    def __init__(self, lengths: np.ndarray) -> None:
-        self.lengths = lengths
-
-    def __len__(self) -> int:
-        return int(self.lengths.size)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return {"input_ids": [1 + index % (VOCAB - 1)] * int(self.lengths[index])}
-
-
-def tiny_model(max_len: int) -> Any:
-    import torch
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=max_len,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def make_trainer(config: str, lengths: np.ndarray, args: argparse.Namespace, out: str) -> Any:
@@ -119,10 +66,10 @@ def make_trainer(config: str, lengths: np.ndarray, args: argparse.Namespace, out
         train_sampling_strategy=strategy,
     )
     common = {
-        "model": tiny_model(int(lengths.max())),
+        "model": tiny_llama(int(lengths.max())),
         "args": training_args,
-        "train_dataset": Examples(lengths),
-        "data_collator": Recorder(),
+        "train_dataset": TokenDataset(lengths),
+        "data_collator": RecordingCollator(),
     }
     if config == "drop_in":
         return length_grouped_trainer(transformers.Trainer)(

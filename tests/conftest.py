@@ -68,8 +68,8 @@ def build_tiny_tokenizer(directory: Path) -> None:
     tokenizer.save_pretrained(directory)
 
 
-def build_tiny_gemma(directory: Path, vocab_size: int, sliding_window: int = 16) -> None:
-    """A 4-layer Gemma 3 (3 sliding : 1 full) with tiny hidden sizes, random init, bf16 on disk."""
+def tiny_gemma(vocab_size: int, sliding_window: int = 16):
+    """A 4-layer Gemma 3 (3 sliding : 1 full) with tiny hidden sizes, random init (seed 0)."""
     import torch
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
@@ -89,8 +89,14 @@ def build_tiny_gemma(directory: Path, vocab_size: int, sliding_window: int = 16)
         eos_token_id=1,
         bos_token_id=2,
     )
-    model = Gemma3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(directory)
+    return Gemma3ForCausalLM(config)
+
+
+def build_tiny_gemma(directory: Path, vocab_size: int, sliding_window: int = 16) -> None:
+    """tiny_gemma saved as a local HF directory, bf16 on disk (loaded in the profile's dtype)."""
+    import torch
+
+    tiny_gemma(vocab_size, sliding_window).to(torch.bfloat16).save_pretrained(directory)
 
 
 @pytest.fixture(scope="session")

@@ -5,27 +5,15 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from conftest import TINY_GEMMA3_CONFIG
 from probes import mask, mask_control, mask_gate, mask_layers, sdpa_backend
 from probes.mask_layers import GateError
 from probes.mask_scenarios import Scenario, packed_doc_ids
 
-BASE = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 32,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 512,
-}
-WINDOW = 8
-GEMMA3 = {
-    **BASE,
-    "model_type": "gemma3_text",
-    "sliding_window": WINDOW,
-    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
-}
+GEMMA3 = TINY_GEMMA3_CONFIG
+WINDOW = GEMMA3["sliding_window"]
+# the sizes alone, for other architectures (a Llama: one attention kind, no sliding window)
+BASE = {k: v for k, v in GEMMA3.items() if k not in ("model_type", "sliding_window", "layer_types")}
 LLAMA = {**BASE, "model_type": "llama"}
 TRAINING = {"micro_batch_size": 2, "max_seq_len": 24}
 

@@ -3,8 +3,8 @@ models (the counter is the independent computation: it counts the matmuls that r
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+from conftest import tiny_gemma
 from probes import batches as bt
 from probes import flops as fl
 from probes import reference_harness
@@ -19,27 +19,14 @@ def reference_options():
     reference_harness.configure({})  # no later test inherits these options
 
 
-def tiny_gemma(vocab: int = VOCAB) -> Gemma3ForCausalLM:
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=16,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-        pad_token_id=0,
-    )
-    model = Gemma3ForCausalLM(config)
+def tiny_gemma_sdpa(vocab: int = VOCAB):
+    model = tiny_gemma(vocab)  # conftest's 4-layer Gemma 3, random init
     model.config._attn_implementation = "sdpa"
     return model
 
 
 def lora_model(options=None):
-    model = tiny_gemma()
+    model = tiny_gemma_sdpa()
     active = fl.model_active_parameters(model)["active_params"]
     reference_harness.configure({"lora_r": 4, **(options or {})})
     model = reference_harness.apply_adapters(

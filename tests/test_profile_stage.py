@@ -49,7 +49,13 @@ def stage_config(**profile):
     schema = load_yaml(SCHEMA)["properties"]
     base = {
         "device": "cpu",
-        "cpu": {"lengths": LENGTHS, "warmup": 0, "repeats": 1, "kernel_steps": 1},
+        "cpu": {
+            "lengths": LENGTHS,
+            "warmup": 0,
+            "repeats": 1,
+            "kernel_steps": 1,
+            "padding_batches": 3,
+        },
         "ce_chunk_tokens": 8,
         "padding_draws": 16,
     }

@@ -130,11 +130,12 @@ def test_training_lengths_exclude_empty_and_error(tmp_path):
 
 def test_padding_pick_is_deterministic_and_fits():
     train = lengths_frame()
-    one = bt.pick_padding_batch(train, 2, max_len=150, seed=0)
-    two = bt.pick_padding_batch(train, 2, max_len=150, seed=0)
-    assert one == two
-    assert one.longest <= 150 and len(one.example_ids) == 2
-    assert 0 <= one.padding_waste < 1
+    one = bt.pick_padding_batches(train, 2, max_len=150, seed=0, n_batches=3)
+    two = bt.pick_padding_batches(train, 2, max_len=150, seed=0, n_batches=3)
+    assert one == two and len(one) == 3
+    assert len({frozenset(p.example_ids) for p in one}) == 3  # distinct batches
+    assert all(p.longest <= 150 and len(p.example_ids) == 2 for p in one)
+    assert all(0 <= p.padding_waste < 1 for p in one)
 
 
 def test_padded_and_packed_batches_have_the_same_tokens_with_loss():
@@ -208,6 +209,7 @@ def test_schema_defaults_fill_the_profile_section():
         "warmup": 1,
         "repeats": 2,
         "kernel_steps": 1,
+        "padding_batches": 2,
         "probe_length": None,
         "threads": 1,
     }

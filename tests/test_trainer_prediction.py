@@ -20,13 +20,13 @@ from probes.sampler import length_grouped_trainer, trainer_group_by_length_permu
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from trainer_fixtures import RecordingCollator, TokenDataset, tiny_llama  # noqa: E402
 
 N_EXAMPLES = 192
 MAX_LEN = 512
 MICRO = 4
 GRAD_ACCUM = 2
 SEED = 11
-VOCAB = 64
 TOLERANCE = 0.01
 TRAINER_REBALANCE_SEED = 42  # BatchRebalanceSampler's default; the Trainer passes none
 
@@ -40,63 +40,10 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-class TokenDataset(torch.utils.data.Dataset):
-    """Examples of the given lengths (random token ids; only shapes matter)."""
-
-    def __init__(self, lengths: np.ndarray, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        self.examples = [
-            {"input_ids": rng.integers(1, VOCAB, size=int(n)).tolist()} for n in lengths
-        ]
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.examples[index]
-
-
-class RecordingCollator:
-    """Pads each micro-batch to its longest row and records the shape fed to the model."""
-
-    def __init__(self) -> None:
-        self.shapes: list[tuple[int, int]] = []
-
-    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        width = max(len(f["input_ids"]) for f in features)
-        ids = torch.zeros((len(features), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, feature in enumerate(features):
-            n = len(feature["input_ids"])
-            ids[row, :n] = torch.tensor(feature["input_ids"])
-            mask[row, :n] = 1
-        labels = ids.masked_fill(mask == 0, -100)
-        self.shapes.append(tuple(ids.shape))
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-    @property
-    def padded_tokens(self) -> int:
-        return int(sum(rows * width for rows, width in self.shapes))
-
-
 def real_lengths() -> np.ndarray:
     """A heavy-tailed sample (the sweep's synthetic mixture), capped at MAX_LEN."""
     full, _ = bucket_controls.synthetic_lengths(N_EXAMPLES, seed=5)
     return np.minimum(full, MAX_LEN)
-
-
-def tiny_model() -> Any:
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=MAX_LEN,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def train_one_epoch(tmp_path: Any, lengths: np.ndarray, **kwargs: Any) -> RecordingCollator:
@@ -117,7 +64,7 @@ def train_one_epoch(tmp_path: Any, lengths: np.ndarray, **kwargs: Any) -> Record
     )
     collator = RecordingCollator()
     common = {
-        "model": tiny_model(),
+        "model": tiny_llama(MAX_LEN),
         "args": args,
         "train_dataset": TokenDataset(lengths),
         "data_collator": collator,

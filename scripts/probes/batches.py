@@ -41,29 +41,6 @@ class PaddingPick:
         return int(sum(self.n_tokens))
 
 
-def pick_padding_batch(
-    train: pd.DataFrame,
-    batch_size: int,
-    max_len: int,
-    seed: int,
-    draws: int = 256,
-    waste_quantile: float = 0.5,
-) -> PaddingPick:
-    """A random micro-batch as an unbucketed loader hands it out: of `draws` seeded random
-    batches whose longest member fits `max_len`, the one at `waste_quantile` of padding waste
-    (0.5: a typical batch; 0.9: a bad one)."""
-    eligible, picks, waste = _drawn_batches(train, batch_size, max_len, seed, draws)
-    order = np.argsort(waste, kind="stable")
-    at = int(order[int(round(waste_quantile * (len(order) - 1)))])
-    share = len(eligible) / len(train)
-    method = (
-        f"padding-waste quantile {waste_quantile:g} of {draws} seeded random batches "
-        f"(seed {seed}) drawn from the "
-        f"{len(eligible)} examples ({share:.1%}) with <= {max_len} tokens"
-    )
-    return _pick(eligible, picks[at], float(waste[at]), method)
-
-
 def _drawn_batches(
     train: pd.DataFrame, batch_size: int, max_len: int, seed: int, draws: int
 ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
@@ -150,7 +127,8 @@ def pick_padding_batches(
     quantiles: tuple[float, float] = PADDING_LENGTH_QUANTILES,
 ) -> list[PaddingPick]:
     """`n_batches` micro-batches from the upper length band (padding_length_band), each picked
-    like pick_padding_batch from its own seed, so the penalty comes with a spread."""
+    at the padding-waste quantile of seeded random draws (an unbucketed loader's batches),
+    distinct from each other, so the penalty comes with a spread."""
     band, how = padding_length_band(train, max_len, batch_size, quantiles)
     eligible, drawn, waste = _drawn_batches(band, batch_size, max_len, seed, draws)
     order = np.argsort(waste, kind="stable")

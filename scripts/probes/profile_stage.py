@@ -124,9 +124,7 @@ def run_profile(
         loss_share = bt.loss_fraction(train)
         loss_source = "n_loss_tokens / n_tokens of the padding lengths (training.loss_on)"
     # fail before loading weights if no micro-batch fits the longest length at all
-    bt.pick_padding_batch(
-        train, settings.micro_batch, max(settings.lengths), settings.seed, profile["padding_draws"]
-    )
+    bt.padding_length_band(train, max(settings.lengths), settings.micro_batch)
     harness = load_harness(profile["harness"])
 
     idle: dict[str, Any] = {"checked": False, "reason": "CPU run: no card to check"}
@@ -211,6 +209,9 @@ def run_profile(
             settings.seed,
             profile["padding_draws"],
             profile["padding_waste_quantile"],
+            n_batches=int(
+                profile["cuda" if settings.device.type == "cuda" else "cpu"]["padding_batches"]
+            ),
         )
         penalty = run_padding_penalty(runner, settings, picks, fit, vocab_size, pad_id)
     except LengthsError as error:

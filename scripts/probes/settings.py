@@ -87,6 +87,7 @@ class CudaProfileConfig:
     warmup: int
     repeats: int
     kernel_steps: int
+    padding_batches: int
     probe_length: int | None
 
 
@@ -96,6 +97,7 @@ class CpuProfileConfig:
     warmup: int
     repeats: int
     kernel_steps: int
+    padding_batches: int
     threads: int
     probe_length: int | None
 
