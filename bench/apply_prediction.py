@@ -39,7 +39,9 @@ sys.path.insert(0, str(REPO / "tests"))  # the Trainer fixtures live with the te
 
 from trainer_fixtures import RecordingCollator, TokenDataset, tiny_llama  # noqa: E402
 
-from probes import batch_metrics, bucket_controls, orders, rebalance  # noqa: E402
+from probes.batching import metrics as batch_metrics  # noqa: E402
+from probes.batching import orders, rebalance  # noqa: E402
+from probes.bucket import control as bucket_controls  # noqa: E402
 from probes.lengths import LengthSet, read_lengths  # noqa: E402
 from probes.sampler import length_grouped_trainer, trainer_group_by_length_permutation  # noqa: E402
 

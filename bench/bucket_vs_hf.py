@@ -2,7 +2,8 @@
 
 On N synthetic heavy-tailed lengths (default 1,000,000), times
 
-- ours: probes.bucket.sweep_bucket_sizes over every bucket size × seed (orderings, all metrics,
+- ours: probes.bucket.sweep.sweep_bucket_sizes over every bucket size × seed (orderings, all
+metrics,
   FFD and BFD packing) plus the collapse guard and the recommendation;
 - HF: transformers.trainer_pt_utils.get_length_grouped_indices producing the same number of
   orderings (same lengths as a list, as LengthGroupedSampler holds them, same bucket sizes, same
@@ -22,7 +23,9 @@ import time
 
 import numpy as np
 
-from probes import bucket, bucket_controls, orders, packing
+from probes.batching import orders, packing
+from probes.bucket import control as bucket_controls
+from probes.bucket import sweep as bucket
 from probes.lengths import LengthSet
 
 

@@ -42,7 +42,7 @@ def _load() -> float:
 def _command(scripts_dir: Path, config: Path, batch: int, seq_len: int, outdir: str) -> tuple:
     """The entry script's command line and where it writes gate.json and layers.parquet: the
     stage entry (default config, --set, --results) or, for an older checkout, its own flags."""
-    script = scripts_dir / "step0_mask.py"
+    script = scripts_dir / "run_mask.py"
     if "--configfile" in script.read_text() or "probes.stage" in script.read_text():
         command = [
             sys.executable,
@@ -166,8 +166,10 @@ def breakdown(config: Path, batch: int, seq_len: int) -> dict:
     """Per scenario: trace (model forward), of which mask building, and band extraction."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    from probes import mask_band, mask_gate, mask_layers
-    from probes.mask_trace import read_config_json
+    from probes.mask import band as mask_band
+    from probes.mask import layers as mask_layers
+    from probes.mask import verdict as mask_gate
+    from probes.mask.trace import read_config_json
 
     spent: dict[str, float] = {}
 
@@ -229,8 +231,8 @@ def breakdown(config: Path, batch: int, seq_len: int) -> dict:
 def trace_ablation(config: Path, batch: int, seq_len: int) -> dict:
     import torch
 
-    from probes import mask_trace
-    from probes.mask_scenarios import Scenario, _single_doc
+    from probes.mask import trace as mask_trace
+    from probes.mask.scenarios import Scenario, _single_doc
 
     inputs = Scenario("train", "", _single_doc(batch, seq_len)).inputs()
     timings = {}

@@ -1,5 +1,5 @@
 """How long rendering the report alone takes, cold: a fresh interpreter running
-scripts/render_report.py (imports of pandas, pyarrow, jinja2 and matplotlib included) over stage
+scripts/run_report.py (imports of pandas, pyarrow, jinja2 and matplotlib included) over stage
 outputs the size of the embedded default (7,168 examples from 35 sources) or larger.
 
     python bench/report_render.py [--examples 7168] [--sources 35] [--repeats 5]
@@ -30,8 +30,8 @@ def main() -> None:
 
     import stage_fixtures as fixtures  # the same builders the unit tests render from
 
-    from probes import report
     from probes.io import run_metadata, write_parquet
+    from probes.report import render as report
 
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "results"
@@ -41,7 +41,7 @@ def main() -> None:
         write_parquet(lengths, paths["padding_lengths"], meta)
         for name, frame in fixtures.padding_tables(lengths).items():
             write_parquet(frame, paths[f"padding_{name}"], meta)
-        command = [sys.executable, str(REPO / "scripts/render_report.py"), "--results", results]
+        command = [sys.executable, str(REPO / "scripts/run_report.py"), "--results", results]
         walls, cpus = [], []
         for _ in range(args.repeats):
             before = resource.getrusage(resource.RUSAGE_CHILDREN)

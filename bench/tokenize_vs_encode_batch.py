@@ -11,7 +11,8 @@ Timed regions (each ends after its output is freed, which is part of its cost):
                 add_special_tokens=False)`: one call over all texts.
   bare_batched  the same bare encode_batch called in the stage's batches, no counting: what
                 batching alone costs or saves.
-  stage         `probes.tokenize.encode_and_count(texts, spans, backend, ...)`: exactly what the
+  stage         `probes.padding.tokenize.encode_and_count(texts, spans, backend, ...)`: exactly
+  what the
                 stage runs after rendering: encode_batch in batches of padding.tokenize_batch_size,
                 token counts, loss-token counts per training.loss_on (boundary lookups, offset
                 fallback), truncation at training.max_seq_len; progress bar off.
@@ -56,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     from snakemake.utils import validate
     from tokenizers import Tokenizer
 
-    from probes.data import OK, load_examples
-    from probes.tokenize import (
+    from probes.padding.data import OK, load_examples
+    from probes.padding.tokenize import (
         encode_and_count,
         load_tokenizer,
         render_chats,

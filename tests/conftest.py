@@ -17,11 +17,11 @@ CHAT_TEMPLATE = REPO / "config" / "chat_templates" / "gemma.jinja"
 CANARY = "CANARY-7f3a9c-DO-NOT-LEAK"
 # The entry script of each stage (what its rule's `script:` names).
 STAGE_SCRIPTS = {
-    "mask": "step0_mask.py",
-    "padding": "step2_padding.py",
-    "bucket": "step_bucket.py",
-    "profile": "step1_profile.py",
-    "report": "render_report.py",
+    "mask": "run_mask.py",
+    "padding": "run_padding.py",
+    "bucket": "run_bucket_sweep.py",
+    "profile": "run_profile.py",
+    "report": "run_report.py",
 }
 # A 4-layer Gemma 3 text config (3 sliding, window 8 : 1 full) for the mask gate: config only.
 TINY_GEMMA3_CONFIG = {

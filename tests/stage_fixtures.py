@@ -12,10 +12,10 @@ import numpy as np
 import pandas as pd
 
 from conftest import CANARY
-from probes import bucket
+from probes.bucket import sweep as bucket
 from probes.contracts import BATCH_REBALANCE, RANDOM, STAGES, TABLES, report_inputs
-from probes.flops import MFU_CONVENTION
 from probes.io import run_metadata, write_json, write_parquet
+from probes.profile.flops import MFU_CONVENTION
 
 NOT_RUN_REASON = "no GPU and profile.cpu_fallback is false"
 FIT = {"a": 2e-9, "b": 1e-4, "c": 0.05}  # seconds per micro-batch of 2 rows
@@ -64,7 +64,7 @@ def mask_layers() -> pd.DataFrame:
 
 
 def padding_lengths(n: int = 240, n_sources: int = 3) -> pd.DataFrame:
-    """probes.tokenize.LENGTH_COLUMNS, every status, plus a planted text column."""
+    """probes.padding.tokenize.LENGTH_COLUMNS, every status, plus a planted text column."""
     rng = np.random.default_rng(0)
     names = np.array(["chitchat", "support", "code"] + [f"topic-{i}" for i in range(n_sources)])
     sources = names[:n_sources][rng.integers(0, n_sources, n)]
@@ -99,7 +99,7 @@ def padding_lengths(n: int = 240, n_sources: int = 3) -> pd.DataFrame:
 
 
 def padding_tables(lengths: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """summary / distribution / ce_chunks in probes.padding's long formats."""
+    """summary / distribution / ce_chunks in probes.padding.waste's long formats."""
     usable = lengths[lengths["status"].isin(["OK", "TRUNCATED"])]
     summary = []
     waste = {
@@ -183,7 +183,7 @@ HF_BUCKET, ALL_BUCKET = 24, 117
 
 
 def bucket_sweep() -> pd.DataFrame:
-    """probes.bucket.sweep_bucket_sizes' columns: random, length_grouped, global_sort, packing
+    """probes.bucket.sweep.sweep_bucket_sizes' columns: random, length_grouped, global_sort, packing
     (ffd and bfd, with n_bins) and the batch_rebalance comparison row (variable micro-batches)."""
     rows = []
     sizes = [1, 2, 4, 8, HF_BUCKET, ALL_BUCKET]
@@ -234,12 +234,13 @@ POINT_KEYS = (
 
 
 def _point(row: pd.Series) -> dict:
-    """A summary row as probes.bucket.recommend writes its points (plain numbers, NA left out)."""
+    """A summary row as probes.bucket.sweep.recommend writes its points (plain numbers, NA left
+    out)."""
     return {k: float(row[k]) for k in POINT_KEYS if k in row and pd.notna(row[k])}
 
 
 def bucket_recommendation(summary: pd.DataFrame | None = None) -> dict:
-    """recommendation.json as probes.bucket_stage writes it, its points read off the summary."""
+    """recommendation.json as probes.bucket.stage writes it, its points read off the summary."""
     if summary is None:
         summary = bucket.summarise(bucket_sweep(), "step")
     by_size = summary.set_index("bucket_size_batches", drop=False)
@@ -270,7 +271,7 @@ def bucket_recommendation(summary: pd.DataFrame | None = None) -> dict:
 
 
 def profile_tables() -> dict[str, pd.DataFrame]:
-    """probes.profile_stage's tables (scaling with term shares, fit row, penalty, ce, kernels)."""
+    """probes.profile.stage's tables (scaling with term shares, fit row, penalty, ce, kernels)."""
     lengths = [1024, 2048, 4096, 8192]
     rows = []
     for t in lengths:
@@ -285,7 +286,7 @@ def profile_tables() -> dict[str, pd.DataFrame]:
                 "time_s": np.nan if oom else time_s,
                 "time_std_s": np.nan if oom else 0.002,
                 "peak_mem_bytes": np.nan if oom else 1.2e9 * t / 1024,
-                "mfu": np.nan if oom else 0.12,  # LoRA convention (probes.flops)
+                "mfu": np.nan if oom else 0.12,  # LoRA convention (probes.profile.flops)
                 "mfu_dense_6n": np.nan if oom else 0.31,  # the old 6·N·tokens reading
                 "quadratic_share": np.nan if oom else FIT["a"] * t * t / time_s,
                 "linear_share": np.nan if oom else FIT["b"] * t / time_s,
@@ -329,7 +330,7 @@ def profile_tables() -> dict[str, pd.DataFrame]:
             )
         ]
     )
-    # probes.profile_ce.run_ce: the step, then one change per row (positions, then chunking)
+    # probes.profile.ce_timing.run_ce: the step, then one change per row (positions, then chunking)
     ce = pd.DataFrame(
         {
             "variant": [
@@ -351,10 +352,11 @@ def profile_tables() -> dict[str, pd.DataFrame]:
             "source": [
                 "step time at this length (measured): harness.compute_loss + backward + "
                 "optimizer step",
-                "probes.ce.full_logits_cross_entropy (stock causal-LM loss: every position's "
+                "probes.step.ce.full_logits_cross_entropy (stock causal-LM loss: every position's "
                 "logits)",
-                "probes.ce.loss_positions_cross_entropy (stock loss on the loss positions' logits)",
-                "harness.loss_from_hidden (probes.reference_harness.loss_from_hidden)",
+                "probes.step.ce.loss_positions_cross_entropy (stock loss on the loss "
+                "positions' logits)",
+                "harness.loss_from_hidden (probes.step.reference_harness.loss_from_hidden)",
             ],
         }
     )
@@ -380,7 +382,7 @@ def profile_tables() -> dict[str, pd.DataFrame]:
 
 
 def flop_check(ratio: float = 1.04, tolerance: float = 0.15) -> dict:
-    """The profile's FLOP control as probes.flops.flop_counter_control writes it."""
+    """The profile's FLOP control as probes.profile.flops.flop_counter_control writes it."""
     return {
         "name": "analytic_flops_match_flop_counter",
         "description": "analytic linear FLOPs of the MFU convention over FlopCounterMode's count",
@@ -421,15 +423,15 @@ REPLAY_GRAD_ACCUM, REPLAY_MAX_LEN, REPLAY_BUCKET = 8, 4096, 4
 
 
 def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
-    """probes.replay_stage's three tables, made by the stage's own functions: the plans of the
-    fixture lengths (probes.plans), the stratified sample (probes.replay_timing.sample_all)
+    """probes.replay.stage's three tables, made by the stage's own functions: the plans of the
+    fixture lengths (probes.batching.plans), the stratified sample (probes.replay.timing.sample_all)
     'timed' at a known synthetic cost (no clock), the per-strategy table (strategy_table) with the
-    fit as its diagnostic, and the fit with bootstrap intervals (probes.fit.fit_with_intervals)."""
-    from probes import fit as ft
-    from probes import plans as pl
-    from probes.replay_control import SyntheticCost
-    from probes.replay_estimate import FitPricing, strategy_table
-    from probes.replay_timing import (
+    fit as its diagnostic, and the fit with bootstrap intervals
+    (probes.step.fit.fit_with_intervals)."""
+    from probes.batching import plans as pl
+    from probes.replay.control import SyntheticCost
+    from probes.replay.estimate import FitPricing, strategy_table
+    from probes.replay.timing import (
         FIT_POINT,
         HOST_BOUND_THRESHOLD,
         MICRO_BATCH,
@@ -439,6 +441,7 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
         batch_shape,
         sample_all,
     )
+    from probes.step import fit as ft
 
     lengths = padding_lengths()
     used = lengths[lengths["status"].isin(["OK", "TRUNCATED"])]
@@ -490,7 +493,7 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
 
 
 def replay_control(passed: bool = True) -> dict:
-    """replay_control.json as probes.replay_control.run_synthetic_control writes it (abridged)."""
+    """replay_control.json as probes.replay.control.run_synthetic_control writes it (abridged)."""
     return {
         "name": "replay_recovers_known_step_cost",
         "description": "a synthetic harness spins c + b*rows*T + a*rows*T^2 s per micro-batch",
@@ -519,7 +522,7 @@ def write_stage(
             "violations_total": 0,
             "violations": [],
             "headline": "1 of 6 decoder layers keep SDPA's is_causal fast path at 2x4096",
-            # as a CUDA run writes it (probes.mask: confirmation against what torch dispatched)
+            # as a CUDA run writes it (probes.mask.gate: confirmation against what torch dispatched)
             "confirm": {
                 "status": "agreed",
                 "ran": True,
@@ -542,7 +545,7 @@ def write_stage(
             write_parquet(frame, paths[f"padding_{name}"], meta)
     elif stage == "bucket":
         sweep = bucket_sweep()
-        # as probes.bucket_stage writes it: the one function that summarises the sweep
+        # as probes.bucket.stage writes it: the one function that summarises the sweep
         summary = bucket.summarise(sweep, "step")
         write_parquet(sweep, paths["bucket_sweep"], meta)
         write_parquet(summary, paths["bucket_summary"], meta)

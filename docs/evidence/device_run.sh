@@ -41,7 +41,7 @@ OUT="$EVIDENCE/gpu-run" MODEL=/tmp/gemma-3-270m-random RESULTS=.device/results \
 
 # 2) the mask gate with CUDA confirmation of the predicted backends (default and 27B configs)
 for name in gemma-3-270m:.device/model/config.json gemma-3-27b:config/models/gemma-3-27b-it/config.json; do
-  timeout 120 python3 scripts/step0_mask.py --set "model.config_path=${name#*:}" \
+  timeout 120 python3 scripts/run_mask.py --set "model.config_path=${name#*:}" \
     --results "$EVIDENCE/mask-${name%%:*}" --log "$EVIDENCE/mask-${name%%:*}.log" \
     > "$EVIDENCE/mask-${name%%:*}.stdout" 2>&1
   echo "mask ${name%%:*}: exit $?"

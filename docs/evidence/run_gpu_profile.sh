@@ -57,9 +57,9 @@ run_stage() {  # name, limit in seconds, script
   return $rc
 }
 
-run_stage profile 330 step1_profile.py
-run_stage replay 420 step_replay.py
-run_stage report 120 render_report.py
+run_stage profile 330 run_profile.py
+run_stage replay 420 run_replay.py
+run_stage report 120 run_report.py
 
 # the key numbers: the profile's evidence text, the replay's estimates, every control
 echo "## key numbers (full evidence under $OUT/results)"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from probes.errors import ProbeError
-from probes.harness import is_file_spec as is_harness_file
+from probes.step.harness import is_file_spec as is_harness_file
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"

@@ -72,7 +72,7 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
         "summary": "bucket/summary.parquet",
         "recommendation": "bucket/recommendation.json",
         "control": "bucket/control.json",
-        # every strategy's micro-batches for one seed (probes.plans), what the replay times
+        # every strategy's micro-batches for one seed (probes.batching.plans), what the replay times
         "plans": "bucket/plans.parquet",
     },
     "profile": {
@@ -85,7 +85,7 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
         "provenance": "profile/provenance.json",
         "control": "profile/control.json",
     },
-    # measured epoch time per strategy (probes.replay_stage); same gpu resource as profile
+    # measured epoch time per strategy (probes.replay.stage); same gpu resource as profile
     "replay": {
         "estimates": "profile/replay.parquet",
         "steps": "profile/replay_steps.parquet",
@@ -95,7 +95,7 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
     "report": {
         "markdown": "report/playbook-evidence.md",
         "figures": "report/figures",
-        # every recommended change as settings for the installed libraries (probes.apply)
+        # every recommended change as settings for the installed libraries (probes.apply.document)
         "recommendations": "report/recommendations.json",
     },
 }
@@ -168,7 +168,7 @@ TABLES: dict[str, TableSpec] = {
         ),
         ("fast_path", "violation", "band_source"),
     ),
-    # one row per example, every status (probes.tokenize.LENGTH_COLUMNS)
+    # one row per example, every status (probes.padding.tokenize.LENGTH_COLUMNS)
     "padding_lengths": TableSpec(
         "padding",
         "Padding",
@@ -225,7 +225,7 @@ TABLES: dict[str, TableSpec] = {
         ),
         ("n_steps", "is_hf_trainer_default", "padded_tokens_saved_vs_random"),
     ),
-    # mean over seeds per strategy x bucket size, in STRATEGY_ORDER (probes.bucket.summarise)
+    # mean over seeds per strategy x bucket size, in STRATEGY_ORDER (probes.bucket.sweep.summarise)
     "bucket_summary": TableSpec(
         "bucket",
         "Bucketing",
@@ -250,7 +250,8 @@ TABLES: dict[str, TableSpec] = {
     "profile_scaling": TableSpec(
         "profile",
         "Scaling",
-        # mfu: model FLOPs under the LoRA convention (provenance mfu_convention, probes.flops)
+        # mfu: model FLOPs under the LoRA convention (provenance mfu_convention,
+        # probes.profile.flops)
         ("seq_len", "batch", "status", "time_s", "peak_mem_bytes", "quadratic_share", "mfu"),
         # mfu_dense_6n: the old 6·N·tokens reading, shown beside for comparison
         (
@@ -280,7 +281,7 @@ TABLES: dict[str, TableSpec] = {
             "predicted_penalty",
         ),
         # medians over n_batches drawn batches, with the spread; prediction: its basis or
-        # "none: reason" (probes.profile_penalty.run_padding_penalty)
+        # "none: reason" (probes.profile.penalty.run_padding_penalty)
         (
             "measured_penalty_min",
             "measured_penalty_max",
@@ -297,7 +298,7 @@ TABLES: dict[str, TableSpec] = {
         "profile",
         "Cross-entropy",
         # variants: train_step | all_positions_unchunked | loss_positions_unchunked |
-        # loss_positions_chunked (probes.profile_ce.run_ce); source: the loss function timed
+        # loss_positions_chunked (probes.profile.ce_timing.run_ce); source: the loss function timed
         ("variant", "status", "time_s", "step_share"),
         (
             "positions",
@@ -316,7 +317,7 @@ TABLES: dict[str, TableSpec] = {
         ("category", "device_type", "device_time_s", "share"),
         ("share_of_wall", "n_kernels", "n_calls"),
     ),
-    # per strategy, in this column order (probes.replay_estimate): measured epoch time, saving vs
+    # per strategy, in this column order (probes.replay.estimate): measured epoch time, saving vs
     # random with its 95% bootstrap interval, rank and tie group, the fit's prediction beside it
     "replay_estimates": TableSpec(
         "replay",
@@ -404,7 +405,7 @@ CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
 JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "mask_gate": ("mask", ("passed", "confirm", "target")),
     "bucket_recommendation": ("bucket", ("status", "recommended", "thresholds")),
-    # dtype/dtype_reason: probes.dtype_choice; mfu_convention: probes.flops.MFU_CONVENTION
+    # dtype/dtype_reason: probes.step.dtype; mfu_convention: probes.profile.flops.MFU_CONVENTION
     "profile_provenance": (
         "profile",
         ("device", "cpu_only", "harness", "dtype", "dtype_reason", "mfu_convention"),

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from probes import orders
+from probes.batching import orders
 
 
 class LengthGroupedSampler(torch.utils.data.Sampler[int]):

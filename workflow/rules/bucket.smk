@@ -22,4 +22,4 @@ rule bucket_sweep:
         bucket=config["bucket"],
         training=config["training"],
     script:
-        "../../scripts/step_bucket.py"
+        "../../scripts/run_bucket_sweep.py"

@@ -20,4 +20,4 @@ rule mask:
         mask=config["mask"],
         training=config["training"],
     script:
-        "../../scripts/step0_mask.py"
+        "../../scripts/run_mask.py"

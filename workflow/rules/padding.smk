@@ -28,4 +28,4 @@ rule padding:
         training=config["training"],
         model=config["model"],
     script:
-        "../../scripts/step2_padding.py"
+        "../../scripts/run_padding.py"

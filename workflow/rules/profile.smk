@@ -32,4 +32,4 @@ rule profile:
         profile=config["profile"],
         training=config["training"],
     script:
-        "../../scripts/step1_profile.py"
+        "../../scripts/run_profile.py"

@@ -31,4 +31,4 @@ rule replay:
         profile=config["profile"],
         training=config["training"],
     script:
-        "../../scripts/step_replay.py"
+        "../../scripts/run_replay.py"

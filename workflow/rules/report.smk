@@ -17,7 +17,7 @@ rule report:
             labels={"figure": "{name}"},
             caption="../report/figures.rst",
         ),
-        # every recommended change as settings for the installed libraries (probes.apply)
+        # every recommended change as settings for the installed libraries (probes.apply.document)
         recommendations=out("report", "recommendations"),
     log:
         "logs/report.log",
@@ -29,4 +29,4 @@ rule report:
         # the config sections the stage reads: a change reruns it
         report=config["report"],
     script:
-        "../../scripts/render_report.py"
+        "../../scripts/run_report.py"

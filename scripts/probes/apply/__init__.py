@@ -1,0 +1,1 @@
+"""Applying the result: recommendations.json and the snippets that paste."""

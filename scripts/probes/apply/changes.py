@@ -1,0 +1,477 @@
+"""Each change the bucket stage's recommendation supports, as settings for the user's trainer.
+
+The run as configured (``Baseline``) and one builder per change: length-grouped batching at the
+recommended bucket size and transformers' built-in ``group_by_length`` at its fixed bucket
+(``length_grouped_changes``), ``batch_rebalance``, TRL packing with the batch adjusted to keep
+tokens per update (``packing_plan``), dropping examples with no loss token. Each change carries
+its ``TrainingArguments``/``SFTConfig`` kwargs, snippets, tokens per update, the sweep's estimate
+and its caveat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from probes.apply.libraries import HF_BATCH_REBALANCE, HF_GROUP_BY_LENGTH, sampling_kwargs
+from probes.apply.snippets import _config_snippets, _snippet, call_text
+from probes.batching import orders
+from probes.contracts import BATCH_REBALANCE
+
+TRL_PACKING_STRATEGY = "bfd"  # TRL's best-fit decreasing; the sweep's packing_bfd mirrors it
+SWEEP_PACKING_ROW = "packing_bfd"
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """The user's run as configured: the numbers every change is compared with."""
+
+    micro_batch_size: int
+    grad_accum: int
+    max_seq_len: int
+    n_examples: int
+    real_tokens: int
+    longest: int  # longest example (tokens): the padded length of HF's first micro-batch
+
+    @property
+    def mean_length(self) -> float:
+        return self.real_tokens / self.n_examples
+
+    @property
+    def tokens_per_update(self) -> float:
+        """Real tokens per optimizer step (mean): examples per step × mean length."""
+        return self.micro_batch_size * self.grad_accum * self.mean_length
+
+    def training_arguments(self) -> dict[str, Any]:
+        return {
+            "per_device_train_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.grad_accum,
+        }
+
+    def sft_config(self) -> dict[str, Any]:
+        # SFTConfig's max_length defaults to 1024: state the run's own, or TRL truncates.
+        return {**self.training_arguments(), "max_length": self.max_seq_len}
+
+
+def baseline_from(recommendation: Mapping[str, Any], training: Mapping[str, Any]) -> Baseline:
+    """The baseline from the bucket recommendation's input counts and the training section."""
+    used = recommendation.get("input") or {}
+    missing = [k for k in ("examples_used", "real_tokens") if k not in used]
+    for key in ("micro_batch_size", "grad_accum", "max_seq_len"):
+        if key not in training:
+            missing.append(f"training.{key}")
+    if missing:
+        raise KeyError(
+            f"recommendation/training lacks {missing}: pass results/bucket/recommendation.json "
+            "(written by the bucket_sweep rule) and the config's training section"
+        )
+    shapes = recommendation.get("batch_shapes") or {}
+    max_seq_len = int(training["max_seq_len"])
+    return Baseline(
+        micro_batch_size=int(training["micro_batch_size"]),
+        grad_accum=int(training["grad_accum"]),
+        max_seq_len=max_seq_len,
+        n_examples=int(used["examples_used"]),
+        real_tokens=int(used["real_tokens"]),
+        longest=int(shapes.get("padded_length_max") or max_seq_len),
+    )
+
+
+def _tokens_per_update(before: float, after: float, how: str) -> dict[str, Any]:
+    return {
+        "before": float(before),
+        "after": float(after),
+        "ratio": float(after / before) if before > 0 else None,
+        "how": how,
+    }
+
+
+def _estimate(point: Mapping[str, Any], random: Mapping[str, Any]) -> dict[str, Any]:
+    keys = (
+        "token_efficiency",
+        "attention_efficiency",
+        "padded_tokens_saved_vs_random",
+        "attention_cost_saved_vs_random",
+        "n_micro_batches",
+        "diversity_rel_random",
+        "micro_batch_padded_tokens_max",
+    )
+    return {
+        "basis": "bucket sweep token counts (mean over seeds); estimated until the profile's "
+        "replay measures time",
+        **{k: point[k] for k in keys if point.get(k) is not None},
+        "random_token_efficiency": random.get("token_efficiency"),
+        "random_micro_batch_padded_tokens_max": random.get("micro_batch_padded_tokens_max"),
+    }
+
+
+def length_grouped_changes(
+    recommendation: Mapping[str, Any], base: Baseline, transformers_info: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The recommended bucket size (drop-in sampler unless HF's fixed bucket equals it) and, when
+    they differ, transformers' built-in group_by_length at its own bucket size."""
+    recommended = recommendation.get("recommended") or {}
+    random = recommendation.get("random") or {}
+    m = int(recommended.get("bucket_size_batches", 1))
+    m_all = orders.all_bucket_size(base.n_examples, base.micro_batch_size)
+    m_hf = min(
+        orders.hf_trainer_mega_batch_mult(base.n_examples, base.micro_batch_size, base.grad_accum),
+        m_all,
+    )
+    mega_batch_mult = m_hf // base.grad_accum if m_hf < m_all else None
+    builtin = sampling_kwargs(HF_GROUP_BY_LENGTH, transformers_info)
+    hf_fact = (
+        f"transformers {transformers_info.get('version')}: "
+        f"{call_text('TrainingArguments', builtin) if builtin else 'no group_by_length option'}"
+        " builds LengthGroupedSampler with batch = micro × grad_accum = "
+        f"{base.micro_batch_size * base.grad_accum} and mega_batch_mult = min(n // (4 × batch), "
+        f"{orders.HF_MAX_MEGA_BATCH_MULT}), a bucket of {m_hf} micro-batches for n = "
+        f"{base.n_examples}; it cannot be set"
+    )
+    same_examples = _tokens_per_update(
+        base.tokens_per_update,
+        base.tokens_per_update,
+        "unchanged: the same micro_batch_size × grad_accum examples per step, reordered",
+    )
+    changes: list[dict[str, Any]] = []
+    status = recommendation.get("status")
+    if m <= 1 or status == "nothing_to_gain":
+        changes.append(
+            {
+                "id": "length_grouped",
+                "applies": False,
+                "reason": f"bucket sweep status {status!r}, bucket size {m}: nothing to gain",
+            }
+        )
+        return changes
+    expressible = builtin is not None and m == m_hf
+    step_cv = recommended.get("step_real_tokens_cv")
+    caveat = (
+        f"source diversity per step {recommended.get('diversity_rel_random', float('nan')):.2f}× "
+        "of random; neighbouring steps hold similar lengths (real tokens per step vary more: "
+        f"CV {step_cv if step_cv is None else round(float(step_cv), 3)}); the loss is still "
+        "normalised per token by the Trainer (num_items_in_batch)"
+    )
+    if expressible:
+        ta = {**base.training_arguments(), **builtin}
+        sft = {**base.sft_config(), **builtin}
+        snippets = _config_snippets(
+            ta,
+            sft,
+            {
+                "transformers": "trainer = Trainer(model=model, args=args, "
+                "train_dataset=train_dataset, data_collator=data_collator)",
+                "trl": "trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset)",
+            },
+        )
+        how = f"built in: {hf_fact} — which equals the recommended size"
+        sampler = None
+    else:
+        ta = base.training_arguments()
+        sft = base.sft_config()
+        snippets = _config_snippets(
+            ta,
+            sft,
+            {
+                "transformers": "trainer = length_grouped_trainer(Trainer)(model=model, args=args, "
+                "train_dataset=train_dataset, data_collator=data_collator, "
+                f"bucket_size_batches={m})",
+                "trl": "trainer = length_grouped_trainer(SFTTrainer)(model=model, args=args, "
+                f"train_dataset=train_dataset, bucket_size_batches={m})",
+            },
+            extra_imports=["from probes.sampler import length_grouped_trainer"],
+        )
+        how = (
+            f"not expressible in the Trainer's settings ({hf_fact}); the drop-in "
+            f"probes.sampler.LengthGroupedSampler reproduces the measured ordering at {m}"
+        )
+        sampler = {
+            "class": "probes.sampler.LengthGroupedSampler",
+            "kwargs": {
+                "micro_batch_size": base.micro_batch_size,
+                "bucket_size_batches": m,
+                "seed": "args.data_seed or args.seed",
+            },
+            "trainer_factory": "probes.sampler.length_grouped_trainer",
+        }
+    changes.append(
+        {
+            "id": "length_grouped",
+            "applies": True,
+            "title": f"Group batches by length: buckets of {m} micro-batches",
+            "bucket_size_batches": m,
+            "bucket_size_examples": min(m * base.micro_batch_size, base.n_examples),
+            "expressible_in_training_arguments": expressible,
+            "how": how,
+            "training_arguments": ta,
+            "sft_config": sft,
+            "sampler": sampler,
+            "snippets": snippets,
+            "tokens_per_update": same_examples,
+            "estimate": _estimate(recommended, random),
+            "caveat": caveat,
+        }
+    )
+    hf_point = recommendation.get("hf_trainer_default")
+    if builtin is not None and not expressible and hf_point:
+        changes.append(
+            {
+                "id": "group_by_length_builtin",
+                "applies": True,
+                "title": (
+                    f"Built-in alternative: group_by_length (its fixed bucket of {m_hf} "
+                    "micro-batches)"
+                ),
+                "bucket_size_batches": m_hf,
+                "mega_batch_mult": mega_batch_mult,
+                "expressible_in_training_arguments": True,
+                "how": hf_fact,
+                "training_arguments": {**base.training_arguments(), **builtin},
+                "sft_config": {**base.sft_config(), **builtin},
+                "sampler": None,
+                "snippets": _config_snippets(
+                    {**base.training_arguments(), **builtin},
+                    {**base.sft_config(), **builtin},
+                    {
+                        "transformers": "trainer = Trainer(model=model, args=args, "
+                        "train_dataset=train_dataset, data_collator=data_collator)",
+                        "trl": "trainer = SFTTrainer(model=model, args=args, "
+                        "train_dataset=train_dataset)",
+                    },
+                ),
+                "tokens_per_update": same_examples,
+                "estimate": _estimate(hf_point, random),
+                "caveat": (
+                    f"not the recommended size ({m}); its shuffle draws from the global torch "
+                    "RNG (the Trainer passes no generator), seeded by args.seed at Trainer init"
+                ),
+            }
+        )
+    return changes
+
+
+def batch_rebalance_change(
+    recommendation: Mapping[str, Any], base: Baseline, transformers_info: Mapping[str, Any]
+) -> dict[str, Any]:
+    """transformers' batch_rebalance sampler, priced by the sweep's batch_rebalance row."""
+    point = recommendation.get(BATCH_REBALANCE)
+    kwargs = sampling_kwargs(HF_BATCH_REBALANCE, transformers_info)
+    if kwargs is None or not point:
+        return {
+            "id": BATCH_REBALANCE,
+            "applies": False,
+            "reason": (
+                f"transformers {transformers_info.get('version')} has no "
+                "train_sampling_strategy='batch_rebalance'"
+                if kwargs is None
+                else "the bucket sweep has no batch_rebalance row"
+            ),
+        }
+    random = recommendation.get("random") or {}
+    ta = {**base.training_arguments(), **kwargs}
+    sft = {**base.sft_config(), **kwargs}
+    recommended = recommendation.get("recommended") or {}
+    rows_max = int(point.get("micro_batch_rows_max", base.micro_batch_size))
+    return {
+        "id": BATCH_REBALANCE,
+        "applies": True,
+        "title": "transformers' batch_rebalance sampler (variable micro-batch size)",
+        "expressible_in_training_arguments": True,
+        "how": (
+            f"{call_text('TrainingArguments', kwargs)}: per step, micro × grad_accum shuffled "
+            "examples sorted by length and split into grad_accum micro-batches of varying size "
+            "that balance bs·max_len + 0.001·bs·max_len²"
+        ),
+        "training_arguments": ta,
+        "sft_config": sft,
+        "sampler": None,
+        "snippets": _config_snippets(
+            ta,
+            sft,
+            {
+                "transformers": "trainer = Trainer(model=model, args=args, "
+                "train_dataset=train_dataset, data_collator=data_collator)",
+                "trl": "trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset)",
+            },
+        ),
+        "tokens_per_update": _tokens_per_update(
+            base.tokens_per_update,
+            base.tokens_per_update,
+            "unchanged: the effective batch (micro × grad_accum × world size) is fixed",
+        ),
+        "estimate": _estimate(point, random),
+        "beside_recommended": {
+            "recommended_bucket_size_batches": recommended.get("bucket_size_batches"),
+            "recommended_token_efficiency": recommended.get("token_efficiency"),
+            "recommended_attention_efficiency": recommended.get("attention_efficiency"),
+            "batch_rebalance_token_efficiency": point.get("token_efficiency"),
+            "batch_rebalance_attention_efficiency": point.get("attention_efficiency"),
+        },
+        "caveat": (
+            f"micro-batches hold 1 to {rows_max} examples (configured {base.micro_batch_size}): "
+            "peak memory follows the largest micro-batch's padded tokens, not the batch size; "
+            "the Trainer seeds its shuffle with the class default 42 (+ epoch), not args.seed; "
+            "data-parallel only"
+        ),
+    }
+
+
+def packing_plan(base: Baseline, n_bins: int) -> dict[str, Any]:
+    """Packed rows per micro-batch and grad_accum keeping real tokens per update comparable.
+
+    The micro-batch holds at most what the baseline's first micro-batch held (micro × longest
+    padded tokens, which already fits: HF puts the longest example first), at least one row;
+    grad_accum then brings the step's real tokens nearest the baseline's.
+    """
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be ≥ 1, got {n_bins}")
+    fill = base.real_tokens / n_bins  # real tokens per packed row
+    target_rows = base.tokens_per_update / fill
+    rows = max(1, (base.micro_batch_size * base.longest) // base.max_seq_len)
+    if rows > target_rows:
+        rows = max(1, round(target_rows))
+    accum = max(1, round(target_rows / rows))
+    return {
+        "per_device_train_batch_size": int(rows),
+        "gradient_accumulation_steps": int(accum),
+        "real_tokens_per_row": float(fill),
+        "rows_per_update_target": float(target_rows),
+        "tokens_per_update_after": float(rows * accum * fill),
+    }
+
+
+def packing_change(
+    recommendation: Mapping[str, Any], base: Baseline, trl_info: Mapping[str, Any]
+) -> dict[str, Any]:
+    """TRL packing (best-fit decreasing into max_seq_len rows), batch adjusted for tokens/update."""
+    point = (recommendation.get("packing") or {}).get(SWEEP_PACKING_ROW)
+    if not point:
+        return {
+            "id": "packing",
+            "applies": False,
+            "reason": f"the bucket sweep has no {SWEEP_PACKING_ROW} row (bucket.packing)",
+        }
+    if trl_info.get("version") is None or TRL_PACKING_STRATEGY not in (
+        trl_info.get("packing_strategies") or []
+    ):
+        return {
+            "id": "packing",
+            "applies": False,
+            "reason": (
+                "trl is not installed: packing is an SFTConfig setting (pip install trl)"
+                if trl_info.get("version") is None
+                else f"trl {trl_info.get('version')} has no packing_strategy "
+                f"{TRL_PACKING_STRATEGY!r}"
+            ),
+        }
+    plan = packing_plan(base, int(point["n_bins"]))
+    sft = {
+        "packing": True,
+        "packing_strategy": TRL_PACKING_STRATEGY,
+        "max_length": base.max_seq_len,
+        "per_device_train_batch_size": plan["per_device_train_batch_size"],
+        "gradient_accumulation_steps": plan["gradient_accumulation_steps"],
+    }
+    random = recommendation.get("random") or {}
+    return {
+        "id": "packing",
+        "applies": True,
+        "title": (
+            f"Pack whole examples into {base.max_seq_len}-token rows (TRL, best-fit decreasing)"
+        ),
+        "expressible_in_training_arguments": False,
+        "how": (
+            f"trl {trl_info.get('version')} SFTConfig(packing=True, packing_strategy="
+            f"{TRL_PACKING_STRATEGY!r}) packs by best-fit decreasing and turns padding_free on "
+            "(documents kept apart by position_ids); the plain Trainer has no packing setting"
+        ),
+        "training_arguments": None,
+        "sft_config": sft,
+        "sampler": None,
+        "snippets": _config_snippets(
+            None,
+            sft,
+            {
+                "trl": "trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset)",
+            },
+        ),
+        "tokens_per_update": {
+            **_tokens_per_update(
+                base.tokens_per_update,
+                plan["tokens_per_update_after"],
+                f"{plan['per_device_train_batch_size']} packed row(s) of ~"
+                f"{plan['real_tokens_per_row']:.0f} real tokens × "
+                f"{plan['gradient_accumulation_steps']} accumulation step(s), instead of "
+                f"{base.micro_batch_size} × {base.grad_accum} examples of "
+                f"{base.mean_length:.0f} tokens on average",
+            ),
+            "plan": plan,
+        },
+        "estimate": {
+            **_estimate(point, random),
+            "n_bins": int(point["n_bins"]),
+            "strategy": SWEEP_PACKING_ROW,
+        },
+        "caveat": (
+            "needs attention that keeps the packed documents apart: flash-attention varlen kernels "
+            "read position_ids; SDPA/eager get a block-diagonal mask from transformers (dense "
+            "cost, no is_causal fast path; see the mask gate's packed scenario); examples per "
+            "step now vary"
+        ),
+    }
+
+
+def drop_no_loss_change(no_loss_examples: int | None, base: Baseline) -> dict[str, Any]:
+    """Filter out examples whose labels are all ignored: a data change, no trainer setting."""
+    if not no_loss_examples:
+        return {
+            "id": "drop_no_loss_examples",
+            "applies": False,
+            "reason": "no example without a loss token"
+            if no_loss_examples == 0
+            else "not counted (needs the padding stage's lengths)",
+        }
+    keep = f"lambda example: any(label != {IGNORE_INDEX} for label in example['labels'])"
+    return {
+        "id": "drop_no_loss_examples",
+        "applies": True,
+        "title": f"Drop the {int(no_loss_examples)} examples that carry no loss token",
+        "expressible_in_training_arguments": False,
+        "how": "filter the tokenised training set on its labels before training",
+        "training_arguments": base.training_arguments(),
+        "sft_config": base.sft_config(),
+        "sampler": None,
+        "snippets": {
+            "transformers": _snippet(
+                ["from transformers import Trainer, TrainingArguments"],
+                "args = " + call_text("TrainingArguments", base.training_arguments()),
+                [
+                    f"train_dataset = train_dataset.filter({keep})",
+                    "trainer = Trainer(model=model, args=args, train_dataset=train_dataset, "
+                    "data_collator=data_collator)",
+                ],
+            ),
+            "trl": _snippet(
+                ["from trl import SFTConfig, SFTTrainer"],
+                "args = " + call_text("SFTConfig", base.sft_config()),
+                [
+                    "trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset)",
+                    f"trainer.train_dataset = trainer.train_dataset.filter({keep})",
+                ],
+            ),
+        },
+        "tokens_per_update": _tokens_per_update(
+            base.tokens_per_update,
+            base.tokens_per_update,
+            "examples per step unchanged; fewer steps",
+        ),
+        "estimate": None,
+        "caveat": (
+            "TRL's SFTTrainer (1.16) already drops examples left fully masked by truncation when "
+            "it truncates (packing off), so its filter line is a guard there; with "
+            "assistant_only_loss=True it raises on an example with no assistant token at all; "
+            "with packing on it keeps them: filter the data before the trainer"
+        ),
+    }

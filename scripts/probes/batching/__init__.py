@@ -1,0 +1,1 @@
+"""Batching machinery shared by padding, bucket and replay: orders, packing, metrics, plans."""

@@ -1,0 +1,290 @@
+"""Batch plans: for one seed, the micro-batches every candidate batching strategy hands the model.
+
+A plan row is one micro-batch: its shape (rows × padded length, or the documents of a packed
+micro-batch), its real and loss tokens, and the ids of its examples (ids only, never text). The
+replay (probes.replay.stage) times a stratified sample of these real shapes through the harness.
+
+The orders are the bucket stage's own: ``probes.batching.orders.seeded_permutation`` (HF's shuffle),
+``length_grouped_order`` (HF's get_length_grouped_indices) and
+``probes.batching.packing.pack_best_fit_decreasing``.
+
+Strategies:
+
+- ``random``: shuffled micro-batches, each padded to its longest row (the baseline);
+- ``length_grouped``: HF length grouping at the bucket stage's recommended bucket size;
+- ``global_sort``: length grouping with one megabatch holding the whole dataset;
+- ``packing``: whole examples packed into ``max_seq_len`` bins by best-fit decreasing, bins
+  shuffled, ``micro_batch_size`` bins per micro-batch; a packed micro-batch is laid out as one
+  flattened row of its documents with position ids restarting at 0 per document and no padding
+  (the layout of DataCollatorWithFlattening / TRL ``padding_free``);
+- ``pad_to_max_seq_len``: the random order, every micro-batch padded to ``max_seq_len``;
+- ``random_no_idle``: the random order without the examples that carry no loss token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from probes.batching import orders, packing
+from probes.contracts import (
+    GLOBAL_SORT,
+    LENGTH_GROUPED,
+    PACKING,
+    RANDOM,
+    RANDOM_NO_IDLE,
+    TRAINING_STATUSES,
+)
+from probes.contracts import PAD_TO_MAX_SEQ_LEN as PAD_TO_MAX
+from probes.errors import ProbeError
+from probes.lengths import read_lengths
+
+STRATEGIES = (RANDOM, LENGTH_GROUPED, GLOBAL_SORT, PACKING, PAD_TO_MAX, RANDOM_NO_IDLE)
+BASELINE = RANDOM
+PADDED, PACKED = "padded", "packed"
+
+PLAN_COLUMNS = (
+    "strategy",
+    "micro_batch_index",
+    "optimizer_step_index",
+    "layout",  # padded: rows × padded_length, right padding; packed: one flattened row
+    "rows",  # examples (padded) or max_seq_len bins (packed) in the micro-batch
+    "padded_length",  # longest row (padded), max_seq_len (packed bins)
+    "computed_tokens",  # positions the model runs over: rows × padded_length, or Σ documents
+    "real_tokens",
+    "loss_tokens",
+    "n_examples",
+    "example_ids",  # list<str>: the padding stage's example ids, in row/document order
+    "example_lengths",  # list<int>: tokens per example, same order
+    "example_loss_tokens",  # list<int>
+    "documents_per_row",  # list<int>: examples per row (1 each when padded; per bin when packed)
+)
+
+
+class PlanInputError(ProbeError, ValueError):
+    """The plan's inputs are unusable; the message names the file, key and what to do."""
+
+
+@dataclass(frozen=True)
+class PlanExamples:
+    """The training examples in the padding stage's row order (OK and TRUNCATED only)."""
+
+    example_ids: np.ndarray  # object (str)
+    lengths: np.ndarray  # int64, tokens kept (≤ max_seq_len)
+    loss_tokens: np.ndarray  # int64, ≤ lengths
+
+
+def read_examples(path: str | Path, max_seq_len: int) -> PlanExamples:
+    """The lengths table through the bucket stage's own reader and checks, plus ids and loss
+    tokens (which the bucket stage's LengthSet does not keep)."""
+    path = Path(path)
+    read_lengths(path, max_seq_len)  # the same contract and error messages as the sweep
+    frame = pd.read_parquet(path, columns=["example_id", "status", "n_tokens", "n_loss_tokens"])
+    used = frame.loc[frame["status"].astype(str).isin(TRAINING_STATUSES)]
+    lengths = used["n_tokens"].to_numpy(dtype=np.int64)
+    loss = pd.to_numeric(used["n_loss_tokens"], errors="coerce").fillna(0).to_numpy(np.int64)
+    return PlanExamples(
+        example_ids=used["example_id"].astype(str).to_numpy(dtype=object),
+        lengths=lengths,
+        loss_tokens=np.clip(loss, 0, lengths),
+    )
+
+
+def recommended_bucket_size(recommendation: dict[str, Any], origin: str = "recommendation") -> int:
+    try:
+        return int(recommendation["recommended"]["bucket_size_batches"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise PlanInputError(
+            f"{origin}: no recommended.bucket_size_batches ({error!r}); rerun bucket_sweep."
+        ) from error
+
+
+def _padded_plan(
+    strategy: str,
+    order: np.ndarray,
+    examples: PlanExamples,
+    micro_batch_size: int,
+    pad_to: int | None = None,
+) -> list[dict[str, Any]]:
+    rows = []
+    for index, start in enumerate(range(0, order.size, micro_batch_size)):
+        members = order[start : start + micro_batch_size]
+        lengths = examples.lengths[members]
+        padded = int(pad_to) if pad_to is not None else int(lengths.max())
+        rows.append(
+            {
+                "strategy": strategy,
+                "micro_batch_index": index,
+                "layout": PADDED,
+                "rows": int(members.size),
+                "padded_length": padded,
+                "computed_tokens": int(members.size) * padded,
+                "real_tokens": int(lengths.sum()),
+                "loss_tokens": int(examples.loss_tokens[members].sum()),
+                "n_examples": int(members.size),
+                "example_ids": [str(v) for v in examples.example_ids[members]],
+                "example_lengths": [int(v) for v in lengths],
+                "example_loss_tokens": [int(v) for v in examples.loss_tokens[members]],
+                "documents_per_row": [1] * int(members.size),
+            }
+        )
+    return rows
+
+
+def _packed_plan(
+    examples: PlanExamples, micro_batch_size: int, max_seq_len: int, seed: int
+) -> list[dict[str, Any]]:
+    bin_of = packing.pack_best_fit_decreasing(examples.lengths, max_seq_len)
+    n_bins = int(bin_of.max()) + 1
+    by_bin = np.argsort(bin_of, kind="stable")  # documents of a bin in example order
+    bounds = np.r_[0, np.cumsum(np.bincount(bin_of, minlength=n_bins))]
+    bin_order = orders.seeded_permutation(n_bins, seed)
+    rows = []
+    for index, start in enumerate(range(0, n_bins, micro_batch_size)):
+        bins = bin_order[start : start + micro_batch_size]
+        members = [by_bin[bounds[b] : bounds[b + 1]] for b in bins]
+        flat = np.concatenate(members)
+        lengths = examples.lengths[flat]
+        rows.append(
+            {
+                "strategy": PACKING,
+                "micro_batch_index": index,
+                "layout": PACKED,
+                "rows": int(bins.size),
+                "padded_length": int(max_seq_len),
+                "computed_tokens": int(lengths.sum()),
+                "real_tokens": int(lengths.sum()),
+                "loss_tokens": int(examples.loss_tokens[flat].sum()),
+                "n_examples": int(flat.size),
+                "example_ids": [str(v) for v in examples.example_ids[flat]],
+                "example_lengths": [int(v) for v in lengths],
+                "example_loss_tokens": [int(v) for v in examples.loss_tokens[flat]],
+                "documents_per_row": [int(m.size) for m in members],
+            }
+        )
+    return rows
+
+
+def build_plans(
+    examples: PlanExamples,
+    micro_batch_size: int,
+    grad_accum: int,
+    max_seq_len: int,
+    bucket_size_batches: int,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Every strategy's micro-batches for one seed (one row per micro-batch, PLAN_COLUMNS)."""
+    if micro_batch_size < 1 or grad_accum < 1:
+        raise PlanInputError(
+            f"micro_batch_size={micro_batch_size}, grad_accum={grad_accum}: both must be >= 1"
+        )
+    lengths = examples.lengths
+    if lengths.size == 0:
+        raise PlanInputError("no training example: nothing to plan")
+    if int(lengths.max()) > max_seq_len:
+        raise PlanInputError(
+            f"an example has {int(lengths.max())} tokens > max_seq_len={max_seq_len}; cap the "
+            "lengths first (the padding stage does)"
+        )
+    n = lengths.size
+    perm = orders.seeded_permutation(n, seed)
+    m_all = orders.all_bucket_size(n, micro_batch_size)
+    m_rec = min(max(int(bucket_size_batches), 1), m_all)
+    random_order = orders.length_grouped_order(lengths, perm, micro_batch_size, 1)
+    rows = _padded_plan(RANDOM, random_order, examples, micro_batch_size)
+    rows += _padded_plan(
+        LENGTH_GROUPED,
+        orders.length_grouped_order(lengths, perm, micro_batch_size, m_rec),
+        examples,
+        micro_batch_size,
+    )
+    rows += _padded_plan(
+        GLOBAL_SORT,
+        orders.length_grouped_order(lengths, perm, micro_batch_size, m_all),
+        examples,
+        micro_batch_size,
+    )
+    rows += _packed_plan(examples, micro_batch_size, max_seq_len, seed)
+    rows += _padded_plan(PAD_TO_MAX, random_order, examples, micro_batch_size, pad_to=max_seq_len)
+    kept = np.flatnonzero(examples.loss_tokens > 0)
+    if kept.size:
+        kept_perm = kept[orders.seeded_permutation(kept.size, seed)]
+        no_idle = kept_perm[
+            orders.length_grouped_order(
+                lengths[kept_perm], np.arange(kept.size), micro_batch_size, 1
+            )
+        ]
+        rows += _padded_plan(RANDOM_NO_IDLE, no_idle, examples, micro_batch_size)
+    frame = pd.DataFrame(rows)
+    frame["optimizer_step_index"] = frame["micro_batch_index"] // grad_accum
+    frame.attrs["bucket_size_batches"] = m_rec
+    return frame[list(PLAN_COLUMNS)]
+
+
+def plan_summary(plans: pd.DataFrame) -> pd.DataFrame:
+    """Per strategy: micro-batches, optimizer steps, tokens (exact, over the whole plan)."""
+    grouped = plans.groupby("strategy", sort=False)
+    summary = grouped.agg(
+        micro_batches=("micro_batch_index", "size"),
+        optimizer_steps=("optimizer_step_index", "nunique"),
+        examples=("n_examples", "sum"),
+        real_tokens=("real_tokens", "sum"),
+        loss_tokens=("loss_tokens", "sum"),
+        computed_tokens=("computed_tokens", "sum"),
+    )
+    summary["tokens_per_optimizer_step"] = summary["real_tokens"] / summary["optimizer_steps"]
+    summary["real_tokens_per_micro_batch"] = summary["real_tokens"] / summary["micro_batches"]
+    return summary.reset_index()
+
+
+def grad_accum_for_same_tokens(
+    tokens_per_micro_batch: float, baseline_tokens_per_micro_batch: float, grad_accum: int
+) -> int:
+    """The grad_accum that keeps real tokens per optimizer update closest to the baseline's
+    (at least 1: a strategy with more tokens per micro-batch than a whole baseline update needs a
+    smaller micro-batch instead)."""
+    if tokens_per_micro_batch <= 0 or not math.isfinite(tokens_per_micro_batch):
+        return grad_accum
+    return max(1, round(grad_accum * baseline_tokens_per_micro_batch / tokens_per_micro_batch))
+
+
+def bucket_stage_plans(
+    lengths_path: str | Path, recommendation: dict[str, Any], training: Any, seed: int = 0
+) -> pd.DataFrame:
+    """The bucket stage's one call: every strategy's plan at the recommended bucket size.
+    `training` is the typed training section (micro_batch_size, grad_accum, max_seq_len)."""
+    max_seq_len = int(training.max_seq_len)
+    return build_plans(
+        read_examples(lengths_path, max_seq_len),
+        micro_batch_size=int(training.micro_batch_size),
+        grad_accum=int(training.grad_accum),
+        max_seq_len=max_seq_len,
+        bucket_size_batches=recommended_bucket_size(recommendation),
+        seed=seed,
+    )
+
+
+def read_plans(path: str | Path) -> pd.DataFrame:
+    path = Path(path)
+    if not path.is_file():
+        raise PlanInputError(f"{path}: no such file; it is written by the bucket_sweep rule.")
+    frame = pd.read_parquet(path)
+    missing = [c for c in PLAN_COLUMNS if c not in frame.columns]
+    if missing:
+        raise PlanInputError(
+            f"{path}: missing column(s) {missing}; rerun the bucket_sweep rule (plans.parquet)."
+        )
+    if BASELINE not in set(frame["strategy"]):
+        raise PlanInputError(f"{path}: no '{BASELINE}' plan, the baseline every saving needs.")
+    return frame
+
+
+def cap_examples(examples: PlanExamples, cap: int) -> PlanExamples:
+    """Examples with lengths capped at `cap` (a CPU run's max_seq_len), loss tokens capped too."""
+    lengths = np.minimum(examples.lengths, cap)
+    return PlanExamples(examples.example_ids, lengths, np.minimum(examples.loss_tokens, lengths))

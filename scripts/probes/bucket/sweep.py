@@ -1,0 +1,498 @@
+"""Bucket sweep: what length-grouped batching saves, at which bucket size, at what diversity cost.
+
+Strategies, all measured on the same tokenised lengths (``results/padding/lengths.parquet``):
+
+- ``random``: shuffled micro-batches (bucket size 1 micro-batch);
+- ``length_grouped``: Hugging Face's ``get_length_grouped_indices`` semantics
+  (``probes.batching.orders.length_grouped_order``) with a bucket of ``m`` micro-batches;
+- ``global_sort``: the same with one megabatch holding the whole dataset;
+- ``packing_ffd`` / ``packing_bfd``: whole examples packed into ``max_seq_len`` bins by first-fit
+  or best-fit decreasing (``probes.batching.packing``), bins shuffled, ``micro_batch_size`` bins per
+  micro-batch.
+
+Every row carries the metrics of ``probes.batching.metrics``, and diversity also relative to random
+batching with the same seed (1.0 when random has nothing to lose, e.g. one-source data). Here: the
+sweep, its summary over seeds, the collapse guard and the recommendation; the positive controls
+are in ``probes.bucket.control``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from probes.batching.metrics import packed_metrics, padded_metrics
+from probes.batching.orders import (
+    HF_MAX_MEGA_BATCH_MULT,
+    OrderFn,
+    all_bucket_size,
+    hf_trainer_mega_batch_mult,
+    length_grouped_order,
+    seeded_permutation,
+    sweep_bucket_sizes_for,
+)
+from probes.batching.packing import PACKERS, PACKING_ALGORITHMS
+from probes.contracts import BATCH_REBALANCE, STRATEGY_ORDER
+from probes.errors import ProbeError
+from probes.lengths import LengthSet
+
+ATTENTION_NOTE = (
+    "attention efficiency = sum of squared example lengths / rows x padded length squared: what a "
+    "dense kernel (SDPA/eager with a padding or block-diagonal mask) computes. A varlen kernel "
+    "(flash-attn cu_seqlens, padding-free) spends only the useful part on padded and packed "
+    "batches alike, which would make packing's attention efficiency 1.0."
+)
+
+
+class SweepCollapsedError(ProbeError, AssertionError):
+    """The sweep did not vary with bucket size although the lengths say it must."""
+
+
+# --------------------------------------------------------------------------------------------
+# Sweep
+# --------------------------------------------------------------------------------------------
+
+RELATIVE_COLUMNS = (
+    "micro_distinct_sources",
+    "micro_source_entropy",
+    "step_distinct_sources",
+    "step_source_entropy",
+)
+
+
+def _strategy_name(m: int, m_all: int) -> str:
+    if m == 1:
+        return "random"
+    return "global_sort" if m == m_all else "length_grouped"
+
+
+def sweep_bucket_sizes(
+    data: LengthSet,
+    micro_batch_size: int,
+    grad_accum: int,
+    max_seq_len: int,
+    seeds: Sequence[int],
+    bucket_sizes: Iterable[int] | None = None,
+    packing: Sequence[str] = PACKING_ALGORITHMS,
+    order_fn: OrderFn = length_grouped_order,
+    progress: bool = False,
+    batch_rebalance: bool = True,
+) -> pd.DataFrame:
+    """One row per strategy × bucket size × seed (packing: per algorithm × seed).
+
+    Every bucket size of one seed shares that seed's shuffle, as HF's sampler would (its shuffle
+    does not depend on mega_batch_mult), so differences between sizes are not shuffle noise.
+    ``batch_rebalance`` adds a comparison row per seed from transformers' own
+    BatchRebalanceSampler (``probes.batching.rebalance``; same shuffle as the seed's), where the
+    installed
+    transformers has it. It has no bucket size: the guard and the recommendation skip it.
+    """
+    from tqdm import tqdm
+
+    from probes.batching import rebalance
+
+    lengths, sources = data.lengths, data.sources
+    n = lengths.size
+    sizes = sweep_bucket_sizes_for(n, micro_batch_size, grad_accum, bucket_sizes)
+    m_all = all_bucket_size(n, micro_batch_size)
+    m_hf = min(hf_trainer_mega_batch_mult(n, micro_batch_size, grad_accum), m_all)
+    packings = {name: PACKERS[name](lengths, max_seq_len) for name in packing}
+    real_tokens = int(lengths.sum())
+    attention_useful = int((lengths * lengths).sum())
+    rows: list[dict[str, Any]] = []
+    with_rebalance = batch_rebalance and rebalance.unavailable_reason() is None
+    bar = tqdm(
+        total=len(seeds) * (len(sizes) + len(packings) + int(with_rebalance)),
+        desc="bucket sweep",
+        disable=not progress,
+        file=None,
+    )
+    for seed in seeds:
+        perm = seeded_permutation(n, seed)
+        for m in sizes:
+            order = order_fn(lengths, perm, micro_batch_size, m)
+            metrics = padded_metrics(
+                lengths[order], sources[order], micro_batch_size, grad_accum, data.n_sources
+            )
+            rows.append(
+                {
+                    "strategy": _strategy_name(m, m_all),
+                    "bucket_size_batches": m,
+                    "bucket_size_examples": min(m * micro_batch_size, n),
+                    "is_hf_trainer_default": m == m_hf,
+                    "seed": int(seed),
+                    **metrics,
+                }
+            )
+            bar.update()
+        for name, bin_of in packings.items():
+            n_bins = int(bin_of.max()) + 1
+            bin_order = seeded_permutation(n_bins, seed)
+            metrics = packed_metrics(
+                lengths,
+                sources,
+                bin_of,
+                bin_order,
+                micro_batch_size,
+                grad_accum,
+                max_seq_len,
+                data.n_sources,
+            )
+            rows.append(
+                {
+                    "strategy": f"packing_{name}",
+                    "bucket_size_batches": None,
+                    "bucket_size_examples": None,
+                    "is_hf_trainer_default": False,
+                    "seed": int(seed),
+                    "n_bins": n_bins,
+                    **metrics,
+                }
+            )
+            bar.update()
+        if with_rebalance:
+            metrics = rebalance.rebalance_metrics(data, micro_batch_size, grad_accum, int(seed))
+            metrics.pop("examples_fed")
+            rows.append(
+                {
+                    "strategy": BATCH_REBALANCE,
+                    "bucket_size_batches": None,
+                    "bucket_size_examples": None,
+                    "is_hf_trainer_default": False,
+                    "seed": int(seed),
+                    **metrics,
+                }
+            )
+            bar.update()
+    bar.close()
+    frame = pd.DataFrame(rows)
+    frame["bucket_size_batches"] = frame["bucket_size_batches"].astype("Int64")
+    frame["bucket_size_examples"] = frame["bucket_size_examples"].astype("Int64")
+    if "n_bins" not in frame:
+        frame["n_bins"] = None
+    frame["n_bins"] = frame["n_bins"].astype("Int64")
+    frame.insert(5, "n_examples", n)
+    frame.insert(6, "micro_batch_size", micro_batch_size)
+    frame.insert(7, "grad_accum", grad_accum)
+    frame["real_tokens"] = real_tokens
+    frame["token_efficiency"] = real_tokens / frame["padded_tokens"]
+    frame["attention_useful"] = attention_useful
+    frame["attention_efficiency"] = attention_useful / frame["attention_cost"]
+    return _add_relative_to_random(frame)
+
+
+def _add_relative_to_random(frame: pd.DataFrame) -> pd.DataFrame:
+    """Gains and diversity relative to random batching with the same seed (paired comparison)."""
+    random = frame.loc[frame["strategy"] == "random"].set_index("seed")
+    by_seed = frame["seed"]
+    padded_random = by_seed.map(random["padded_tokens"])
+    attention_random = by_seed.map(random["attention_cost"])
+    frame["padded_tokens_saved_vs_random"] = 1.0 - frame["padded_tokens"] / padded_random
+    frame["attention_cost_saved_vs_random"] = 1.0 - frame["attention_cost"] / attention_random
+    frame["token_speedup_vs_random"] = padded_random / frame["padded_tokens"]
+    frame["attention_speedup_vs_random"] = attention_random / frame["attention_cost"]
+    for column in RELATIVE_COLUMNS:
+        base = by_seed.map(random[column]).to_numpy(dtype=np.float64)
+        value = frame[column].to_numpy(dtype=np.float64)
+        # Nothing to lose when random batches already have no diversity (one source): 1.0.
+        frame[f"{column}_rel_random"] = np.where(base > 0, value / np.where(base > 0, base, 1), 1.0)
+    return frame
+
+
+def strategy_rank(strategy: str) -> int:
+    """Random first (the baseline), the sweep, global sort, then packing and anything else."""
+    for rank, prefix in enumerate(STRATEGY_ORDER):
+        if str(strategy).startswith(prefix):
+            return rank
+    return len(STRATEGY_ORDER)
+
+
+def summarise(sweep: pd.DataFrame, diversity_level: str = "step") -> pd.DataFrame:
+    """Mean over seeds per strategy × bucket size (packing rows: per algorithm, bucket size NA).
+
+    Adds the spread over seeds of both efficiencies (std, ddof 0), the number of seeds, and
+    `diversity_rel_random`: the lower of distinct sources and source entropy relative to random,
+    per micro-batch (`diversity_level` "micro_batch") or per optimizer step ("step"), as the
+    recommendation judges it. Rows in the report's order: contracts.STRATEGY_ORDER, then bucket
+    size. This is `results/bucket/summary.parquet`.
+    """
+    keys = ["strategy", "bucket_size_batches"]
+    numeric = sweep.drop(columns=["seed"]).select_dtypes(include="number").columns.difference(keys)
+    table = sweep.assign(bucket_size_batches=sweep["bucket_size_batches"].fillna(-1))
+    grouped = table.groupby(keys, sort=False)
+    summary = grouped[list(numeric)].mean()
+    spread = grouped[["token_efficiency", "attention_efficiency"]].std(ddof=0).fillna(0.0)
+    summary["token_efficiency_std"] = spread["token_efficiency"]
+    summary["attention_efficiency_std"] = spread["attention_efficiency"]
+    summary["n_seeds"] = grouped["seed"].nunique()
+    if "is_hf_trainer_default" in table:
+        summary["is_hf_trainer_default"] = grouped["is_hf_trainer_default"].any()
+    summary = summary.reset_index()
+    prefix = "micro" if diversity_level == "micro_batch" else "step"
+    diversity = [f"{prefix}_distinct_sources_rel_random", f"{prefix}_source_entropy_rel_random"]
+    summary["diversity_rel_random"] = summary[diversity].min(axis=1, skipna=False)
+    summary["bucket_size_batches"] = summary["bucket_size_batches"].astype("Int64")
+    summary.loc[summary["bucket_size_batches"] < 0, "bucket_size_batches"] = pd.NA
+    summary["_rank"] = summary["strategy"].map(strategy_rank)
+    summary = summary.sort_values(["_rank", "bucket_size_batches", "strategy"], na_position="last")
+    return summary.drop(columns="_rank").reset_index(drop=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Collapse guard
+# --------------------------------------------------------------------------------------------
+
+
+def reference_random_padded(lengths: np.ndarray, perm: np.ndarray, batch_size: int) -> int:
+    """Padded tokens of HF's ordering with bucket size 1, computed without any sorting code.
+
+    Micro-batches are the shuffle's consecutive chunks, except that HF swaps the longest example
+    into batch 0 in exchange for batch 0's longest.
+    """
+    n = perm.size
+    starts = np.arange(0, n, batch_size)
+    chunk_len = lengths[perm]
+    batch_len = np.maximum.reduceat(chunk_len, starts)
+    best = int(np.argmax(batch_len))  # the first batch holding the global maximum
+    if best != 0:
+        first = chunk_len[:batch_size].copy()
+        other = chunk_len[best * batch_size : (best + 1) * batch_size].copy()
+        i_first, i_other = int(np.argmax(first)), int(np.argmax(other))
+        first[i_first], other[i_other] = other[i_other], first[i_first]
+        batch_len[0], batch_len[best] = first.max(), other.max()
+    rows = np.diff(np.r_[starts, n])
+    return int((rows * batch_len).sum())
+
+
+def reference_sorted_padded(lengths: np.ndarray, batch_size: int) -> int:
+    """Padded tokens of a global descending sort, computed without the ordering code."""
+    ordered = np.sort(lengths)[::-1]
+    starts = np.arange(0, ordered.size, batch_size)
+    rows = np.diff(np.r_[starts, ordered.size])
+    return int((rows * ordered[starts]).sum())
+
+
+def assert_sweep_varies(
+    sweep: pd.DataFrame, data: LengthSet, micro_batch_size: int
+) -> dict[str, Any]:
+    """Fail loudly if the sweep collapsed (every bucket size the same, or the ends are wrong).
+
+    Checks, against references that share no code with the ordering:
+    1. bucket size 1 reproduces random batching's padded tokens exactly, seed by seed;
+    2. the largest bucket size reproduces the global sort's padded tokens exactly;
+    3. where random and the global sort differ at all, the mean token efficiency differs across
+       bucket sizes (the original bug made every size a global sort).
+    Returns what was checked; raises SweepCollapsedError otherwise.
+    """
+    grouped = sweep.loc[sweep["bucket_size_batches"].notna()]
+    lengths = data.lengths
+    sorted_ref = reference_sorted_padded(lengths, micro_batch_size)
+    m_max = int(grouped["bucket_size_batches"].max())
+    m_all = all_bucket_size(lengths.size, micro_batch_size)
+    problems: list[str] = []
+    random_refs: dict[int, int] = {}
+    for seed, rows in grouped.groupby("seed"):
+        perm = seeded_permutation(lengths.size, int(seed))
+        random_refs[int(seed)] = reference_random_padded(lengths, perm, micro_batch_size)
+        at_1 = rows.loc[rows["bucket_size_batches"] == 1, "padded_tokens"]
+        if at_1.empty or int(at_1.iloc[0]) != random_refs[int(seed)]:
+            problems.append(
+                f"seed {seed}: bucket size 1 gave {at_1.tolist()} padded tokens, random batching "
+                f"gives {random_refs[int(seed)]}"
+            )
+        if m_max == m_all:
+            at_all = int(rows.loc[rows["bucket_size_batches"] == m_all, "padded_tokens"].iloc[0])
+            if at_all != sorted_ref:
+                problems.append(
+                    f"seed {seed}: bucket size {m_all} (all) gave {at_all} padded tokens, a "
+                    f"global sort gives {sorted_ref}"
+                )
+    can_gain = any(ref != sorted_ref for ref in random_refs.values())
+    efficiency = grouped.groupby("bucket_size_batches")["token_efficiency"].mean()
+    spread = float(efficiency.max() - efficiency.min())
+    if can_gain and (efficiency.size < 2 or spread <= 0.0):
+        problems.append(
+            f"token efficiency is {efficiency.iloc[0]:.6f} at every bucket size "
+            f"{efficiency.index.tolist()} although random and sorted batching differ"
+        )
+    result = {
+        "applicable": bool(can_gain),
+        "reason": (
+            "random and sorted batching differ; the sweep must vary"
+            if can_gain
+            else "random batching is already as good as a global sort: nothing to gain"
+        ),
+        "efficiency_spread": spread,
+        "random_padded_reference": random_refs,
+        "sorted_padded_reference": sorted_ref,
+        "problems": problems,
+    }
+    if problems:
+        raise SweepCollapsedError(
+            "bucket sweep collapsed or wrong: " + "; ".join(problems) + ". The ordering must "
+            "sort within each megabatch only (see the README's collapse rule)."
+        )
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Recommendation
+# --------------------------------------------------------------------------------------------
+
+
+def recommend(
+    sweep: pd.DataFrame,
+    gain_share: float,
+    min_diversity_share: float,
+    gain_metric: str = "tokens",
+    diversity_level: str = "step",
+) -> dict[str, Any]:
+    """The smallest bucket size reaching ``gain_share`` of the best gain with diversity kept.
+
+    Gain = share of random batching's padded tokens (or dense attention cost) saved, mean over
+    seeds. Diversity = the lower of distinct-sources and source-entropy relative to random, at
+    the micro-batch or optimizer-step level. Smaller buckets keep batches closer to random.
+    """
+    summary = summarise(sweep, diversity_level)
+    grouped = summary.loc[summary["bucket_size_batches"].notna()].sort_values("bucket_size_batches")
+    gain_column = (
+        "padded_tokens_saved_vs_random"
+        if gain_metric == "tokens"
+        else "attention_cost_saved_vs_random"
+    )
+    best = grouped.loc[grouped[gain_column].idxmax()]
+    best_gain = float(best[gain_column])
+    meets_gain = grouped[gain_column] >= gain_share * best_gain
+    meets_diversity = grouped["diversity_rel_random"] >= min_diversity_share
+    if best_gain <= 0:
+        status = "nothing_to_gain"
+        chosen = grouped.iloc[0]
+    elif (meets_gain & meets_diversity).any():
+        status = "ok"
+        chosen = grouped.loc[meets_gain & meets_diversity].iloc[0]
+    else:
+        # No size reaches the gain while keeping diversity: the best gain diversity allows.
+        status = "no_size_meets_both"
+        allowed = grouped.loc[meets_diversity]
+        chosen = allowed.loc[allowed[gain_column].idxmax()]
+    random = grouped.iloc[0]
+    hf = grouped.loc[grouped["is_hf_trainer_default"]]
+    m = int(chosen["bucket_size_batches"])
+    micro = int(sweep["micro_batch_size"].iloc[0])
+    grad_accum = int(sweep["grad_accum"].iloc[0])
+    n = int(sweep["n_examples"].iloc[0])
+    recommended_rows = sweep.loc[sweep["bucket_size_batches"] == m]
+    packed = sweep.loc[sweep["strategy"].str.startswith("packing_")]
+    return {
+        "status": status,
+        "thresholds": {
+            "gain_share": gain_share,
+            "min_diversity_share": min_diversity_share,
+            "gain_metric": gain_metric,
+            "diversity_level": diversity_level,
+        },
+        "recommended": {
+            **_point(chosen, gain_column),
+            "bucket_size_examples": min(m * micro, n),
+            "how_to_use": (
+                f"probes.sampler.LengthGroupedSampler(lengths, micro_batch_size={micro}, "
+                f"bucket_size_batches={m}, seed=...) (the ordering measured here; = "
+                "transformers.trainer_pt_utils.get_length_grouped_indices(lengths, "
+                f"batch_size={micro}, mega_batch_mult={m}))"
+            ),
+            "hf_trainer_equivalent": _trainer_equivalent(m, grad_accum),
+        },
+        "best_gain": {**_point(best, gain_column)},
+        "random": _point(random, gain_column),
+        "hf_trainer_default": _point(hf.iloc[0], gain_column) if not hf.empty else None,
+        "packing": {
+            row["strategy"]: {
+                "token_efficiency": float(row["token_efficiency"]),
+                "attention_efficiency": float(row["attention_efficiency"]),
+                "padded_tokens_saved_vs_random": float(row["padded_tokens_saved_vs_random"]),
+                "attention_cost_saved_vs_random": float(row["attention_cost_saved_vs_random"]),
+                "n_bins": int(row["n_bins"]),
+                "n_micro_batches": int(row["n_micro_batches"]),
+                "micro_distinct_sources_rel_random": float(
+                    row["micro_distinct_sources_rel_random"]
+                ),
+                "step_distinct_sources_rel_random": float(row["step_distinct_sources_rel_random"]),
+            }
+            for _, row in summary.loc[summary["strategy"].str.startswith("packing_")].iterrows()
+        },
+        "batch_rebalance": _rebalance_point(summary),
+        "attention_note": ATTENTION_NOTE,
+        "batch_shapes": {
+            "micro_batch_size": micro,
+            "padded_length_p50": int(recommended_rows["batch_len_p50"].median()),
+            "padded_length_p90": int(recommended_rows["batch_len_p90"].median()),
+            "padded_length_max": int(recommended_rows["batch_len_max"].max()),
+            "padded_length_mean": float(recommended_rows["batch_len_mean"].mean()),
+            "packed_length": int(packed["batch_len_max"].iloc[0]) if not packed.empty else None,
+            "note": "micro-batch shapes (rows × padded length) under the recommended bucket "
+            "size, median over seeds of each quantile; for the profile stage's realistic shapes",
+        },
+    }
+
+
+def _rebalance_point(summary: pd.DataFrame) -> dict[str, Any] | None:
+    """Mean over seeds of the batch_rebalance comparison row, or None when it was not run."""
+    rows = summary.loc[summary["strategy"] == BATCH_REBALANCE]
+    if rows.empty:
+        return None
+    row = rows.iloc[0]
+    return {
+        "token_efficiency": float(row["token_efficiency"]),
+        "attention_efficiency": float(row["attention_efficiency"]),
+        "padded_tokens_saved_vs_random": float(row["padded_tokens_saved_vs_random"]),
+        "attention_cost_saved_vs_random": float(row["attention_cost_saved_vs_random"]),
+        "n_micro_batches": float(row["n_micro_batches"]),
+        "micro_batch_rows_max": float(row["micro_batch_rows_max"]),
+        "micro_batch_padded_tokens_max": float(row["micro_batch_padded_tokens_max"]),
+        "diversity_rel_random": float(row["diversity_rel_random"]),
+        "micro_distinct_sources_rel_random": float(row["micro_distinct_sources_rel_random"]),
+        "step_distinct_sources_rel_random": float(row["step_distinct_sources_rel_random"]),
+        "order_length_spearman": float(row["order_length_spearman"]),
+        "step_real_tokens_cv": float(row["step_real_tokens_cv"]),
+    }
+
+
+def _trainer_equivalent(m: int, grad_accum: int) -> str:
+    setting = (
+        'TrainingArguments(train_sampling_strategy="group_by_length") (transformers 5; '
+        "group_by_length=True in 4.x)"
+    )
+    if m % grad_accum == 0:
+        return (
+            f"{setting} groups with batch = micro × grad_accum; this bucket is "
+            f"mega_batch_mult={m // grad_accum} there (the Trainer fixes it at "
+            f"min(n // (4 × batch), {HF_MAX_MEGA_BATCH_MULT}); other sizes need "
+            "probes.sampler.LengthGroupedSampler)"
+        )
+    return (
+        f"not expressible with {setting}: its megabatch is a multiple of micro × "
+        f"grad_accum = {grad_accum} micro-batches; use probes.sampler.LengthGroupedSampler"
+    )
+
+
+def _point(row: pd.Series, gain_column: str) -> dict[str, Any]:
+    return {
+        "bucket_size_batches": int(row["bucket_size_batches"]),
+        "token_efficiency": float(row["token_efficiency"]),
+        "attention_efficiency": float(row["attention_efficiency"]),
+        "gain": float(row[gain_column]),
+        "padded_tokens_saved_vs_random": float(row["padded_tokens_saved_vs_random"]),
+        "attention_cost_saved_vs_random": float(row["attention_cost_saved_vs_random"]),
+        "token_speedup_vs_random": float(row["token_speedup_vs_random"]),
+        "diversity_rel_random": float(row["diversity_rel_random"]),
+        "micro_distinct_sources_rel_random": float(row["micro_distinct_sources_rel_random"]),
+        "micro_source_entropy_rel_random": float(row["micro_source_entropy_rel_random"]),
+        "step_distinct_sources_rel_random": float(row["step_distinct_sources_rel_random"]),
+        "step_source_entropy_rel_random": float(row["step_source_entropy_rel_random"]),
+        "order_length_spearman": float(row["order_length_spearman"]),
+        "step_real_tokens_cv": float(row["step_real_tokens_cv"]),
+        "micro_batch_padded_tokens_max": float(row["micro_batch_padded_tokens_max"]),
+    }

@@ -1,0 +1,322 @@
+"""One scenario, layer by layer: what each decoder layer's config asks for (LayerSpec), the trace of
+its SDPA calls, the band of each distinct mask against that ask, the predicted (and, on CUDA,
+confirmed) backend, and the rows of the layers table (LAYER_COLUMNS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+
+from probes.errors import ProbeError
+from probes.mask import backend as sdpa_backend
+from probes.mask import band as mask_band
+from probes.mask.scenarios import Scenario
+from probes.mask.trace import AttentionRecord, ProbeModel, trace_attention
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+
+# layers.parquet: one row per scenario x decoder layer. Stable names: the report reads them.
+LAYER_COLUMNS = {
+    "scenario": "string",
+    "batch": "Int64",
+    "seq_len": "Int64",
+    "padding": "string",  # none | right | left
+    "packed": "boolean",
+    "n_docs": "Int64",
+    "token_type_ids": "boolean",
+    "layer_idx": "Int64",
+    "layer_type": "string",  # from config.layer_types (or sliding_window)
+    "expected_window": "Int64",  # the window the gate asserts; null for full layers
+    "attention_calls": "Int64",
+    "attn_implementation": "string",  # sdpa | eager
+    "module_sliding_window": "Int64",  # what the attention module passed on
+    "q_heads": "Int64",
+    "kv_heads": "Int64",
+    "head_dim": "Int64",
+    "head_dim_v": "Int64",
+    "dtype": "string",
+    "mask_present": "boolean",  # an explicit attn_mask reached SDPA
+    "mask_shape": "string",
+    "mask_dtype": "string",
+    "is_causal": "boolean",  # the is_causal flag SDPA received
+    "enable_gqa": "boolean",
+    "gqa_path": "string",  # mha | enable_gqa | repeat_kv | eager
+    "fast_path": "boolean",  # no mask and is_causal: SDPA's flash/cuDNN-friendly path
+    "band_source": "string",  # mask (measured) | is_causal | none (SDPA semantics, no mask)
+    "band_lower": "Int64",  # max q - first allowed key over real rows (window - 1 when sliding)
+    "band_upper": "Int64",  # max last allowed key - q (0 = causal)
+    "keys_min": "Int64",
+    "keys_max": "Int64",  # most keys any real row attends (= window when T > window)
+    "blocks": "Int64",  # diagonal blocks (document starts), summed over the batch
+    "fully_masked_rows": "Int64",  # rows, padding included, that attend nothing
+    "pad_keys_attended": "Int64",  # (real query, padding key) pairs allowed: must be 0
+    "noncontiguous_rows": "Int64",
+    "mismatched_rows": "Int64",  # real rows whose key interval differs from the expected one
+    "band_ok": "boolean",  # null when the layer type has no known pattern
+    "violation": "string",
+    "backend": "string",  # predicted on the target GPU: flash | cudnn | efficient | math | eager
+    "excluded_by": "string",  # why each faster backend was excluded
+    "local_predicted_backend": "string",  # prediction for this machine's GPU (CUDA only)
+    "confirmed_backend": "string",  # torch._fused_sdp_choice on this machine's GPU (CUDA only)
+    "confirm_agrees": "boolean",
+    "confirm_can_use": "string",
+}
+
+
+def layers_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The rows as a table with the stable column set and nullable dtypes."""
+    frame = pd.DataFrame(rows).reindex(columns=list(LAYER_COLUMNS))
+    return frame.astype(LAYER_COLUMNS)
+
+
+class GateError(ProbeError, RuntimeError):
+    """The gate (or its positive control) failed; the message says where and what differed."""
+
+
+# --- expectations per layer ----------------------------------------------------------------------
+
+
+@dataclass
+class LayerSpec:
+    layer_type: str
+    window: int | None  # the configured window of a sliding layer
+    checkable: bool  # False for layer types whose pattern the gate does not know
+
+
+def layer_specs(
+    text_config: Any, num_layers: int, window_override: int | None = None
+) -> list[LayerSpec]:
+    """What each decoder layer should attend, read from the config (layer_types, sliding_window)."""
+    window = getattr(text_config, "sliding_window", None)
+    if window_override is not None:
+        window = int(window_override)
+    layer_types = getattr(text_config, "layer_types", None)
+    if not layer_types:
+        slides = (
+            window is not None and getattr(text_config, "use_sliding_window", True) is not False
+        )
+        layer_types = [SLIDING if slides else FULL] * num_layers
+    specs = []
+    for layer_type in list(layer_types)[:num_layers]:
+        if layer_type == SLIDING:
+            specs.append(LayerSpec(layer_type, window, window is not None))
+        elif layer_type == FULL:
+            specs.append(LayerSpec(layer_type, None, True))
+        else:
+            specs.append(LayerSpec(layer_type, None, False))
+    return specs
+
+
+def model_window(specs: list[LayerSpec]) -> int | None:
+    windows = {spec.window for spec in specs if spec.layer_type == SLIDING and spec.window}
+    return min(windows) if windows else None
+
+
+# --- one scenario --------------------------------------------------------------------------------
+
+
+@dataclass
+class GateSettings:
+    target: sdpa_backend.Target
+    confirm: bool = False
+    confirm_target: sdpa_backend.Target | None = None
+    max_mask_gib: float = 8.0
+    confirm_cache: dict = field(default_factory=dict)
+
+
+def _gqa_path(record: AttentionRecord) -> str:
+    if record.q_heads == record.kv_heads:
+        return "mha"
+    if record.call is None:
+        return "eager"
+    if record.call.enable_gqa:
+        return "enable_gqa"
+    if record.call.k_shape[-3] == record.q_heads:
+        return "repeat_kv"
+    return "other"
+
+
+def _violation_text(
+    scenario: Scenario,
+    layer_idx: int,
+    spec: LayerSpec,
+    summary: mask_band.BandSummary,
+    band_source: str,
+) -> str:
+    what = []
+    if summary.first_mismatch:
+        what.append(summary.first_mismatch)
+    if summary.noncontiguous_rows:
+        what.append(f"{summary.noncontiguous_rows} rows attend a non-contiguous key set")
+    if summary.pad_keys_attended:
+        what.append(f"{summary.pad_keys_attended} (query, padding key) pairs allowed")
+    window = f"window {spec.window}" if spec.window else "causal"
+    source = "no mask, is_causal" if band_source == "is_causal" else band_source
+    return (
+        f"layer {layer_idx} ({spec.layer_type}, expected {window}) in scenario '{scenario.name}' "
+        f"(B={scenario.batch}, T={scenario.seq_len}, padding={scenario.padding}, "
+        f"packed={scenario.packed}; band from {source}): {'; '.join(what) or 'mismatch'}"
+    )
+
+
+def _confirm(call: sdpa_backend.SdpaCall, settings: GateSettings) -> dict[str, Any]:
+    if call not in settings.confirm_cache:
+        try:
+            result = sdpa_backend.confirm_with_torch(call, "cuda", settings.target.requires_grad)
+        except Exception as error:  # noqa: BLE001 - a confirmation failure is reported, not fatal
+            result = {"backend": None, "can_use": {}, "error": str(error).splitlines()[0][:200]}
+        settings.confirm_cache[call] = result
+    return settings.confirm_cache[call]
+
+
+def mask_identity(mask: torch.Tensor) -> tuple:
+    """Two masks with this key hold the same values: the same memory read the same way.
+
+    Layers of one type get the same tensor from transformers' mask mapping; views of one storage
+    (a slice, an expand) are recognised too, so each distinct mask is measured once.
+    """
+    return (
+        mask.untyped_storage().data_ptr(),
+        mask.storage_offset(),
+        tuple(mask.shape),
+        tuple(mask.stride()),
+        mask.dtype,
+    )
+
+
+def run_scenario(
+    probe: ProbeModel, scenario: Scenario, specs: list[LayerSpec], settings: GateSettings
+) -> list[dict[str, Any]]:
+    """Trace one scenario and return one layers.parquet row per decoder layer."""
+    mask_gib = scenario.batch * scenario.seq_len**2 / 2**30
+    if mask_gib > settings.max_mask_gib:
+        raise GateError(
+            f"scenario '{scenario.name}': one dense mask of {scenario.batch}x{scenario.seq_len}^2 "
+            f"is {mask_gib:.1f} GiB > mask.max_mask_gib={settings.max_mask_gib}; raise that limit "
+            "if this machine has the memory"
+        )
+    records = trace_attention(probe, scenario.inputs())
+    by_layer: dict[int, list[AttentionRecord]] = {}
+    for record in records:
+        by_layer.setdefault(record.layer_idx, []).append(record)
+    key_is_pad = scenario.key_is_pad()
+    n_docs = scenario.n_docs
+    measured: dict[tuple, mask_band.RowIntervals] = {}  # per distinct mask (storage and view)
+    rows = []
+    for layer_idx, spec in enumerate(specs):
+        layer_records = by_layer.get(layer_idx, [])
+        row: dict[str, Any] = {
+            "scenario": scenario.name,
+            "batch": scenario.batch,
+            "seq_len": scenario.seq_len,
+            "padding": scenario.padding,
+            "packed": scenario.packed,
+            "n_docs": n_docs,
+            "token_type_ids": scenario.token_type_ids,
+            "layer_idx": layer_idx,
+            "layer_type": spec.layer_type,
+            "expected_window": spec.window,
+            "attention_calls": len(layer_records),
+        }
+        if not layer_records:
+            # a full or sliding layer that never called attention means the trace is broken
+            missing = f"layer {layer_idx} ({spec.layer_type}) in scenario '{scenario.name}': "
+            row.update(
+                backend="none",
+                fast_path=False,
+                band_ok=False if spec.checkable else None,
+                violation=missing + "no attention call recorded" if spec.checkable else None,
+            )
+            rows.append(row)
+            continue
+        record = layer_records[-1]
+        call = record.call
+        mask = record.mask
+        if mask is not None and tuple(mask.shape[-2:]) != (scenario.seq_len, scenario.seq_len):
+            raise GateError(
+                f"layer {layer_idx} in scenario '{scenario.name}': mask shape "
+                f"{tuple(mask.shape)} is not (..., {scenario.seq_len}, {scenario.seq_len}); "
+                "the gate only measures square training masks"
+            )
+        row.update(
+            attn_implementation=record.implementation,
+            module_sliding_window=record.module_sliding_window,
+            q_heads=record.q_heads,
+            kv_heads=record.kv_heads,
+            head_dim=record.head_dim,
+            head_dim_v=call.head_dim_v if call else None,
+            dtype=call.dtype if call else str(probe.dtype).removeprefix("torch."),
+            mask_present=mask is not None,
+            mask_shape="x".join(map(str, mask.shape)) if mask is not None else None,
+            mask_dtype=str(mask.dtype).removeprefix("torch.") if mask is not None else None,
+            is_causal=call.is_causal if call else False,
+            enable_gqa=call.enable_gqa if call else False,
+            gqa_path=_gqa_path(record),
+        )
+        row["fast_path"] = bool(call is not None and mask is None and call.is_causal)
+        # band: measured from the mask tensor, or SDPA's own semantics when there is no mask
+        if mask is not None:
+            key = mask_identity(mask)
+            if key not in measured:
+                measured[key] = mask_band.row_intervals(mask, key_is_pad)
+            intervals, band_source = measured[key], "mask"
+        else:
+            is_causal = bool(call.is_causal) if call else False
+            intervals = mask_band.implied_intervals(
+                scenario.batch, scenario.seq_len, scenario.seq_len, is_causal
+            )
+            band_source = "is_causal" if is_causal else "none"
+        summary = mask_band.summarise(
+            intervals, scenario.doc_ids, spec.window, check=spec.checkable
+        )
+        band_ok = (
+            None
+            if not spec.checkable
+            else (
+                summary.mismatched_rows == 0
+                and summary.noncontiguous_rows == 0
+                and summary.pad_keys_attended == 0
+            )
+        )
+        row.update(
+            band_source=band_source,
+            band_lower=summary.band_lower,
+            band_upper=summary.band_upper,
+            keys_min=summary.keys_min,
+            keys_max=summary.keys_max,
+            blocks=summary.blocks,
+            fully_masked_rows=summary.fully_masked_rows,
+            pad_keys_attended=summary.pad_keys_attended,
+            noncontiguous_rows=summary.noncontiguous_rows,
+            mismatched_rows=summary.mismatched_rows,
+            band_ok=band_ok,
+            violation=None
+            if band_ok in (True, None)
+            else _violation_text(scenario, layer_idx, spec, summary, band_source),
+        )
+        # backend on the target GPU
+        if call is None:
+            row.update(
+                backend=sdpa_backend.EAGER,
+                excluded_by=f"model runs eager, not SDPA: {probe.sdpa_unsupported_reason}",
+            )
+        else:
+            prediction = sdpa_backend.predict_backend(call, settings.target)
+            row.update(backend=prediction.backend, excluded_by=prediction.excluded_by() or None)
+            if settings.confirm and settings.confirm_target is not None:
+                local = sdpa_backend.predict_backend(call, settings.confirm_target)
+                confirmed = _confirm(call, settings)
+                if confirmed.get("ran", True):
+                    row.update(
+                        local_predicted_backend=local.backend,
+                        confirmed_backend=confirmed.get("backend"),
+                        confirm_agrees=confirmed.get("backend") == local.backend,
+                        confirm_can_use=str(confirmed.get("can_use")),
+                    )
+        rows.append(row)
+    return rows

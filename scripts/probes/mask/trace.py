@@ -1,0 +1,521 @@
+"""Build a model's real architecture without weights and record what its attention layers call.
+
+The model comes from its config.json alone. It is built on the meta device at its real sizes
+(real layer count, layer types, heads, head_dim, hidden size, experts), so no weight is read and
+no decoder-layer compute is done. Only what runs *before* the decoder layers (embeddings, rotary
+tables, and the model's own mask construction) is materialised on the CPU, with the vocabulary
+shrunk, because that is where transformers builds the masks from the 2-D padding mask and
+position ids. A pre-hook moves each decoder layer's inputs to the meta device, except the mask,
+so the layer's attention reaches ``scaled_dot_product_attention`` with meta q/k/v (real shapes,
+strides, dtype) and the real CPU mask tensor. That call is recorded and answered with an empty
+tensor; the forward stops after the last decoder layer.
+
+Two shortcuts keep a 62-layer model at the training shape under a second per scenario, neither
+changing what reaches SDPA: the embedding lookup runs on the first token and is broadcast over
+the sequence (values are never read), and non-attention submodules of the decoder layers replay
+their meta output once its metadata has been seen (see _MetaMemo).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from probes.errors import ProbeError
+from probes.mask.backend import SdpaCall
+
+SHRUNK_VOCAB = 512  # embedding tables are the only weights materialised; values never matter
+SKIP_SUBTREES = ("vision", "visual", "audio", "image", "video", "speech")
+
+
+class ModelConfigError(ProbeError, ValueError):
+    """A config.json that cannot be turned into a model; the message names file and key."""
+
+
+class _StopAfterDecoder(Exception):
+    """Raised after the last decoder layer: nothing later affects attention."""
+
+
+@dataclass
+class AttentionRecord:
+    """One attention call of one decoder layer, as the model made it."""
+
+    layer_idx: int
+    implementation: str  # "sdpa" or "eager"
+    call: SdpaCall | None = None  # what reached scaled_dot_product_attention (None for eager)
+    mask: torch.Tensor | None = None  # the mask tensor SDPA (or eager attention) received
+    module_sliding_window: int | None = None  # what the attention module passed as sliding_window
+    q_heads: int | None = None
+    kv_heads: int | None = None  # before any repeat_kv: the module's real KV heads
+    head_dim: int | None = None
+    softcap: float | None = None
+
+
+@dataclass
+class ProbeModel:
+    model: torch.nn.Module
+    config: Any  # the top-level config (may be a multimodal wrapper)
+    text_config: Any  # the decoder's config
+    layers: torch.nn.ModuleList
+    attn_implementation: str
+    sdpa_supported: bool
+    sdpa_unsupported_reason: str | None
+    accepts_token_type_ids: bool
+    dtype: torch.dtype
+    notes: list[str] = field(default_factory=list)
+    memo: Any = None  # _MetaMemo of the decoder submodules
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as error:
+        raise ModelConfigError(f"{path}: file not found; give the model's config.json") from error
+    except json.JSONDecodeError as error:
+        raise ModelConfigError(
+            f"{path}: not valid JSON (line {error.lineno}: {error.msg}); give the model's "
+            "config.json"
+        ) from error
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise ModelConfigError(
+            f"{path}: key 'model_type' missing; a Hugging Face config.json names its model_type"
+        )
+    return data
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config.json") -> Any:
+    """A transformers config object from a config.json dict (multimodal wrappers included)."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = data["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        import transformers
+
+        raise ModelConfigError(
+            f"{source}: model_type '{model_type}' is unknown to transformers "
+            f"{transformers.__version__}; upgrade transformers or check the key 'model_type'"
+        )
+    fields = {key: value for key, value in data.items() if key != "model_type"}
+    return CONFIG_MAPPING[model_type].from_dict(fields)
+
+
+def _shrink_vocab(config: Any) -> None:
+    # Only the embedding tables are materialised; a 262k x 5376 table would cost gigabytes for
+    # values nothing reads. Token ids in the scenarios stay below SHRUNK_VOCAB.
+    for key, value in list(config.to_dict().items()):
+        if "vocab_size" in key and isinstance(value, int) and value > SHRUNK_VOCAB:
+            setattr(config, key, SHRUNK_VOCAB)
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int) and pad >= SHRUNK_VOCAB:
+        config.pad_token_id = None
+
+
+def _find_decoder_layers(
+    model: torch.nn.Module, num_layers: int
+) -> tuple[str, torch.nn.ModuleList]:
+    candidates = []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) != num_layers:
+            continue
+        if any(part in name.lower() for part in SKIP_SUBTREES):
+            continue
+        # hybrid stacks (linear-attention layers in between) count if any layer attends
+        has_attention = any(_is_attention(c) for layer in module for c in layer.children())
+        if has_attention:
+            candidates.append((name, module))
+    if not candidates:
+        raise ModelConfigError(
+            f"found no list of {num_layers} decoder layers with an attention module in "
+            f"{type(model).__name__}; this architecture is not supported by the mask gate"
+        )
+    # the shallowest match is the decoder stack (deeper ones would be nested sub-blocks)
+    return min(candidates, key=lambda item: item[0].count("."))
+
+
+def _materialise_on_cpu(module: torch.nn.Module) -> None:
+    """Give a meta submodule real (zero) CPU storage; its values are never read by a mask."""
+    module.to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            tensor.zero_()
+
+
+def _build(config: Any, dtype: torch.dtype, attn_implementation: str) -> torch.nn.Module:
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        return AutoModel.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+
+
+def build_probe_model(
+    config_dict: dict[str, Any], dtype: torch.dtype = torch.bfloat16, source: str = "config.json"
+) -> ProbeModel:
+    """The model's real architecture on the meta device, pre-decoder parts on the CPU."""
+    config = config_from_dict(config_dict, source)
+    text_config = config.get_text_config(decoder=True)
+    for cfg in {id(config): config, id(text_config): text_config}.values():
+        _shrink_vocab(cfg)
+    notes: list[str] = []
+    sdpa_supported, reason = True, None
+    try:
+        model = _build(config, dtype, "sdpa")
+    except (ValueError, ImportError) as error:
+        if "scaled_dot_product_attention" not in str(error) and "sdpa" not in str(error).lower():
+            raise
+        # e.g. Gemma 2: softcapping is not expressible in SDPA, so transformers runs eager
+        sdpa_supported, reason = False, str(error).splitlines()[0][:300]
+        notes.append(
+            f"SDPA unsupported by this architecture in transformers; traced eager: {reason}"
+        )
+        model = _build(config, dtype, "eager")
+    layers_name, layers = _find_decoder_layers(model, text_config.num_hidden_layers)
+    parent_name = layers_name.rsplit(".", 1)[0] if "." in layers_name else ""
+    text_model = model.get_submodule(parent_name) if parent_name else model
+    for child in text_model.children():
+        if child is not layers:
+            _materialise_on_cpu(child)
+    for name, param in list(text_model.named_parameters(recurse=False)):
+        setattr(text_model, name, torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype)))
+    for name, buffer in list(text_model.named_buffers(recurse=False)):
+        text_model.register_buffer(name, torch.zeros(buffer.shape, dtype=buffer.dtype))
+    memo = memoise_decoder_submodules(layers)
+    _broadcast_embeddings(model)
+    model.train()  # a training step: dropout probabilities as the trainer would pass them
+    accepts_tti = "token_type_ids" in inspect.signature(model.forward).parameters
+    return ProbeModel(
+        model=model,
+        config=config,
+        text_config=text_config,
+        layers=layers,
+        attn_implementation="sdpa" if sdpa_supported else "eager",
+        sdpa_supported=sdpa_supported,
+        sdpa_unsupported_reason=reason,
+        accepts_token_type_ids=accepts_tti and config is not text_config,
+        dtype=dtype,
+        notes=notes,
+        memo=memo,
+    )
+
+
+def _broadcast_embeddings(model: torch.nn.Module) -> None:
+    """Look up the first token only and broadcast it over the sequence.
+
+    The embedding output feeds the masks only through its shape, dtype and device, and the
+    decoder layers run on meta; a (B, T, hidden) lookup at real hidden size is wasted time.
+    """
+    embeddings = model.get_input_embeddings()
+    original = embeddings.forward
+
+    def forward(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        output = original(input_ids[..., :1], *args, **kwargs)
+        if not isinstance(output, torch.Tensor) or output.dim() != input_ids.dim() + 1:
+            return original(input_ids, *args, **kwargs)
+        return output.expand(*input_ids.shape, output.shape[-1])
+
+    embeddings.forward = forward
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type == "meta" else value.to("meta")
+    if isinstance(value, tuple):
+        return tuple(_to_meta(item) for item in value)
+    if isinstance(value, list):
+        return [_to_meta(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _to_meta(item) for key, item in value.items()}
+    return value
+
+
+class _MetaMemo:
+    """Replay the meta output of a module for a call whose metadata was seen before.
+
+    On the meta device a module's output is a function of its code, its parameters' and inputs'
+    shapes/strides/dtypes, nothing else: there are no values. Decoder layers repeat the same norms,
+    projections and MLPs 60 times over, and meta kernels cost ~0.5 ms each in Python, so the
+    non-attention submodules replay their first result. Attention modules themselves always run:
+    their calls into SDPA are what is recorded.
+    """
+
+    def __init__(self) -> None:
+        self.cache: dict[Any, Any] = {}
+        self.hits = 0
+
+    @staticmethod
+    def _signature(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "meta":
+                raise _NotMemoisable
+            return ("T", tuple(value.shape), tuple(value.stride()), value.dtype)
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, tuple(_MetaMemo._signature(v) for v in value))
+        if isinstance(value, dict):
+            return ("dict", tuple(sorted((k, _MetaMemo._signature(v)) for k, v in value.items())))
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise _NotMemoisable
+
+    @staticmethod
+    def _template(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.device.type != "meta":
+                raise _NotMemoisable
+            return ("T", tuple(value.shape), tuple(value.stride()), value.dtype)
+        if isinstance(value, tuple) and type(value) is tuple:
+            return ("tuple", tuple(_MetaMemo._template(v) for v in value))
+        if value is None:
+            return None
+        raise _NotMemoisable
+
+    @staticmethod
+    def _replay(template: Any) -> Any:
+        if template is None:
+            return None
+        if template[0] == "T":
+            _, shape, stride, dtype = template
+            return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        return tuple(_MetaMemo._replay(t) for t in template[1])
+
+    def wrap(self, module: torch.nn.Module) -> None:
+        original = module.forward
+        params = tuple(
+            (name, tuple(t.shape), t.dtype)
+            for name, t in list(module.named_parameters()) + list(module.named_buffers())
+        )
+        memo = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                key = (type(module), params, memo._signature(args), memo._signature(kwargs))
+            except (_NotMemoisable, TypeError):
+                return original(*args, **kwargs)
+            if key in memo.cache:
+                memo.hits += 1
+                return memo._replay(memo.cache[key])
+            output = original(*args, **kwargs)
+            try:
+                memo.cache[key] = memo._template(output)
+            except _NotMemoisable:
+                pass
+            return output
+
+        module.forward = forward
+
+    def wrap_function(self, function: Any) -> Any:
+        memo = self
+
+        def memoised(*args: Any, **kwargs: Any) -> Any:
+            try:
+                key = (function, memo._signature(args), memo._signature(kwargs))
+            except (_NotMemoisable, TypeError):
+                return function(*args, **kwargs)
+            if key in memo.cache:
+                memo.hits += 1
+                return memo._replay(memo.cache[key])
+            output = function(*args, **kwargs)
+            try:
+                memo.cache[key] = memo._template(output)
+            except _NotMemoisable:
+                pass
+            return output
+
+        memoised.__wrapped__ = function
+        return memoised
+
+
+# Module-level helpers of modeling files that attention forwards call on q/k (pure tensor code).
+MEMOISED_HELPERS = ("apply_rotary_pos_emb",)
+
+
+class _NotMemoisable(Exception):
+    pass
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    # by class (Gemma3Attention, LlamaAttention...): names like post_attention_layernorm mislead
+    lowered = type(module).__name__.lower()
+    return "attn" in lowered or "attention" in lowered
+
+
+def _contains_attention(module: torch.nn.Module) -> bool:
+    return any(_is_attention(sub) for sub in module.modules())
+
+
+def memoise_decoder_submodules(layers: torch.nn.ModuleList) -> _MetaMemo:
+    """Replay the submodules of every decoder layer that hold no attention (see _MetaMemo).
+
+    Attention modules, and anything containing one, always run: replaying them would skip the
+    very SDPA calls being recorded. Their own attention-free children (projections, q/k norms)
+    are replayed.
+    """
+    memo = _MetaMemo()
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if _contains_attention(child):
+                visit(child)
+            else:
+                memo.wrap(child)
+
+    for layer in layers:
+        visit(layer)
+    return memo
+
+
+def _is_mask(name: str | None, value: Any) -> bool:
+    return name == "attention_mask" or (
+        isinstance(value, torch.Tensor) and value.dtype == torch.bool and value.dim() == 4
+    )
+
+
+def _sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -> SdpaCall:
+    return SdpaCall(
+        q_shape=tuple(query.shape),
+        k_shape=tuple(key.shape),
+        v_shape=tuple(value.shape),
+        q_stride=tuple(query.stride()),
+        k_stride=tuple(key.stride()),
+        v_stride=tuple(value.stride()),
+        dtype=str(query.dtype).removeprefix("torch."),
+        is_causal=bool(is_causal),
+        enable_gqa=bool(enable_gqa),
+        dropout_p=float(dropout_p),
+        mask_shape=None if attn_mask is None else tuple(attn_mask.shape),
+        mask_dtype=None if attn_mask is None else str(attn_mask.dtype).removeprefix("torch."),
+        mask_last_stride=None if attn_mask is None else int(attn_mask.stride(-1)),
+    )
+
+
+@contextmanager
+def _recording(probe: ProbeModel, records: list[AttentionRecord]) -> Iterator[None]:
+    """Patch SDPA and the attention interface, hook the decoder layers; undo everything after."""
+    import sys
+
+    from transformers.modeling_utils import AttentionInterface
+
+    state: dict[str, Any] = {"layer": None, "record": None}
+    helper_patches = []
+    for module_name in {
+        type(m).__module__ for layer in probe.layers for m in layer.children() if _is_attention(m)
+    }:
+        python_module = sys.modules.get(module_name)
+        for helper in MEMOISED_HELPERS:
+            function = getattr(python_module, helper, None)
+            if callable(function):
+                helper_patches.append((python_module, helper, function))
+                setattr(python_module, helper, probe.memo.wrap_function(function))
+    mapping = AttentionInterface._global_mapping
+    original_sdpa_interface = mapping["sdpa"]
+    had_eager = "eager" in mapping
+    original_eager = mapping.get("eager")
+    original_sdpa = F.scaled_dot_product_attention
+
+    def new_record(module: Any, implementation: str, query, key, kwargs) -> AttentionRecord:
+        record = AttentionRecord(
+            layer_idx=state["layer"] if state["layer"] is not None else -1,
+            implementation=implementation,
+            module_sliding_window=kwargs.get("sliding_window"),
+            q_heads=int(query.shape[1]),
+            kv_heads=int(key.shape[1]),
+            head_dim=int(query.shape[-1]),
+            softcap=kwargs.get("softcap"),
+        )
+        records.append(record)
+        return record
+
+    def sdpa_interface(module, query, key, value, attention_mask, *args, **kwargs):
+        state["record"] = new_record(module, "sdpa", query, key, kwargs)
+        try:
+            return original_sdpa_interface(
+                module, query, key, value, attention_mask, *args, **kwargs
+            )
+        finally:
+            state["record"] = None
+
+    def eager_interface(module, query, key, value, attention_mask, *args, **kwargs):
+        record = new_record(module, "eager", query, key, kwargs)
+        record.mask = attention_mask
+        batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
+        out = torch.empty(
+            batch, q_len, heads, value.shape[-1], dtype=query.dtype, device=query.device
+        )
+        return out, None
+
+    def recorded_sdpa(
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ):
+        record = state["record"]
+        if record is None:  # a model calling SDPA directly, not through the interface
+            record = new_record(None, "sdpa", query, key, {})
+        record.call = _sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
+        record.mask = attn_mask
+        shape = (*query.shape[:-1], value.shape[-1])
+        return torch.empty(shape, dtype=query.dtype, device=query.device)
+
+    def pre_hook(index: int):
+        def hook(module, args, kwargs):
+            state["layer"] = index
+            new_args = tuple(arg if _is_mask(None, arg) else _to_meta(arg) for arg in args)
+            new_kwargs = {k: v if _is_mask(k, v) else _to_meta(v) for k, v in kwargs.items()}
+            return new_args, new_kwargs
+
+        return hook
+
+    def stop_hook(module, args, output):
+        raise _StopAfterDecoder
+
+    handles = [
+        layer.register_forward_pre_hook(pre_hook(index), with_kwargs=True)
+        for index, layer in enumerate(probe.layers)
+    ]
+    handles.append(probe.layers[-1].register_forward_hook(stop_hook))
+    mapping["sdpa"] = sdpa_interface
+    mapping["eager"] = eager_interface
+    F.scaled_dot_product_attention = recorded_sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original_sdpa
+        mapping["sdpa"] = original_sdpa_interface
+        for python_module, helper, function in helper_patches:
+            setattr(python_module, helper, function)
+        if had_eager:
+            mapping["eager"] = original_eager
+        else:
+            mapping.pop("eager", None)
+        for handle in handles:
+            handle.remove()
+
+
+def trace_attention(
+    probe: ProbeModel, inputs: dict[str, torch.Tensor | None]
+) -> list[AttentionRecord]:
+    """Run the model's forward on `inputs` and return every decoder-layer attention call."""
+    records: list[AttentionRecord] = []
+    kwargs = {key: value for key, value in inputs.items() if value is not None}
+    with _recording(probe, records), torch.inference_mode():
+        try:
+            probe.model(**kwargs, use_cache=False)
+        except _StopAfterDecoder:
+            pass
+    return [record for record in records if record.layer_idx >= 0]

@@ -1,0 +1,1 @@
+"""The padding stage: tokenized lengths, padding waste, CE chunk sizing."""

@@ -1,0 +1,334 @@
+"""The profile stage: time real training steps of the real model through the user's harness.
+
+Order of work: fit control (cheap, fails fast) -> idle-card check -> load weights -> harness
+adapters -> scaling points -> fit -> FLOP-count control (FlopCounterMode on one real step) ->
+padding penalty -> CE wall clock -> kernel table -> the double-count control -> outputs (all
+written only once everything succeeded). MFU follows probes.profile.flops.MFU_CONVENTION.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from probes.contracts import STAGE_OUTPUTS
+from probes.io import run_metadata
+from probes.lengths import LengthsError, read_training_lengths
+from probes.profile import flops as fl
+from probes.profile.ce_timing import run_ce
+from probes.profile.evidence import _read_recommendation, device_description, evidence_text
+from probes.profile.penalty import run_padding_penalty, skipped_penalty
+from probes.profile.scaling import (
+    FlopModel,
+    add_fit_columns,
+    fit_frame,
+    run_flop_control,
+    run_kernel_profile,
+    run_scaling,
+)
+from probes.settings import WorkflowConfig
+from probes.stage import all_or_nothing
+from probes.step import batches as bt
+from probes.step.cluster import slurm_environment
+from probes.step.dtype import resolve_dtype
+from probes.step.fit import fit_control, fit_step_time
+from probes.step.harness import load_harness
+from probes.step.idle import IdleLimits, probe_card, wait_for_idle_card
+from probes.step.runner import (
+    ProfileError,
+    Settings,
+    StepRunner,
+    _text_config,
+    load_model,
+    prepare_harness,
+    resolve_device,
+)
+from probes.step.timing import OK
+
+LOG = logging.getLogger("probes.profile")
+OUTPUT_KEYS = tuple(STAGE_OUTPUTS["profile"])
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_settings(profile: Mapping[str, Any], training: Mapping[str, Any]) -> Settings:
+    device = resolve_device(profile["device"], profile["allow_cpu"])
+    per_device = profile["cuda" if device.type == "cuda" else "cpu"]
+    lengths = sorted({int(v) for v in per_device["lengths"]})
+    if len(lengths) < 3:
+        raise ProfileError(
+            f"profile.{device.type}.lengths: {lengths} has {len(lengths)} distinct length(s); the "
+            "scaling fit t(T)=aT^2+bT+c needs at least 3."
+        )
+    dtype_name, dtype_reason = resolve_dtype(profile["dtype"], device.type)
+    return Settings(
+        device=device,
+        cpu_only=device.type != "cuda",
+        dtype=DTYPES[dtype_name],
+        dtype_reason=dtype_reason,
+        lengths=lengths,
+        warmup=int(per_device["warmup"]),
+        repeats=int(per_device["repeats"]),
+        kernel_steps=int(per_device["kernel_steps"]),
+        probe_length=per_device.get("probe_length"),
+        micro_batch=int(profile.get("micro_batch_size") or training["micro_batch_size"]),
+        max_seq_len=int(training["max_seq_len"]),
+        seed=int(profile["seed"]),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------------
+
+
+def run_profile(
+    lengths_path: str | Path,
+    recommendation_path: str | Path | None,
+    model_path: str | Path,
+    outputs: Mapping[str, str | Path],
+    config: Mapping[str, Any],
+    card_probe: Callable[[int], Any] = probe_card,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Run every probe and write every output (or none). Returns a summary for the log."""
+    missing = [key for key in OUTPUT_KEYS if key not in outputs]
+    if missing:
+        raise ProfileError(f"profile outputs missing path(s) for {missing}")
+    profile, training = config["profile"], config["training"]
+    settings = resolve_settings(profile, training)
+    LOG.info(
+        "device %s%s, lengths %s, micro-batch %d",
+        settings.device,
+        " (CPU-only: small lengths, no device kernels)" if settings.cpu_only else "",
+        settings.lengths,
+        settings.micro_batch,
+    )
+
+    # the fit's positive control first: cheap, and a broken fit must not cost a GPU run
+    controls = [fit_control(settings.lengths)]
+    if not controls[0]["passed"]:
+        raise ProfileError(f"positive control failed: {controls[0]}")
+
+    train = read_training_lengths(lengths_path, settings.max_seq_len)
+    # which tokens carry loss (training.loss_on): the padding stage counted them per example
+    if profile.get("loss_fraction") is not None:
+        loss_share, loss_source = float(profile["loss_fraction"]), "config profile.loss_fraction"
+    elif training.get("loss_on", "assistant") == "all":
+        loss_share, loss_source = 1.0, "training.loss_on: all"
+    else:
+        loss_share = bt.loss_fraction(train)
+        loss_source = "n_loss_tokens / n_tokens of the padding lengths (training.loss_on)"
+    # fail before loading weights if no micro-batch fits the longest length at all
+    bt.padding_length_band(train, max(settings.lengths), settings.micro_batch)
+    harness = load_harness(profile["harness"])
+
+    idle: dict[str, Any] = {"checked": False, "reason": "CPU run: no card to check"}
+    if settings.device.type == "cuda":
+        idle_cfg = profile["idle"]
+        limits = IdleLimits(
+            idle_cfg["max_memory_used_mib"],
+            idle_cfg["max_utilization_pct"],
+            idle_cfg["allow_other_processes"],
+        )
+        state, polls = wait_for_idle_card(
+            lambda: card_probe(settings.device.index or 0),
+            limits,
+            idle_cfg["timeout_s"],
+            idle_cfg["initial_backoff_s"],
+            idle_cfg["max_backoff_s"],
+            sleep=sleep,
+        )
+        idle = {"checked": True, "polls": polls, "state": state.as_dict(), "limits": vars(limits)}
+
+    if settings.cpu_only:
+        torch.set_num_threads(int(profile["cpu"]["threads"]))
+    torch.manual_seed(settings.seed)
+    model = load_model(model_path, settings, profile["attn_implementation"])
+    params = fl.model_active_parameters(model)
+    text_config = _text_config(model)
+    vocab_size = int(text_config["vocab_size"])
+    pad_id = int(text_config.get("pad_token_id") or 0)
+    options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}
+    model, optimizer, targets = prepare_harness(model, harness, options)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    flop_model = FlopModel(
+        params=fl.step_parameters(model),
+        head_positions=fl.head_positions_of(harness.module),
+        active_params=params["active_params"],
+        text_config=text_config,
+    )
+    has_experts = fl.moe_active_fraction(text_config) is not None
+    runner = StepRunner(model, harness, optimizer, settings.device)
+    device_info = device_description(settings.device)
+    peak = profile.get("peak_tflops")
+    peak_source = "config profile.peak_tflops"
+    if peak is None:
+        peak = fl.peak_tflops_for(device_info["name"]) if not settings.cpu_only else None
+        peak_source = (
+            f"bf16 dense peak for '{device_info['name']}'"
+            if peak is not None
+            else "unknown for this device: MFU is NaN (set profile.peak_tflops)"
+        )
+    LOG.info(
+        "harness %s: %d target modules, %d trainable params; active params %d",
+        harness.spec,
+        len(targets),
+        trainable,
+        params["active_params"],
+    )
+
+    scaling = run_scaling(runner, settings, loss_share, vocab_size, flop_model, peak)
+    ok = scaling[scaling["status"] == OK]
+    fit = fit_step_time(ok["seq_len"].tolist(), ok["time_s"].tolist())
+    LOG.info("fit: %s (%s)", fit.method, fit.message)
+    scaling = add_fit_columns(scaling, fit)
+    if ok.empty:
+        raise ProfileError(
+            f"every scaling point failed ({scaling['status'].tolist()} at {settings.lengths}); "
+            "lower profile lengths or the micro-batch size."
+        )
+
+    # the FLOP count of the MFU convention, checked by counting one real step (smallest length)
+    controls.append(
+        run_flop_control(
+            runner, settings, int(ok["seq_len"].min()), loss_share, vocab_size, flop_model
+        )
+    )
+    # the padding batches come from the upper length band and stay within the lengths that
+    # ran, so the fit interpolates them
+    try:
+        picks = bt.pick_padding_batches(
+            train,
+            settings.micro_batch,
+            int(ok["seq_len"].max()),
+            settings.seed,
+            profile["padding_draws"],
+            profile["padding_waste_quantile"],
+            n_batches=int(
+                profile["cuda" if settings.device.type == "cuda" else "cpu"]["padding_batches"]
+            ),
+        )
+        penalty = run_padding_penalty(runner, settings, picks, fit, vocab_size, pad_id)
+    except LengthsError as error:
+        LOG.warning("padding penalty skipped: %s", error)
+        penalty = skipped_penalty(str(error))
+    # CE and kernel probes at one length: the longest on a GPU (where attention and the head
+    # weigh most), the shortest on CPU (to keep the fallback run short)
+    probe_length = settings.probe_length or int(
+        ok["seq_len"].max() if settings.device.type == "cuda" else ok["seq_len"].min()
+    )
+    ok_lengths = set(ok["seq_len"])
+    step_at_probe = (
+        float(ok.loc[ok["seq_len"] == probe_length, "time_s"].iloc[0])
+        if probe_length in ok_lengths
+        else fit.predict(probe_length)
+    )
+    ce = run_ce(
+        model,
+        harness,
+        settings,
+        probe_length,
+        step_at_probe,
+        loss_share,
+        vocab_size,
+        int(profile["ce_chunk_tokens"]),
+        "measured" if probe_length in ok_lengths else "predicted by the fit",
+    )
+    kernels, raw_table, check = run_kernel_profile(
+        runner,
+        settings,
+        probe_length,
+        loss_share,
+        vocab_size,
+        profile["double_count_tolerance"],
+        has_experts,
+    )
+    controls.append(check)
+
+    run = run_metadata(dict(config))
+    provenance = {
+        "device": device_info,
+        "cpu_only": settings.cpu_only,
+        "dtype": str(settings.dtype).replace("torch.", ""),
+        "dtype_reason": settings.dtype_reason,
+        "attn_implementation": profile["attn_implementation"],
+        "lengths": settings.lengths,
+        "warmup": settings.warmup,
+        "repeats": settings.repeats,
+        "kernel_steps": settings.kernel_steps,
+        "probe_length": probe_length,
+        "probe_step_time_source": "measured" if probe_length in ok_lengths else "fit",
+        "micro_batch_size": settings.micro_batch,
+        "loss_fraction": loss_share,
+        "loss_fraction_source": loss_source,
+        "model_path": str(model_path),
+        "params": params,
+        "trainable_params": int(trainable),
+        "step_parameters": flop_model.params.as_dict(),
+        "lm_head_positions": flop_model.head_positions,
+        "has_experts": has_experts,
+        "peak_tflops": peak,
+        "peak_tflops_source": peak_source,
+        "mfu_convention": fl.MFU_CONVENTION,
+        "harness": {**harness.describe(), "target_modules": targets, "options": options},
+        "idle_check": idle,
+        "slurm": slurm_environment(),
+        "bucket_recommendation": _read_recommendation(recommendation_path),
+        "versions": run["versions"],
+        "run": run,
+    }
+    passed = all(c["passed"] for c in controls)
+    control = {
+        "name": "profile_controls",
+        "description": (
+            "the scaling fit recovers known coefficients; the analytic FLOP count matches "
+            "FlopCounterMode on a real step; kernel sum <= profiled wall"
+        ),
+        "expected": {c["name"]: c["expected"] for c in controls},
+        "observed": {c["name"]: c["observed"] for c in controls},
+        "passed": passed,
+        "checks": controls,
+    }
+    if not passed:
+        failed = [c["name"] for c in controls if not c["passed"]]
+        raise ProfileError(f"control(s) failed: {failed}: {[c['observed'] for c in controls]}")
+
+    text = evidence_text(provenance, scaling, fit, penalty, ce, kernels, raw_table, controls)
+    with all_or_nothing(outputs) as out:
+        out.parquet("scaling", scaling, run)
+        out.parquet("fit", fit_frame(fit, scaling), run)
+        out.parquet("padding_penalty", penalty, run)
+        out.parquet("ce", ce, run)
+        out.parquet("kernels", kernels, run)
+        out.text("raw", text)
+        out.json("provenance", provenance)
+        out.json("control", control)
+    return {
+        "device": device_info["name"],
+        "cpu_only": settings.cpu_only,
+        "scaling": scaling[["seq_len", "status", "time_s", "mfu"]].to_dict("records"),
+        "fit": {"a": fit.a, "b": fit.b, "c": fit.c, "method": fit.method},
+        "padding_penalty": penalty[
+            ["variant", "measured_penalty", "measured_penalty_min", "measured_penalty_max"]
+        ].to_dict("records"),
+        "ce": ce[["variant", "status", "time_s", "step_share"]].to_dict("records"),
+        "kernel_sum_s": float(kernels["device_time_s"].sum()),
+        "kernel_wall_s": float(kernels["wall_s"].iloc[0]) if len(kernels) else float("nan"),
+    }
+
+
+def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
+    """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
+    summary = run_profile(
+        inputs["lengths"],
+        inputs.get("recommendation"),
+        Path(inputs["tokenizer"][0]).parent,
+        outputs,
+        cfg.raw,
+    )
+    LOG.info("profile summary: %s", summary)

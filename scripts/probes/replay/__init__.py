@@ -1,0 +1,1 @@
+"""The replay stage: every strategy's real micro-batches timed through the harness."""

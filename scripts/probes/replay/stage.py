@@ -1,0 +1,382 @@
+"""The replay stage: measured epoch time of every batching strategy, with intervals.
+
+Order of work: positive control (synthetic harness, cheap, fails fast) -> idle-card check ->
+load weights -> the user's harness -> scaling fit over the data's own lengths -> the stratified
+replay of every strategy's plan -> outputs (written all-or-nothing).
+
+On CPU (no GPU, profile.allow_cpu) the plans are rebuilt with every length capped at
+``replay.cpu.max_seq_len`` and small samples, so the run stays within a few minutes; every output
+says ``cpu_only`` and its numbers are not comparable with a GPU run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from probes.batching import plans as pl
+from probes.contracts import STAGE_OUTPUTS
+from probes.errors import ControlFailedError, ProbeError
+from probes.io import read_json, read_provenance, run_metadata
+from probes.replay.control import run_synthetic_control
+from probes.replay.estimate import FitPricing, strategy_table
+from probes.replay.timing import (
+    OPTIMIZER_STEP,
+    ReplayRunner,
+    ReplaySettings,
+    measure_fit,
+    run_sample,
+    sample_all,
+)
+from probes.settings import WorkflowConfig
+from probes.stage import all_or_nothing
+from probes.step import fit as ft
+
+LOG = logging.getLogger("probes.replay")
+OUTPUT_KEYS = tuple(STAGE_OUTPUTS["replay"])
+INPUT_KEYS = ("plans", "lengths", "recommendation", "gate")
+CPU_NOTE = (
+    "CPU-only run: lengths capped at {cap} tokens (max_seq_len {max_seq_len}) and small samples; "
+    "not comparable with a GPU run"
+)
+
+
+class ReplayError(ProbeError, RuntimeError):
+    """The stage cannot run as configured, or its control failed; nothing was written."""
+
+
+def packing_validity(gate: Mapping[str, Any], origin: str = "gate.json") -> str | None:
+    """None when the mask gate's packed scenario ran without a violation, else why packing is
+    invalid (cross-document attention, or not checked at all: then it is never recommended)."""
+    scenarios = {s.get("scenario"): s for s in gate.get("scenarios", []) if isinstance(s, dict)}
+    packed = scenarios.get("packed")
+    if packed is None:
+        return (
+            f"{origin}: the mask gate did not run its packed scenario, so cross-document attention "
+            "is unchecked; add 'packed' to mask.scenarios"
+        )
+    violations = int(packed.get("violations", 0) or 0)
+    if violations:
+        return (
+            f"{origin}: the mask gate's packed scenario has {violations} violation(s): documents "
+            "attend to each other, so packing changes what the model learns"
+        )
+    return None
+
+
+def replay_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype the profile stage would pick (probes.step.dtype): bf16 on CUDA; on CPU bf16
+    only where it is computed natively, else float32. Returns the dtype and why."""
+    from probes.step.dtype import resolve_dtype
+
+    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    name, reason = resolve_dtype(requested, device.type)
+    return names[name], reason
+
+
+def plans_for_device(
+    inputs: Mapping[str, str | Path],
+    training: Mapping[str, Any],
+    cpu_only: bool,
+    cap: int,
+) -> tuple[pd.DataFrame, int]:
+    """The bucket stage's plans, or on CPU the same plans rebuilt with lengths capped at `cap`."""
+    plans = pl.read_plans(inputs["plans"])
+    max_seq_len = int(training["max_seq_len"])
+    if not cpu_only or cap >= max_seq_len:
+        return plans, max_seq_len
+    seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
+    examples = pl.cap_examples(pl.read_examples(inputs["lengths"], max_seq_len), cap)
+    capped = pl.build_plans(
+        examples,
+        micro_batch_size=int(training["micro_batch_size"]),
+        grad_accum=int(training["grad_accum"]),
+        max_seq_len=cap,
+        bucket_size_batches=pl.recommended_bucket_size(read_json(inputs["recommendation"])),
+        seed=seed,
+    )
+    return capped, cap
+
+
+def settings_for(cfg: Mapping[str, Any], grad_accum: int, cpu_only: bool) -> ReplaySettings:
+    section = cfg["cpu"] if cpu_only else cfg
+    return ReplaySettings(
+        n_strata=int(section["n_strata"]),
+        samples_per_stratum=int(section["samples_per_stratum"]),
+        bootstrap_resamples=int(cfg["bootstrap_resamples"]),
+        grad_accum=grad_accum,
+        seed=int(cfg["seed"]),
+        warmup=int(section["warmup"]),
+        busy_samples_per_stratum=int(cfg["busy_samples_per_stratum"]),
+        host_bound_threshold=float(cfg["host_bound_threshold"]),
+    )
+
+
+def control_settings(cfg: Mapping[str, Any], grad_accum: int) -> ReplaySettings:
+    control = cfg["control"]
+    return ReplaySettings(
+        n_strata=int(control["n_strata"]),
+        samples_per_stratum=int(control["samples_per_stratum"]),
+        bootstrap_resamples=int(cfg["bootstrap_resamples"]),
+        grad_accum=grad_accum,
+        seed=int(cfg["seed"]),
+        warmup=0,
+        busy_samples_per_stratum=0,
+    )
+
+
+def fit_lengths_for(
+    plans: pd.DataFrame, cfg: Mapping[str, Any], max_seq_len: int, cpu_only: bool
+) -> list[int]:
+    """Configured lengths, else quantiles of the baseline's padded micro-batch lengths."""
+    fit_cfg = cfg["fit"]
+    configured = fit_cfg["cpu_lengths" if cpu_only else "lengths"]
+    if configured:
+        return sorted({min(int(v), max_seq_len) for v in configured})
+    baseline = plans[plans["strategy"] == pl.BASELINE]["padded_length"].to_numpy()
+    shortest = int(plans.loc[plans["layout"] == pl.PADDED, "padded_length"].min())
+    return ft.default_fit_lengths(
+        baseline,
+        max_seq_len,
+        int(fit_cfg["n_points"]),
+        float(fit_cfg["low_quantile"]),
+        shortest=shortest,
+    )
+
+
+def _idle_check(profile: Mapping[str, Any], device: torch.device, card_probe, sleep) -> dict:
+    if device.type != "cuda":
+        return {"checked": False, "reason": "CPU run: no card to check"}
+    from probes.step.idle import IdleLimits, wait_for_idle_card
+
+    idle = profile["idle"]
+    limits = IdleLimits(
+        idle["max_memory_used_mib"], idle["max_utilization_pct"], idle["allow_other_processes"]
+    )
+    state, polls = wait_for_idle_card(
+        lambda: card_probe(device.index or 0),
+        limits,
+        idle["timeout_s"],
+        idle["initial_backoff_s"],
+        idle["max_backoff_s"],
+        sleep=sleep,
+    )
+    return {"checked": True, "polls": polls, "state": state.as_dict(), "limits": vars(limits)}
+
+
+def load_runner(
+    model_path: str | Path, profile: Mapping[str, Any], device: torch.device, dtype: torch.dtype
+) -> tuple[Any, int, int, dict[str, Any]]:
+    """The real model through the profile stage's own loader and the user's harness."""
+    from probes.step import runner as ts
+    from probes.step.harness import load_harness
+
+    settings = ts.Settings(
+        device=device,
+        cpu_only=device.type != "cuda",
+        dtype=dtype,
+        dtype_reason="",
+        lengths=[],
+        warmup=0,
+        repeats=1,
+        kernel_steps=0,
+        probe_length=None,
+        micro_batch=1,
+        max_seq_len=1,
+        seed=0,
+    )
+    harness = load_harness(profile["harness"])
+    model = ts.load_model(model_path, settings, profile["attn_implementation"])
+    text = ts._text_config(model)
+    options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}
+    model, optimizer, targets = ts.prepare_harness(model, harness, options)
+    runner = ts.StepRunner(model, harness, optimizer, device)
+    described = {**harness.describe(), "target_modules": len(targets), "options": options}
+    return runner, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), described
+
+
+def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
+    """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
+    summary = run_replay(inputs, outputs, cfg.raw, Path(inputs["tokenizer"][0]).parent)
+    LOG.info("replay summary: %s", summary)
+
+
+def run_replay(
+    inputs: Mapping[str, Any],
+    outputs: Mapping[str, str | Path],
+    cfg: Mapping[str, Any],
+    model_path: str | Path,
+    card_probe: Callable[[int], Any] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the stage and write every output, or none. `cfg` is the whole (default-filled)
+    workflow config: sections replay, training and profile are read."""
+    from probes.profile.evidence import device_description
+    from probes.step.runner import resolve_device
+
+    missing = [k for k in OUTPUT_KEYS if k not in outputs] + [
+        k for k in INPUT_KEYS if k not in inputs
+    ]
+    if missing:
+        raise ReplayError(f"replay: missing path(s) for {missing}")
+    replay_cfg, training, profile = cfg["replay"], cfg["training"], cfg["profile"]
+    started = time.perf_counter()
+    device = resolve_device(profile["device"], profile["allow_cpu"])
+    cpu_only = device.type != "cuda"
+    cap = int(replay_cfg["cpu"]["max_seq_len"])
+    plans, max_len = plans_for_device(inputs, training, cpu_only, cap)
+    grad_accum = int(training["grad_accum"])
+    micro = int(training["micro_batch_size"])
+    settings = settings_for(replay_cfg, grad_accum, cpu_only)
+    fit_lengths = fit_lengths_for(plans, replay_cfg, max_len, cpu_only)
+    fit_repeats = int(replay_cfg["fit"]["repeats"])
+    LOG.info(
+        "replay on %s%s: %d strategies, %d micro-batches; fit lengths %s",
+        device,
+        f" ({CPU_NOTE.format(cap=max_len, max_seq_len=training['max_seq_len'])})"
+        if cpu_only
+        else "",
+        plans["strategy"].nunique(),
+        len(plans),
+        fit_lengths,
+    )
+
+    # the positive control first: cheap, and a broken estimator must not cost a GPU run
+    control_cfg = replay_cfg["control"]
+    control = run_synthetic_control(
+        plans,
+        control_settings(replay_cfg, grad_accum),
+        fit_lengths,
+        micro,
+        fit_repeats=int(control_cfg["fit_repeats"]),
+        saving_tolerance=float(control_cfg["saving_tolerance"]),
+        fit_tolerance=float(control_cfg["fit_tolerance"]),
+        repeats=int(control_cfg["repeats"]),
+    )
+    LOG.info(
+        "control %s (%.1f s)",
+        "passed" if control["passed"] else "FAILED",
+        control["observed"]["wall_s"],
+    )
+    if not control["passed"]:
+        raise ControlFailedError(
+            f"replay: positive control failed, no output written: {control['observed']}"
+        )
+
+    invalid = {}
+    reason = packing_validity(read_json(inputs["gate"]), str(inputs["gate"]))
+    if reason:
+        invalid[pl.PACKING] = reason
+
+    if card_probe is None:
+        from probes.step.idle import probe_card
+
+        card_probe = probe_card
+    idle = _idle_check(profile, device, card_probe, sleep)
+    if cpu_only:
+        torch.set_num_threads(int(replay_cfg["cpu"]["threads"]))
+    torch.manual_seed(settings.seed)
+    dtype, dtype_reason = replay_dtype(profile["dtype"], device)
+    model_runner, vocab_size, pad_id, harness_info = load_runner(model_path, profile, device, dtype)
+    runner = ReplayRunner(
+        model_runner, vocab_size, pad_id, settings.seed, int(replay_cfg["repeats"])
+    )
+
+    random_plan = plans[plans["strategy"] == pl.BASELINE]
+    loss_share = float(random_plan["loss_tokens"].sum()) / float(random_plan["real_tokens"].sum())
+    if training.get("loss_on") == "all":
+        loss_share = 1.0
+    fit, fit_points = measure_fit(
+        runner,
+        fit_lengths,
+        micro,
+        loss_share,
+        fit_repeats,
+        settings.seed,
+        settings.bootstrap_resamples,
+    )
+    LOG.info("fit %s: a=%.3g b=%.3g c=%.3g", fit.fit.method, fit.fit.a, fit.fit.b, fit.fit.c)
+
+    sample = sample_all(plans, settings)
+    LOG.info("replaying %d sampled micro-batches", len(sample))
+    steps, optimizer_times = run_sample(runner, sample, settings, progress=progress)
+    pricing = FitPricing(fit.fit, micro, fit.low, fit.high)
+    table = strategy_table(
+        plans, steps, optimizer_times, settings, invalid, pricing, cpu_only, max_len
+    )
+    if cpu_only:
+        note = CPU_NOTE.format(cap=max_len, max_seq_len=training["max_seq_len"])
+        table["note"] = [f"{note}; {n}" if n else note for n in table["note"]]
+
+    optimizer_rows = pd.DataFrame(
+        {"kind": OPTIMIZER_STEP, "time_s": optimizer_times, "status": "OK"}
+    )
+    all_steps = pd.concat([steps, optimizer_rows, fit_points], ignore_index=True)
+    all_steps["example_ids"] = all_steps["example_ids"].map(
+        lambda v: list(v) if isinstance(v, (list, np.ndarray)) else []
+    )
+    for column in ("example_lengths", "example_loss_tokens", "documents_per_row", "times_s"):
+        all_steps[column] = all_steps[column].map(
+            lambda v: list(v) if isinstance(v, (list, np.ndarray)) else []
+        )
+    fit_row = fit.as_row()
+    fit_row.update(
+        rows=micro,
+        loss_share=loss_share,
+        cpu_only=cpu_only,
+        max_seq_len=max_len,
+        lengths_source=(
+            "configured"
+            if replay_cfg["fit"]["cpu_lengths" if cpu_only else "lengths"]
+            else f"quantiles {replay_cfg['fit']['low_quantile']}..1 of random's padded micro-batch "
+            f"length, up to max_seq_len {max_len}"
+        ),
+        time_basis="forward + backward of one micro-batch (optimizer step excluded)",
+    )
+    run_info = run_metadata(dict(cfg))
+    provenance = {
+        **run_info,
+        "device": device_description(device),
+        "cpu_only": cpu_only,
+        "dtype": str(dtype).replace("torch.", ""),
+        "dtype_reason": dtype_reason,
+        "max_seq_len_replayed": max_len,
+        "harness": harness_info,
+        "idle_check": idle,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "wall_s": time.perf_counter() - started,
+    }
+    control["observed"]["cpu_only"] = cpu_only
+    with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
+        out.parquet("estimates", table, provenance)
+        out.parquet("steps", all_steps, provenance)
+        out.parquet("fit", pd.DataFrame([fit_row]), provenance)
+        out.json("control", control)
+    return {
+        "cpu_only": cpu_only,
+        "wall_s": provenance["wall_s"],
+        "load_average": provenance["load_average"],
+        "control_passed": control["passed"],
+        "strategies": table[
+            [
+                "strategy",
+                "estimated_time_s",
+                "ci_low_s",
+                "ci_high_s",
+                "saving_vs_random",
+                "saving_ci_low",
+                "saving_ci_high",
+                "rank",
+                "valid",
+            ]
+        ].to_dict("records"),
+    }

@@ -1,0 +1,307 @@
+"""Replay's timing loop: what is measured.
+
+Forward + backward through the harness's own ``compute_loss`` for each sampled micro-batch
+(shapes, padding side, packing boundaries and loss-token counts are the plan's real ones; token
+values are random), and the optimizer step on its own; and uniform micro-batches at each length
+for the scaling fit (``measure_fit``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from probes.batching import plans as pl
+from probes.contracts import HOST_BOUND_THRESHOLD
+from probes.replay.strata import stratified_sample
+from probes.step import batches as bt
+from probes.step import fit as ft
+from probes.step.timing import OK, OOM, is_out_of_memory, release_memory, synchronize, wall_time
+
+MICRO_BATCH, OPTIMIZER_STEP, FIT_POINT = "micro_batch", "optimizer_step", "fit_point"
+TIMER = "host wall between device synchronisations (probes.step.timing.wall_time)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes, batches and the runner
+# ---------------------------------------------------------------------------------------------
+
+
+def batch_shape(row: Any) -> tuple[int, int]:
+    """(rows, length) of the tensor the model sees: rows × padded length, or one flattened row."""
+    if row.layout == pl.PACKED:
+        return 1, int(row.computed_tokens)
+    return int(row.rows), int(row.padded_length)
+
+
+def build_batch(
+    row: Any, vocab_size: int, generator: torch.Generator, pad_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """The micro-batch of a plan row with the project's builders (right padding, or packed
+    documents with restarting position ids); random token ids, real lengths and loss tokens."""
+    lengths = [int(v) for v in row.example_lengths]
+    loss = [int(v) for v in row.example_loss_tokens]
+    if row.layout == pl.PACKED:
+        return bt.packed_batch(lengths, loss, vocab_size, generator)
+    return bt.padded_batch(
+        lengths, loss, vocab_size, generator, pad_to=int(row.padded_length), pad_id=pad_id
+    )
+
+
+def gpu_busy_share(fn: Callable[[], object], device: torch.device) -> float:
+    """Kernel time / wall of one call of `fn` on CUDA (device kernel rows only); NaN on CPU."""
+    if device.type != "cuda":
+        return float("nan")
+    from torch.profiler import ProfilerActivity, profile
+
+    from probes.step import kernels as kn
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        begin = time.perf_counter()
+        fn()
+        synchronize(device)
+        wall = time.perf_counter() - begin
+    rows = kn.summed_rows(kn.rows_from_key_averages(prof.key_averages()), "cuda")
+    return sum(r.self_time_us for r in rows) / 1e6 / wall if wall > 0 else float("nan")
+
+
+class ReplayRunner:
+    """Times micro-batches and optimizer steps through a StepRunner's harness, model, optimizer.
+
+    A micro-batch is `harness.compute_loss(model, batch).backward()`, exactly as the training
+    step runs it; gradients accumulate until `optimizer_step` (timed on its own) clears them.
+    """
+
+    def __init__(
+        self,
+        runner: Any,
+        vocab_size: int,
+        pad_id: int,
+        seed: int,
+        repeats: int = 1,
+        statistic: str = "median",
+    ) -> None:
+        self.runner = runner
+        self.statistic = statistic
+        self.reduce = ft.STATISTICS[statistic]
+        self.device = runner.device
+        self.vocab_size = vocab_size
+        self.pad_id = pad_id
+        self.repeats = repeats
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
+        loss = self.runner.harness.compute_loss(self.runner.model, batch)
+        loss.backward()
+
+    def _optimizer(self) -> None:
+        self.runner.optimizer.step()
+        self.runner.optimizer.zero_grad(set_to_none=True)
+
+    def device_batch(self, row: Any) -> dict[str, Any]:
+        return bt.to_device(
+            build_batch(row, self.vocab_size, self.generator, self.pad_id), self.device
+        )
+
+    def timed(self, fn: Callable[[], object], repeats: int) -> tuple[str, list[float]]:
+        """`repeats` host wall times of `fn` between device synchronisations (timing.wall_time:
+        no sampler thread beside the step, whose GIL hand-offs cost milliseconds on a loaded
+        CPU); an out-of-memory error comes back as status OOM, with memory released."""
+        times: list[float] = []
+        out_of_memory = False
+        try:
+            for _ in range(repeats):
+                times.append(wall_time(fn, self.device))
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            out_of_memory = True
+        if out_of_memory:
+            self.runner.optimizer.zero_grad(set_to_none=True)  # partial gradients
+            release_memory(self.device)
+            return OOM, []
+        return OK, times
+
+    def time_micro_batch(self, row: Any, busy: bool = False) -> dict[str, Any]:
+        """One timing of the plan row's micro-batch (run_sample repeats it in later rounds)."""
+        batch = self.device_batch(row)
+        status, times = self.timed(lambda: self._forward_backward(batch), 1)
+        share = float("nan")
+        if busy and status == OK:
+            share = gpu_busy_share(lambda: self._forward_backward(batch), self.device)
+        return {
+            "status": status,
+            "time_s": float(self.reduce(times)) if times else float("nan"),
+            "times_s": times,
+            "timer": TIMER,
+            "gpu_busy_share": share,
+        }
+
+    def warm_up(self, row: Any) -> None:
+        batch = self.device_batch(row)
+        self._forward_backward(batch)
+        self._optimizer()
+        synchronize(self.device)
+        del batch
+
+    def time_optimizer_step(self) -> float:
+        return wall_time(self._optimizer, self.device)
+
+    def time_uniform(self, rows: int, length: int, loss_share: float, warmup: int) -> float:
+        """One scaling-fit point: rows × length, the data's loss share; forward + backward only
+        (its gradients are cleared by an untimed optimizer step)."""
+        batch = bt.to_device(
+            bt.uniform_batch(rows, length, loss_share, self.vocab_size, self.generator),
+            self.device,
+        )
+        status, times = self.timed(lambda: self._forward_backward(batch), warmup + 1)
+        self._optimizer()
+        if self.device.type == "cuda":  # a gc pass costs ~0.4 s with the plans in memory
+            release_memory(self.device)
+        return times[-1] if status == OK else float("nan")
+
+
+@dataclass(frozen=True)
+class ReplaySettings:
+    n_strata: int
+    samples_per_stratum: int
+    bootstrap_resamples: int
+    grad_accum: int
+    seed: int = 0
+    warmup: int = 1
+    busy_samples_per_stratum: int = 1
+    host_bound_threshold: float = HOST_BOUND_THRESHOLD
+
+
+def sample_all(plans: pd.DataFrame, settings: ReplaySettings) -> pd.DataFrame:
+    """Every strategy's stratified sample, interleaved in one seeded run order (so drift of the
+    machine over the run spreads over all strategies instead of biasing one)."""
+    rng = np.random.default_rng(settings.seed)
+    parts = [
+        stratified_sample(group, settings.n_strata, settings.samples_per_stratum, rng)
+        for _, group in plans.groupby("strategy", sort=False)
+    ]
+    sample = pd.concat(parts, ignore_index=True)
+    sample["run_order"] = rng.permutation(len(sample))
+    return sample.sort_values("run_order").reset_index(drop=True)
+
+
+def run_sample(
+    runner: ReplayRunner, sample: pd.DataFrame, settings: ReplaySettings, progress: bool = False
+) -> tuple[pd.DataFrame, np.ndarray]:
+    """Time every sampled micro-batch (and an optimizer step after every grad_accum of them).
+
+    With `runner.repeats` > 1 the whole sample runs that many rounds, each in a new seeded order,
+    and each micro-batch keeps the runner's statistic of its rounds: a burst of load then hits one
+    round of a micro-batch, not all its repeats back to back.
+    """
+    from tqdm import tqdm
+
+    if len(sample) == 0:
+        raise ValueError("empty sample: nothing to replay")
+    largest = sample.loc[sample["computed_tokens"].idxmax()]
+    for _ in range(settings.warmup):  # the peak shape first, so memory is allocated once
+        runner.warm_up(largest)
+    rng = np.random.default_rng(settings.seed + 7)
+    rounds = max(int(runner.repeats), 1)
+    times: list[list[float]] = [[] for _ in range(len(sample))]
+    status = [OK] * len(sample)
+    shares = [float("nan")] * len(sample)
+    busy_done: dict[tuple[str, int], int] = {}
+    optimizer_times = []
+    rows = list(sample.itertuples())
+    bar = tqdm(total=rounds * len(rows), desc="replay", disable=not progress)
+    count = 0
+    for round_ in range(rounds):
+        order = range(len(rows)) if round_ == 0 else rng.permutation(len(rows))
+        for i in order:
+            row = rows[i]
+            key = (row.strategy, int(row.stratum))
+            busy = (
+                round_ == 0
+                and runner.device.type == "cuda"
+                and busy_done.get(key, 0) < settings.busy_samples_per_stratum
+            )
+            if status[i] == OK:
+                result = runner.time_micro_batch(row, busy=busy)
+                status[i] = result["status"]
+                times[i] += result["times_s"]
+                if busy:
+                    busy_done[key] = busy_done.get(key, 0) + 1
+                    shares[i] = result["gpu_busy_share"]
+            count += 1
+            bar.update()
+            if count % settings.grad_accum == 0:
+                optimizer_times.append(runner.time_optimizer_step())
+    bar.close()
+    if count % settings.grad_accum:
+        optimizer_times.append(runner.time_optimizer_step())
+    steps = sample.copy()
+    steps["status"] = status
+    steps["times_s"] = times
+    steps["time_s"] = [
+        float(runner.reduce(t)) if s == OK and t else float("nan")
+        for t, s in zip(times, status, strict=True)
+    ]
+    steps["timer"] = TIMER
+    steps["gpu_busy_share"] = shares
+    steps["kind"] = MICRO_BATCH
+    share = steps["gpu_busy_share"]
+    steps["host_bound"] = (share < settings.host_bound_threshold).where(share.notna())
+    return steps, np.asarray(optimizer_times, dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------------------------
+# The scaling fit from the data, with bootstrap intervals
+# ---------------------------------------------------------------------------------------------
+
+
+def measure_fit(
+    runner: ReplayRunner,
+    lengths: Sequence[int],
+    rows: int,
+    loss_share: float,
+    repeats: int,
+    seed: int,
+    resamples: int,
+) -> tuple[ft.BootstrapFit, pd.DataFrame]:
+    """Time rows × T uniform micro-batches (forward + backward) at each length, fit with
+    intervals. The lengths are visited in a new seeded order each round (one warm-up in the
+    first), so a burst of load or drift spreads over lengths instead of bending the curve.
+    Returns the fit and the timed points (one row per repeat)."""
+    rng = np.random.default_rng(seed)
+    points = []
+    for repeat in range(repeats):
+        for length in rng.permutation(np.asarray(lengths, dtype=np.int64)):
+            seconds = runner.time_uniform(rows, int(length), loss_share, 1 if repeat == 0 else 0)
+            points.append(
+                {
+                    "kind": FIT_POINT,
+                    "padded_length": int(length),
+                    "rows": rows,
+                    "computed_tokens": rows * int(length),
+                    "repeat": repeat,
+                    "time_s": seconds,
+                    "status": OK if math.isfinite(seconds) else "OOM",
+                }
+            )
+    frame = pd.DataFrame(points)
+    frame = frame[frame["status"] == OK]
+    if frame.empty:
+        raise ValueError(f"no fit point could be timed at {list(lengths)}")
+    result = ft.fit_with_intervals(
+        frame["padded_length"].to_numpy(),
+        frame["time_s"].to_numpy(),
+        resamples,
+        seed,
+        statistic=runner.statistic,
+    )
+    return result, frame

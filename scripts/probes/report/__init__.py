@@ -1,0 +1,1 @@
+"""The report: loads every output, builds each section, renders the markdown."""

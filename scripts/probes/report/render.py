@@ -1,0 +1,112 @@
+"""The playbook-evidence report: render the template from the context the sections build.
+
+A number in the report is traceable in three hops: the template names a column
+(``{{ row.time_s | seconds }}``), the column comes from one table listed in
+``probes.contracts.TABLES`` (which stage and file), and the derived numbers come from one function.
+The report is split by responsibility:
+
+- ``probes.report.load``: read and check every stage output (``load_inputs``);
+- ``probes.report.findings``: the stages' findings as counts (never a price), the fit check;
+- ``probes.report.sections.common``: one builder per section and what they share;
+  ``probes.report.sections.profile``: the profile's sections (scaling, cross-entropy, kernels);
+  ``probes.report.sections.apply``: the "Apply it" section;
+- ``probes.report.format``: the template's filters (numbers, codes, labels);
+- this module: assemble every section (``build_context``), render the markdown
+  (``render_markdown``) and list the figures it links.
+
+Never surface the data: the report shows only source labels, ids, counts and numbers. No column
+outside ``TABLES`` is ever rendered, reason codes are filtered to code-like strings, and source
+labels are shortened and escaped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from probes.report.format import FILTERS
+from probes.report.sections.apply import apply_section
+from probes.report.sections.common import (
+    bucket_section,
+    controls_section,
+    mask_section,
+    padding_section,
+    provenance_section,
+    summary_section,
+)
+from probes.report.sections.profile import ce_section, kernels_section, scaling_section
+from probes.report.sections.replay import host_bound_overall, replay_fit
+
+
+def build_context(
+    inputs: Mapping[str, Any],
+    figures: Mapping[str, str | None],
+    report_meta: Mapping[str, Any],
+    top_sources: int = 8,
+    max_recommendations: int = 4,
+    recommendations_document: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Everything the template renders, as plain dicts and lists.
+
+    ``recommendations_document``: what the report stage writes as recommendations.json
+    (probes.apply.document.recommendations_document), for the "Apply it" section."""
+    tables, jsons, not_run = inputs["tables"], inputs["json"], inputs["not_run"]
+    scaling = scaling_section(tables, not_run, jsons)
+    mask = mask_section(tables, not_run, jsons)
+    return {
+        "summary": summary_section(inputs, scaling, mask, max_recommendations),
+        "scaling": scaling,
+        # the replay's fit and host-bound share, shown in Scaling whether or not the profile ran
+        "replay": {
+            "fit": replay_fit(tables, not_run),
+            "host_bound": host_bound_overall(tables, not_run),
+            "not_run": not_run.get("replay"),
+        },
+        "padding": padding_section(tables, not_run, top_sources),
+        "ce": ce_section(tables, not_run),
+        "kernels": kernels_section(tables, not_run, jsons),
+        "bucket": bucket_section(tables, not_run, jsons),
+        "apply": apply_section(recommendations_document, tables, not_run),
+        "mask": mask,
+        "controls": controls_section(jsons, not_run),
+        "provenance": provenance_section(inputs["provenance"], jsons, not_run, report_meta),
+        "figures": dict(figures),
+    }
+
+
+SECTION_TITLES = (
+    "Summary",
+    "Scaling",
+    "Padding",
+    "Cross-entropy",
+    "Kernels",
+    "Bucketing",
+    "Apply it",
+    "Mask gate",
+    "Controls",
+    "Provenance",
+)
+
+
+def render_markdown(context: Mapping[str, Any], template_path: str | Path) -> str:
+    """Render the template; an undefined name fails instead of rendering as empty."""
+    import jinja2
+
+    path = Path(template_path)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(path.parent),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,  # markdown, not HTML; cells are escaped by the `cell`/`label` filters
+    )
+    env.filters.update(FILTERS)
+    return env.get_template(path.name).render(**context)
+
+
+def linked_figures(markdown: str) -> list[str]:
+    """Relative paths of every image the markdown links to."""
+    return re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", markdown)

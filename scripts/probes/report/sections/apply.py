@@ -1,0 +1,82 @@
+"""The report's "Apply it" section: each change of ``recommendations.json`` with its snippets,
+verification and the saving the replay measured for it (none where it did not: no estimate)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pandas as pd
+
+from probes.report.format import finite
+from probes.report.load import not_run_reason
+from probes.report.sections.common import _not_run, stage_text
+from probes.report.sections.replay import change_measurement
+
+
+def apply_section(
+    document: Mapping[str, Any] | None,
+    tables: Mapping[str, pd.DataFrame],
+    not_run: Mapping[str, str],
+) -> dict[str, Any]:
+    """ "Apply it": each change of ``recommendations.json`` (probes.apply.document) with its
+    snippets,
+    the libraries they were verified against, tokens per update, the caveat and its saving:
+    measured where the replay measured that change (``report_replay.change_measurement``),
+    else none: no estimate stands in for a measurement.
+    """
+    if document is None:
+        return _not_run("no recommendations document was built")
+    reason = not_run_reason(document)
+    if reason:
+        return _not_run(reason)
+    libraries = {
+        name: info.get("version") or f"not installed ({stage_text(info.get('reason'), 80)})"
+        for name, info in (document.get("libraries") or {}).items()
+        if isinstance(info, Mapping)
+    }
+    # Measure the decision: a change the replay did not time gets no price at all
+    replayed = "replay" not in not_run and not tables.get("replay_estimates", pd.DataFrame()).empty
+    changes, skipped = [], []
+    for change in document.get("changes") or []:
+        if not change.get("applies"):
+            skipped.append({"id": change.get("id"), "reason": stage_text(change.get("reason"))})
+            continue
+        tokens = change.get("tokens_per_update") or {}
+        changes.append(
+            {
+                "id": change["id"],
+                "title": change.get("title"),
+                "how": change.get("how"),
+                "snippets": {
+                    library: snippet["text"]
+                    for library, snippet in (change.get("snippets") or {}).items()
+                    if isinstance(snippet, Mapping) and snippet.get("text")
+                },
+                "verification": {
+                    library: {
+                        "verified": result.get("verified"),
+                        "reason": stage_text(result.get("reason"), 160),
+                    }
+                    for library, result in (change.get("verification") or {}).items()
+                },
+                "saving": change_measurement(change, tables, not_run),
+                "tokens_before": finite(tokens.get("before")),
+                "tokens_after": finite(tokens.get("after")),
+                "tokens_how": tokens.get("how"),
+                "caveat": change.get("caveat"),
+            }
+        )
+    baseline = document.get("baseline") or {}
+    return {
+        "status": "ok",
+        "replayed": replayed,
+        "libraries": libraries,
+        "baseline": {
+            "micro_batch_size": baseline.get("micro_batch_size"),
+            "grad_accum": baseline.get("grad_accum"),
+            "tokens_per_update": finite(baseline.get("tokens_per_update")),
+        },
+        "changes": changes,
+        "skipped": skipped,
+    }

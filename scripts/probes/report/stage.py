@@ -1,0 +1,96 @@
+"""The report stage: load every stage output, build recommendations.json, draw the figures, render
+the markdown, write all three together."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from probes.apply import document as apply
+from probes.config import REPO_ROOT
+from probes.io import run_metadata
+from probes.report.load import ReportInputError, load_inputs, not_run_reason
+from probes.report.render import build_context, linked_figures, render_markdown
+from probes.settings import WorkflowConfig
+from probes.stage import all_or_nothing
+
+LOG = logging.getLogger("probes.report.render")
+# The template ships with the workflow; standalone runs use it unless --input template=... says.
+DEFAULT_TEMPLATE = REPO_ROOT / "workflow" / "templates" / "playbook-evidence.md.j2"
+
+
+def recommendations_document(
+    loaded: Mapping[str, Any],
+    training: Mapping[str, Any],
+    versions: Mapping[str, Any] | None = None,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """recommendations.json: the bucket stage's recommendation as settings for the installed
+    libraries (probes.apply.document), with the padding stage's count of examples without a loss
+    token.
+    {"status": "not_run", "reason"} when the bucket stage did not run."""
+    recommendation = loaded["json"]["bucket_recommendation"]
+    reason = not_run_reason(recommendation) or loaded["not_run"].get("bucket")
+    if reason:
+        return {"status": "not_run", "reason": f"the bucket stage did not run ({reason})"}
+    lengths = loaded["tables"]["padding_lengths"]
+    no_loss = None if "padding" in loaded["not_run"] else apply.count_no_loss_examples(lengths)
+    try:
+        return apply.recommendations_document(
+            recommendation, training, versions, no_loss_examples=no_loss, verify=verify
+        )
+    except KeyError as error:
+        raise ReportInputError(
+            f"bucket recommendation.json: {error.args[0]}; rerun the bucket_sweep rule"
+        ) from error
+
+
+def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
+    """Load, draw, render; the figures directory and the markdown are written together or not."""
+    from probes.report import (
+        figures as figs,  # matplotlib is imported here, inside the timed render
+    )
+
+    start = time.perf_counter()
+    paths = {key: path for key, path in inputs.items() if key != "template"}
+    loaded = load_inputs(paths)
+    markdown_out, figures_out = Path(outputs["markdown"]), Path(outputs["figures"])
+    options = cfg.report
+    training = {
+        "micro_batch_size": cfg.training.micro_batch_size,
+        "grad_accum": cfg.training.grad_accum,
+        "max_seq_len": cfg.training.max_seq_len,
+    }
+    document = recommendations_document(loaded, training)
+    with all_or_nothing(outputs) as out:
+        staging = out.directory("figures")
+        drawn = figs.draw_all(loaded, staging, options.histogram_top_sources, options.figure_dpi)
+        # links are relative to the markdown, so the report reads the same wherever it is copied
+        prefix = Path(os.path.relpath(figures_out, markdown_out.parent))
+        links = {name: (prefix / f).as_posix() if f else None for name, f in drawn.items()}
+        context = build_context(
+            loaded,
+            links,
+            run_metadata(dict(cfg.raw)),
+            top_sources=options.histogram_top_sources,
+            max_recommendations=options.max_recommendations,
+            recommendations_document=document,
+        )
+        markdown = render_markdown(context, inputs.get("template", DEFAULT_TEMPLATE))
+        for link in linked_figures(markdown):
+            if not (staging / Path(link).relative_to(prefix)).is_file():
+                raise ReportInputError(f"the report links {link} but no such figure was drawn")
+        out.text("markdown", markdown)
+        out.text("recommendations", apply.dumps(document))
+    LOG.info(
+        "rendered %s (%d chars) and %d figures in %.2f s; stages not run: %s",
+        markdown_out,
+        len(markdown),
+        sum(1 for f in drawn.values() if f),
+        time.perf_counter() - start,
+        sorted(loaded["not_run"]) or "none",
+    )

@@ -1,0 +1,127 @@
+"""One training step of the real model, always through the user's harness: the device, the model
+loaded in the profiled dtype, the harness's adapters and optimizer, and the step runner the profile
+and the replay both time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from probes.errors import ProbeError
+from probes.step.harness import Harness
+from probes.step.timing import OK, Timing, time_repeats
+
+
+class ProfileError(ProbeError, RuntimeError):
+    """The stage cannot run as configured, or one of its controls failed."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: torch.device
+    cpu_only: bool
+    dtype: torch.dtype
+    dtype_reason: str  # why this dtype: probes.step.dtype.choose_dtype
+    lengths: list[int]
+    warmup: int
+    repeats: int
+    kernel_steps: int
+    probe_length: int | None
+    micro_batch: int
+    max_seq_len: int
+    seed: int
+
+
+def resolve_device(requested: str, allow_cpu: bool) -> torch.device:
+    cuda = torch.cuda.is_available()
+    if requested == "cuda" and not cuda:
+        raise ProfileError(
+            "profile.device is 'cuda' but torch sees no CUDA device; run on a GPU node or set "
+            "profile.device: auto (CPU fallback needs profile.allow_cpu: true)."
+        )
+    if requested == "cuda" or (requested == "auto" and cuda):
+        return torch.device("cuda", 0)
+    if not allow_cpu:
+        raise ProfileError(
+            "no CUDA device and profile.allow_cpu is false; the profile needs a GPU here "
+            "(set profile.allow_cpu: true to time small lengths on CPU and say so)."
+        )
+    return torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# The training step, always through the harness
+# ---------------------------------------------------------------------------------------------
+
+
+class StepRunner:
+    """Calls the harness's compute_loss for every micro-batch, backward, one optimizer step."""
+
+    def __init__(self, model: torch.nn.Module, harness: Harness, optimizer, device) -> None:
+        self.model = model
+        self.harness = harness
+        self.optimizer = optimizer
+        self.device = device
+
+    def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+        for batch in micro_batches:
+            loss = self.harness.compute_loss(self.model, batch)
+            loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def timed(self, micro_batches, warmup: int, repeats: int) -> Timing:
+        timing = time_repeats(lambda: self.step(micro_batches), self.device, warmup, repeats)
+        if timing.status != OK:  # a step cut short may leave partial gradients behind
+            self.optimizer.zero_grad(set_to_none=True)
+        return timing
+
+
+def load_model(model_path: str | Path, settings: Settings, attn_implementation: str):
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": settings.dtype, "attn_implementation": attn_implementation}
+    if settings.device.type == "cuda":
+        kwargs["device_map"] = {"": settings.device.index or 0}
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    if settings.device.type != "cuda":
+        model.to(settings.device)
+    if model.dtype != settings.dtype:  # transformers < 4.56 names the argument torch_dtype
+        model.to(settings.dtype)
+    model.config.use_cache = False
+    return model
+
+
+def prepare_harness(
+    model: torch.nn.Module, harness: Harness, options: dict[str, Any]
+) -> tuple[torch.nn.Module, Any, list[str]]:
+    """The harness's own target discovery, adapters and optimizer (reference ones as fallback)."""
+    from probes.step import reference_harness
+
+    configure = harness.hook("configure")
+    if configure is not None:
+        configure(options)
+    targets = list(harness.discover_target_modules(model))
+    if not targets:
+        raise ProfileError(f"harness {harness.spec}: discover_target_modules returned no module")
+    apply_adapters = harness.hook("apply_adapters") or reference_harness.apply_adapters
+    model = apply_adapters(model, targets)
+    model.train()
+    build_optimizer = harness.hook("build_optimizer") or reference_harness.build_optimizer
+    return model, build_optimizer(model), targets
+
+
+def _text_config(model: torch.nn.Module) -> dict[str, Any]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text.to_dict()

@@ -1,0 +1,16 @@
+"""Bucket sweep: padding saved by length-grouped batching per bucket size (HF
+get_length_grouped_indices semantics), the source-diversity cost, and packing for comparison.
+
+Run by Snakemake (`snakemake bucket_sweep`) or standalone:
+    python scripts/run_bucket_sweep.py --results results --set bucket.seeds=[0,1]
+"""
+
+from probes.bucket import stage as bucket_stage
+from probes.stage import main, upstream
+
+
+def inputs(cfg, results):
+    return upstream(results, lengths=("padding", "lengths"))
+
+
+main("bucket", bucket_stage.run, __doc__, inputs, globals())

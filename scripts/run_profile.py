@@ -1,0 +1,26 @@
+"""Profile: step-time scaling fit, padding penalty, CE wall clock, kernel table, through the
+user's harness on an idle GPU (CPU fallback with small lengths, labelled as such).
+
+Run by `snakemake profile`, or standalone (no Snakemake needed), e.g. on a GPU node:
+    python scripts/run_profile.py --results results --set profile.device=cuda \\
+        --set profile.cuda.lengths=[2048,4096,8192]
+"""
+
+from probes.config import model_file
+from probes.profile import stage as profile_stage
+from probes.stage import main, upstream
+
+
+def inputs(cfg, results):
+    return {
+        **upstream(
+            results,
+            lengths=("padding", "lengths"),
+            recommendation=("bucket", "recommendation"),
+        ),
+        "model_config": model_file(cfg.raw, "config.json"),
+        "tokenizer": [model_file(cfg.raw, "tokenizer.json")],
+    }
+
+
+main("profile", profile_stage.run, __doc__, inputs, globals())

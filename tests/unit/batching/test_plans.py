@@ -1,0 +1,179 @@
+"""Batch plans: every strategy's micro-batches from the bucket stage's own orders (ids only)."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from probes.batching import orders
+from probes.batching import plans as pl
+from probes.bucket import control as bucket_controls
+from probes.bucket import sweep as bucket
+from probes.contracts import TRAINING_STATUSES
+from probes.io import read_provenance, write_parquet
+from probes.lengths import LengthSet
+from probes.step import fit
+
+MICRO, ACCUM, MAX_LEN = 2, 4, 256
+
+
+def _examples(n=301, seed=0) -> pl.PlanExamples:
+    frame = bucket_controls.synthetic_lengths_frame(n, seed=seed, max_seq_len=MAX_LEN)
+    used = frame[frame["status"].isin(TRAINING_STATUSES)]
+    lengths = used["n_tokens"].to_numpy(np.int64)
+    loss = np.where(np.arange(lengths.size) % 3 == 0, 0, lengths // 2)  # a third carry no loss
+    return pl.PlanExamples(used["example_id"].to_numpy(object), lengths, loss)
+
+
+@pytest.fixture(scope="module")
+def examples() -> pl.PlanExamples:
+    return _examples()
+
+
+@pytest.fixture(scope="module")
+def plans(examples) -> pd.DataFrame:
+    return pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, bucket_size_batches=8, seed=0)
+
+
+def _ids(plan: pd.DataFrame) -> list[str]:
+    return [i for ids in plan["example_ids"] for i in ids]
+
+
+def test_every_strategy_and_column(plans):
+    assert set(plans["strategy"]) == set(pl.STRATEGIES)
+    assert list(plans.columns) == list(pl.PLAN_COLUMNS)
+    assert (plans["optimizer_step_index"] == plans["micro_batch_index"] // ACCUM).all()
+
+
+def test_each_strategy_trains_each_example_once(plans, examples):
+    everyone = sorted(examples.example_ids)
+    for name in (pl.RANDOM, pl.LENGTH_GROUPED, pl.GLOBAL_SORT, pl.PACKING, pl.PAD_TO_MAX):
+        assert sorted(_ids(plans[plans["strategy"] == name])) == everyone, name
+    with_loss = sorted(examples.example_ids[examples.loss_tokens > 0])
+    assert sorted(_ids(plans[plans["strategy"] == pl.RANDOM_NO_IDLE])) == with_loss
+
+
+def test_padded_shapes_are_the_real_ones(plans):
+    padded = plans[plans["layout"] == pl.PADDED]
+    longest = padded["example_lengths"].map(max)
+    pad_max = padded["strategy"] == pl.PAD_TO_MAX
+    assert (padded.loc[~pad_max, "padded_length"] == longest[~pad_max]).all()
+    assert (padded.loc[pad_max, "padded_length"] == MAX_LEN).all()
+    assert (padded["computed_tokens"] == padded["rows"] * padded["padded_length"]).all()
+    assert (padded["real_tokens"] == padded["example_lengths"].map(sum)).all()
+    assert (padded["loss_tokens"] == padded["example_loss_tokens"].map(sum)).all()
+
+
+def test_orders_are_the_bucket_stages(plans, examples):
+    perm = orders.seeded_permutation(examples.lengths.size, 0)
+    order = orders.length_grouped_order(examples.lengths, perm, MICRO, 8)
+    grouped = plans[plans["strategy"] == pl.LENGTH_GROUPED]
+    assert _ids(grouped) == list(examples.example_ids[order])
+
+
+def test_padded_tokens_match_the_bucket_sweep(plans, examples):
+    data = LengthSet(examples.lengths, np.zeros(examples.lengths.size, np.int32), ("a",))
+    sweep = bucket.sweep_bucket_sizes(data, MICRO, ACCUM, MAX_LEN, [0], [8], packing=["bfd"])
+    by_name = sweep.groupby("strategy")["padded_tokens"].first()
+    total = plans.groupby("strategy")["computed_tokens"].sum()
+    assert total[pl.RANDOM] == by_name["random"]
+    assert total[pl.GLOBAL_SORT] == by_name["global_sort"]
+    assert total[pl.LENGTH_GROUPED] == by_name["length_grouped"]
+    packed = plans[plans["strategy"] == pl.PACKING]
+    assert packed["rows"].sum() == sweep.loc[sweep["strategy"] == "packing_bfd", "n_bins"].iloc[0]
+    assert total[pl.GLOBAL_SORT] <= total[pl.LENGTH_GROUPED] <= total[pl.RANDOM]
+
+
+def test_packed_rows_fit_and_keep_documents_apart(plans):
+    packed = plans[plans["strategy"] == pl.PACKING]
+    assert (packed["layout"] == pl.PACKED).all()
+    assert (packed["rows"] <= MICRO).all()
+    for row in packed.itertuples():
+        counts = list(row.documents_per_row)
+        assert sum(counts) == row.n_examples == len(row.example_lengths)
+        bounds = np.cumsum([0, *counts])
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+            assert sum(row.example_lengths[start:end]) <= MAX_LEN
+        assert row.computed_tokens == row.real_tokens == sum(row.example_lengths)
+
+
+def test_summary_and_tokens_per_update(plans):
+    summary = pl.plan_summary(plans).set_index("strategy")
+    assert summary.loc[pl.RANDOM, "optimizer_steps"] == -(
+        -summary.loc[pl.RANDOM, "micro_batches"] // ACCUM
+    )
+    assert summary.loc[pl.PACKING, "micro_batches"] < summary.loc[pl.RANDOM, "micro_batches"]
+    packed = summary.loc[pl.PACKING, "real_tokens_per_micro_batch"]
+    base = summary.loc[pl.RANDOM, "real_tokens_per_micro_batch"]
+    assert pl.grad_accum_for_same_tokens(packed, base, ACCUM) == max(
+        1, round(ACCUM * base / packed)
+    )
+    assert pl.grad_accum_for_same_tokens(base, base, ACCUM) == ACCUM
+
+
+def test_plans_are_deterministic_and_seeded(examples, plans):
+    again = pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, 8, seed=0)
+    pd.testing.assert_frame_equal(plans, again)
+    other = pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, 8, seed=1)
+    assert _ids(other[other["strategy"] == pl.RANDOM]) != _ids(
+        plans[plans["strategy"] == pl.RANDOM]
+    )
+
+
+def test_read_examples_skips_empty_and_error(tmp_path):
+    frame = bucket_controls.synthetic_lengths_frame(
+        200, seed=3, max_seq_len=MAX_LEN, empty_share=0.1
+    )
+    path = tmp_path / "lengths.parquet"
+    write_parquet(frame, path, {})
+    examples = pl.read_examples(path, MAX_LEN)
+    used = frame["status"].isin(TRAINING_STATUSES)
+    assert list(examples.example_ids) == list(frame.loc[used, "example_id"])
+    assert (examples.loss_tokens <= examples.lengths).all()
+
+
+def test_bucket_stage_plans_and_read_back(tmp_path):
+    from probes.settings import TrainingConfig
+
+    frame = bucket_controls.synthetic_lengths_frame(120, seed=4, max_seq_len=MAX_LEN)
+    lengths = tmp_path / "lengths.parquet"
+    write_parquet(frame, lengths, {})
+    training = TrainingConfig(MICRO, ACCUM, MAX_LEN, "assistant")
+    rec = {"recommended": {"bucket_size_batches": 4}}
+    out = tmp_path / "plans.parquet"
+    write_parquet(pl.bucket_stage_plans(lengths, rec, training, seed=2), out, {"plan_seed": 2})
+    back = pl.read_plans(out)
+    assert set(back["strategy"]) == set(pl.STRATEGIES)
+    assert read_provenance(out)["plan_seed"] == 2
+
+
+def test_bad_inputs_name_what_to_do(tmp_path):
+    with pytest.raises(pl.PlanInputError, match="bucket_sweep"):
+        pl.read_plans(tmp_path / "missing.parquet")
+    path = tmp_path / "plans.parquet"
+    write_parquet(pd.DataFrame({"strategy": ["random"]}), path, {})
+    with pytest.raises(pl.PlanInputError, match="missing column"):
+        pl.read_plans(path)
+    with pytest.raises(pl.PlanInputError, match="bucket_size_batches"):
+        pl.recommended_bucket_size({"status": "ok"})
+
+
+def test_capped_examples_rebuild_smaller_plans(examples):
+    capped = pl.cap_examples(examples, 64)
+    assert capped.lengths.max() <= 64 and (capped.loss_tokens <= capped.lengths).all()
+    small = pl.build_plans(capped, MICRO, ACCUM, 64, 8, seed=0)
+    assert small["padded_length"].max() == 64
+
+
+def test_default_fit_lengths_come_from_the_data():
+    rng = np.random.default_rng(0)
+    padded = np.minimum(rng.lognormal(4.5, 1.2, 3000).astype(int) + 8, 4096)
+    lengths = fit.default_fit_lengths(padded, 4096, n_points=5, low_quantile=0.1)
+    assert len(set(lengths)) >= 5
+    assert lengths[-1] == 4096
+    assert lengths[0] == int(round(np.quantile(padded, 0.1)))
+    # coinciding quantiles are filled geometrically up to five distinct points
+    flat = fit.default_fit_lengths(np.full(100, 64), 512)
+    assert len(set(flat)) >= 5 and max(flat) == 512
+    # the shortest micro-batch joins, so the measured range covers every plan
+    with_min = fit.default_fit_lengths(padded, 4096, shortest=9)
+    assert with_min[0] == 9 and with_min[1:] == lengths

@@ -1,0 +1,393 @@
+"""Replay: strata, the stratified estimator and its bootstrap (proved on a plan whose exact total
+is known), ranking with ties, the fit as a range-bound diagnostic, the synthetic-harness control,
+the real harness path on a tiny model, and the stage's all-or-nothing outputs."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from probes.batching import plans as pl
+from probes.bucket import control as bucket_controls
+from probes.config import fill_defaults, schema
+from probes.contracts import TRAINING_STATUSES
+from probes.errors import ControlFailedError
+from probes.io import read_json, write_json, write_parquet
+from probes.replay import stage as rs
+from probes.replay.control import SyntheticCost, exact_epoch_s, run_synthetic_control
+from probes.replay.estimate import (
+    REPLAY_COLUMNS,
+    Estimate,
+    FitPricing,
+    estimate_all,
+    naive_total,
+    rank_with_ties,
+    saving_interval,
+    strata_times,
+    strategy_table,
+    stratified_total,
+)
+from probes.replay.strata import allocate, assign_strata, systematic_sample
+from probes.replay.timing import (
+    FIT_POINT,
+    MICRO_BATCH,
+    OPTIMIZER_STEP,
+    ReplayRunner,
+    ReplaySettings,
+    batch_shape,
+    build_batch,
+    gpu_busy_share,
+    sample_all,
+)
+from probes.step import fit
+
+MICRO, ACCUM, MAX_LEN = 2, 4, 512
+
+
+@pytest.fixture(scope="module")
+def plans() -> pd.DataFrame:
+    frame = bucket_controls.synthetic_lengths_frame(1500, seed=1, max_seq_len=MAX_LEN)
+    used = frame[frame["status"].isin(TRAINING_STATUSES)]
+    lengths = used["n_tokens"].to_numpy(np.int64)
+    loss = np.where(np.arange(lengths.size) % 4 == 0, 0, lengths // 2)
+    examples = pl.PlanExamples(used["example_id"].to_numpy(object), lengths, loss)
+    return pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, bucket_size_batches=16, seed=0)
+
+
+def _deterministic_steps(plans, settings, cost: SyntheticCost) -> pd.DataFrame:
+    """The replay's sample with each micro-batch 'measured' at its exact known cost (no clock)."""
+    sample = sample_all(plans, settings)
+    sample["time_s"] = [cost.micro_batch_s(*batch_shape(r)) for r in sample.itertuples()]
+    sample["status"] = "OK"
+    sample["kind"] = MICRO_BATCH
+    sample["gpu_busy_share"] = np.nan
+    return sample
+
+
+def _estimate(plans, seed, total_fn=stratified_total, n_strata=6, per_stratum=4):
+    cost = SyntheticCost.scaled_to(plans)
+    settings = ReplaySettings(n_strata, per_stratum, 1000, ACCUM, seed=seed)
+    steps = _deterministic_steps(plans, settings, cost)
+    summary = pl.plan_summary(plans).set_index("strategy")
+    per = {
+        name: strata_times(group, int(summary.loc[name, "optimizer_steps"]))
+        for name, group in steps.groupby("strategy")
+    }
+    optimizer = np.full(8, cost.optimizer_s)
+    estimates = estimate_all(per, optimizer, 1000, seed, total_fn=total_fn)
+    return estimates, exact_epoch_s(plans, cost, ACCUM)
+
+
+def _covers(estimates, exact) -> dict[str, bool]:
+    slack = 1e-9  # a stratum of identical shapes has a zero-width interval
+    return {
+        name: est.ci_low_s * (1 - slack) <= exact[name] <= est.ci_high_s * (1 + slack)
+        for name, est in estimates.items()
+    }
+
+
+def _coverage(plans, total_fn=stratified_total, seeds=range(12)) -> float:
+    hits = [hit for seed in seeds for hit in _covers(*_estimate(plans, seed, total_fn)).values()]
+    return sum(hits) / len(hits)
+
+
+# --- strata and the sample --------------------------------------------------------------------
+
+
+def test_strata_are_log_spaced_and_skip_empty_ones():
+    sizes = np.array([10, 11, 12, 1000, 1100, 100000])
+    index, bounds = assign_strata(sizes, 4)
+    assert index.tolist() == [0, 0, 0, 1, 1, 2]
+    assert np.allclose(bounds[:, 1] / bounds[:, 0], bounds[0, 1] / bounds[0, 0])
+    constant, one = assign_strata(np.full(5, 64), 6)
+    assert constant.tolist() == [0] * 5 and len(one) == 1
+
+
+def test_allocation_spends_the_budget_where_the_micro_batches_are():
+    takes = allocate(np.array([3, 500, 2]), per_stratum=4, budget=24)
+    assert takes.tolist()[0] == 3 and takes.tolist()[2] == 2
+    assert takes.sum() == 24 and takes[1] == 19
+    assert allocate(np.array([1, 1]), 4, 8).tolist() == [1, 1]
+
+
+def test_systematic_sample_spans_the_key_with_equal_chances():
+    rng = np.random.default_rng(0)
+    members = np.arange(100, 200)
+    key = np.arange(100)[::-1].astype(float)
+    counts = np.zeros(100)
+    for _ in range(2000):
+        picks = systematic_sample(members, key, 10, rng)
+        assert len(set(picks)) == 10
+        assert np.ptp(key[picks - 100]) >= 80  # spread over the loss-token range
+        counts[picks - 100] += 1
+    assert counts.min() > 0.7 * counts.mean() and counts.max() < 1.3 * counts.mean()
+    assert sorted(systematic_sample(members[:3], key[:3], 5, rng)) == [100, 101, 102]
+
+
+def test_sample_is_stratified_without_replacement(plans):
+    settings = ReplaySettings(5, 3, 100, ACCUM)
+    sample = sample_all(plans, settings)
+    assert not sample.duplicated(["strategy", "micro_batch_index"]).any()
+    for name, group in sample.groupby("strategy"):
+        sizes = group.groupby("stratum")["stratum_size"].first()
+        total = (plans["strategy"] == name).sum()
+        assert sizes.sum() == total, name  # the strata partition the whole plan
+    assert sorted(sample["run_order"]) == list(range(len(sample)))
+
+
+# --- the estimator ----------------------------------------------------------------------------
+
+
+def test_stratified_interval_covers_the_exact_total(plans):
+    """Nominal 95%; a percentile bootstrap of 4 samples per stratum runs a little narrow."""
+    assert _coverage(plans) >= 0.8
+
+
+def test_the_test_catches_an_estimator_that_ignores_strata(plans):
+    """The sample is not proportional to stratum size (every stratum gets its minimum): pricing
+    every micro-batch at the plain sample mean is biased, and the same check must say so."""
+    assert _coverage(plans, naive_total, seeds=range(4)) < 0.5
+    estimates, exact = _estimate(plans, 0, total_fn=naive_total)
+    assert abs(estimates[pl.RANDOM].time_s / exact[pl.RANDOM] - 1) > 0.1
+
+
+def test_census_of_a_small_plan_is_exact(plans):
+    estimates, exact = _estimate(plans, 0, n_strata=2, per_stratum=10_000)
+    for name, est in estimates.items():
+        assert est.time_s == pytest.approx(exact[name], rel=1e-9)
+
+
+def test_saving_uses_joint_replicates():
+    base = Estimate(10.0, 9.0, 11.0, np.array([9.0, 10.0, 11.0]))
+    same = Estimate(5.0, 4.5, 5.5, np.array([4.5, 5.0, 5.5]))
+    saving, low, high = saving_interval(same, base)
+    assert saving == pytest.approx(0.5) and low == pytest.approx(0.5) and high == pytest.approx(0.5)
+    assert saving_interval(base, base)[1:] == (0.0, 0.0)
+
+
+def test_ranking_reports_overlapping_intervals_as_ties():
+    ranks = rank_with_ties(
+        ["a", "b", "c", "d"], [0.5, 0.45, 0.2, 0.0], [0.4, 0.35, 0.1, 0.0], [0.6, 0.55, 0.3, 0.0]
+    )
+    assert ranks["a"] == (1, 1) and ranks["b"] == (1, 1)
+    assert ranks["c"] == (3, 2) and ranks["d"] == (4, 3)
+
+
+# --- the table: validity, tokens per update, the fit as a diagnostic --------------------------
+
+
+def _table(plans, invalid=None, pricing=None):
+    cost = SyntheticCost.scaled_to(plans)
+    settings = ReplaySettings(6, 4, 500, ACCUM, seed=0)
+    steps = _deterministic_steps(plans, settings, cost)
+    return strategy_table(
+        plans, steps, np.full(8, cost.optimizer_s), settings, invalid, pricing, True, MAX_LEN
+    ).set_index("strategy")
+
+
+def test_table_columns_validity_and_same_tokens_per_update(plans):
+    table = _table(plans, invalid={pl.PACKING: "cross-document attention"})
+    assert list(table.reset_index().columns) == list(REPLAY_COLUMNS)
+    assert not table.loc[pl.PACKING, "valid"] and pd.isna(table.loc[pl.PACKING, "rank"])
+    assert table.loc[pl.RANDOM, "saving_vs_random"] == 0.0
+    assert table.loc[pl.PACKING, "optimizer_steps"] < table.loc[pl.RANDOM, "optimizer_steps"]
+    assert "tokens per update" in table.loc[pl.PACKING, "note"]
+    assert table.loc[pl.PACKING, "grad_accum_for_same_tokens"] < ACCUM
+    assert table.loc[pl.GLOBAL_SORT, "grad_accum_for_same_tokens"] == ACCUM
+    assert table.loc[pl.PAD_TO_MAX, "saving_vs_random"] < 0
+    assert table["cpu_only"].all() and math.isnan(table.loc[pl.RANDOM, "host_bound_share"])
+
+
+def test_fit_never_prices_outside_its_measured_range(plans):
+    cost = SyntheticCost.scaled_to(plans)
+    truth = fit.fit_step_time(
+        [16, 64, 128, 256, MAX_LEN], [cost.micro_batch_s(2, t) for t in (16, 64, 128, 256, MAX_LEN)]
+    )
+    inside = FitPricing(truth, MICRO, 1, MAX_LEN)
+    table = _table(plans, pricing=inside)
+    assert np.isnan(table.loc[pl.PACKING, "fit_predicted_saving"])
+    assert "packed" in table.loc[pl.PACKING, "fit_reason"]
+    # an exact fit predicts the exact saving of a padded strategy
+    exact = exact_epoch_s(plans, cost, ACCUM)
+    assert table.loc[pl.GLOBAL_SORT, "fit_predicted_saving"] == pytest.approx(
+        1 - exact[pl.GLOBAL_SORT] / exact[pl.RANDOM], rel=1e-6
+    )
+    narrow = _table(plans, pricing=FitPricing(truth, MICRO, 128, MAX_LEN))
+    assert narrow["fit_predicted_saving"].isna().all()
+    assert "never extrapolated" in narrow.loc[pl.RANDOM, "fit_reason"]
+
+
+def test_fit_with_intervals_recovers_known_coefficients():
+    lengths = np.repeat([32, 64, 128, 256, 512], 4)
+    rng = np.random.default_rng(0)
+    a, b, c = 2e-7, 3e-5, 0.01
+    times = (a * lengths**2 + b * lengths + c) * (1 + rng.normal(0, 0.002, lengths.size))
+    result = fit.fit_with_intervals(lengths, times, resamples=300, seed=0)
+    for name, truth in (("a", a), ("b", b), ("c", c)):
+        low, high = getattr(result, f"{name}_ci")
+        assert low <= getattr(result.fit, name) <= high, name
+        assert getattr(result.fit, name) == pytest.approx(truth, rel=0.03), name
+        assert 0 < high - low < 0.1 * truth, name
+    assert result.fit.method == "least_squares" and result.low == 32 and result.high == 512
+    assert result.in_range(100) and not result.in_range(1024)
+
+
+# --- the positive control ---------------------------------------------------------------------
+
+
+def test_synthetic_control_recovers_known_savings_and_coefficients(plans):
+    settings = ReplaySettings(16, 6, 500, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    cost = SyntheticCost.scaled_to(plans, 0.002, 0.0015, 0.0015, 0.001)
+    control = run_synthetic_control(plans, settings, [32, 64, 128, 256, MAX_LEN], MICRO, cost=cost)
+    assert set(control) >= {"name", "description", "expected", "observed", "passed"}
+    assert control["passed"], control["observed"]
+
+
+def test_packing_validity_reads_the_mask_gate():
+    ok = {"scenarios": [{"scenario": "packed", "violations": 0}]}
+    assert rs.packing_validity(ok) is None
+    bad = {"scenarios": [{"scenario": "packed", "violations": 3}]}
+    assert "attend to each other" in rs.packing_validity(bad)
+    assert "unchecked" in rs.packing_validity({"scenarios": [{"scenario": "train"}]})
+
+
+def test_gpu_busy_share_is_not_measured_on_cpu():
+    assert math.isnan(gpu_busy_share(lambda: None, torch.device("cpu")))
+
+
+def test_dtype_is_the_profile_stages_choice():
+    from probes.step.dtype import resolve_dtype
+
+    dtype, reason = rs.replay_dtype("auto", torch.device("cpu"))
+    assert str(dtype) == f"torch.{resolve_dtype('auto', 'cpu')[0]}" and reason
+    assert rs.replay_dtype("float32", torch.device("cpu"))[0] == torch.float32
+
+
+# --- the real harness on a tiny model, and the stage ------------------------------------------
+
+
+def _config(model_dir) -> dict:
+    sections = schema()["properties"]
+    config = {
+        "replay": fill_defaults(
+            {
+                "bootstrap_resamples": 200,
+                "warmup": 0,
+                "cpu": {"max_seq_len": 32, "n_strata": 2, "samples_per_stratum": 2, "warmup": 0},
+                "fit": {"repeats": 3},
+                "control": {"n_strata": 6, "samples_per_stratum": 3},
+            },
+            sections["replay"],
+        ),
+        "profile": fill_defaults({"device": "cpu", "ce_chunk_tokens": 16}, sections["profile"]),
+        "training": {
+            "micro_batch_size": MICRO,
+            "grad_accum": ACCUM,
+            "max_seq_len": 128,
+            "loss_on": "assistant",
+        },
+    }
+    return config
+
+
+def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
+    config = _config(tiny_model_dir)
+    runner, vocab, pad_id, info = rs.load_runner(
+        tiny_model_dir, config["profile"], torch.device("cpu"), torch.float32
+    )
+    assert info["functions"]["compute_loss"].endswith("compute_loss")
+    replay = ReplayRunner(runner, vocab, pad_id, seed=0)
+    padded = pd.Series(
+        {
+            "layout": pl.PADDED,
+            "rows": 2,
+            "padded_length": 24,
+            "computed_tokens": 48,
+            "example_lengths": [20, 9],
+            "example_loss_tokens": [5, 0],
+        }
+    )
+    packed = pd.Series(
+        {
+            "layout": pl.PACKED,
+            "rows": 2,
+            "padded_length": 32,
+            "computed_tokens": 45,
+            "example_lengths": [20, 9, 16],
+            "example_loss_tokens": [5, 0, 4],
+        }
+    )
+    for row in (padded, packed):
+        batch = build_batch(row, vocab, torch.Generator().manual_seed(0))
+        assert batch["input_ids"].shape == batch_shape(row)
+        result = replay.time_micro_batch(row)
+        assert result["status"] == "OK" and result["time_s"] > 0
+    assert "position_ids" in build_batch(packed, vocab, torch.Generator().manual_seed(0))
+    assert replay.time_optimizer_step() > 0
+
+
+def _stage_inputs(tmp_path, gate_violations=0):
+    frame = bucket_controls.synthetic_lengths_frame(150, seed=2, max_seq_len=128)
+    lengths = tmp_path / "lengths.parquet"
+    write_parquet(frame, lengths, {})
+    training = {"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": 128}
+    rec = {"recommended": {"bucket_size_batches": 4}}
+    write_json(rec, tmp_path / "rec.json")
+    from probes.settings import TrainingConfig
+
+    typed = TrainingConfig(training["micro_batch_size"], ACCUM, 128, "assistant")
+    write_parquet(pl.bucket_stage_plans(lengths, rec, typed), tmp_path / "plans.parquet", {})
+    write_json(
+        {"scenarios": [{"scenario": "packed", "violations": gate_violations}]},
+        tmp_path / "gate.json",
+    )
+    inputs = {
+        "plans": tmp_path / "plans.parquet",
+        "lengths": lengths,
+        "recommendation": tmp_path / "rec.json",
+        "gate": tmp_path / "gate.json",
+    }
+    outputs = {key: tmp_path / "out" / key for key in rs.OUTPUT_KEYS}
+    return inputs, outputs
+
+
+def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
+    inputs, outputs = _stage_inputs(tmp_path, gate_violations=2)
+    summary = rs.run_replay(
+        inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False
+    )
+    assert summary["control_passed"] and summary["cpu_only"]
+    table = pd.read_parquet(outputs["estimates"])
+    assert list(table.columns) == list(REPLAY_COLUMNS)
+    assert set(table["strategy"]) == set(pl.STRATEGIES)
+    assert not table.set_index("strategy").loc[pl.PACKING, "valid"]  # the gate saw a violation
+    assert table["cpu_only"].all() and table["note"].str.contains("CPU-only").all()
+    assert (table["max_seq_len"] == 32).all()  # capped on CPU
+    steps = pd.read_parquet(outputs["steps"])
+    assert set(steps["kind"]) == {MICRO_BATCH, OPTIMIZER_STEP, FIT_POINT}
+    assert len(set(steps.loc[steps["kind"] == FIT_POINT, "padded_length"])) >= 5
+    fit_row = pd.read_parquet(outputs["fit"]).iloc[0]
+    assert fit_row["range_high"] == 32 and fit_row["cpu_only"]
+    assert read_json(outputs["control"])["passed"]
+    # the report's two figures draw from these outputs
+    from probes.report import figures_replay
+
+    labels = figures_replay.epoch_time_by_strategy(table, tmp_path / "epoch.png")
+    assert any("invalid" in label for label in labels)
+    drawn = figures_replay.fit_vs_measured(
+        pd.read_parquet(outputs["fit"]), steps, tmp_path / "fit.png"
+    )
+    assert drawn["fit_points"] >= 15
+    assert (tmp_path / "epoch.png").stat().st_size > 0 and (tmp_path / "fit.png").exists()
+
+
+def test_failed_control_writes_nothing(tmp_path, tiny_model_dir, monkeypatch):
+    inputs, outputs = _stage_inputs(tmp_path)
+    monkeypatch.setattr(
+        rs, "run_synthetic_control", lambda *a, **k: {"passed": False, "observed": {"wall_s": 0}}
+    )
+    with pytest.raises(ControlFailedError, match="positive control failed"):
+        rs.run_replay(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)
+    assert not any(path.exists() for path in outputs.values())

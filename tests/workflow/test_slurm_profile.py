@@ -1,0 +1,156 @@
+"""The cluster profile asks for a GPU for the GPU rules (`profile`, `replay`) only; locally
+`--resources gpu=1` keeps GPU jobs from overlapping on one card. No SLURM needed: see
+test_slurm_cluster.py for the real one."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, copy_workflow
+
+CLUSTER_PROFILE = REPO / "config" / "profiles" / "slurm" / "config.yaml"
+# Where Snakemake may pick up a workflow profile for this layout (Snakefile at the top level
+# searches profiles/default; workflow/profiles/default is where the design puts it).
+WORKFLOW_PROFILES = [
+    REPO / "workflow" / "profiles" / "default" / "config.yaml",
+    REPO / "profiles" / "default" / "config.yaml",
+]
+GPU_KEYS = {"gpu", "gpus", "gres", "gpu_model"}
+# The rules that time the model on a card.
+GPU_RULES = {"profile", "replay"}
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+
+
+def test_cluster_profile_uses_slurm_and_asks_for_a_gpu_for_gpu_rules_only():
+    profile = yaml.safe_load(CLUSTER_PROFILE.read_text())
+    assert profile["executor"] == "slurm"
+    assert set(profile["set-resources"]) == GPU_RULES, "only the GPU rules are set here"
+    assert all(profile["set-resources"][rule]["gpu"] == 1 for rule in GPU_RULES)
+    assert not GPU_KEYS & set(profile["default-resources"]), "CPU stages must ask for no GPU"
+    assert {"runtime", "mem_mb"} <= set(profile["default-resources"])
+
+
+@pytest.mark.parametrize("path", WORKFLOW_PROFILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_workflow_profile_does_not_replace_the_cluster_resources(path):
+    # Snakemake merges the workflow profile over --profile per key: a `set-resources` (or
+    # `default-resources`) here would silently drop the cluster profile's GPU request.
+    if not path.exists():
+        pytest.skip(f"{path.relative_to(REPO)} does not exist")
+    profile = yaml.safe_load(path.read_text()) or {}
+    assert "set-resources" not in profile
+    assert "default-resources" not in profile
+
+
+def dry_run_resources(args: list[str], cwd: Path) -> dict[str, str]:
+    """rule name -> its `resources:` line, from a dry run's job listing."""
+    result = subprocess.run(
+        [*SNAKEMAKE, "--dry-run", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    resources, rule = {}, None
+    for line in (result.stdout + result.stderr).splitlines():
+        if match := re.match(r"(?:local)?rule (\w+):$", line):
+            rule = match.group(1)
+        elif rule and (match := re.match(r"\s+resources: (.*)$", line)):
+            resources[rule] = match.group(1)
+    return resources
+
+
+def resource_names(line: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in line.split(", "))
+
+
+def test_dry_run_under_the_cluster_profile_requests_a_gpu_for_gpu_rules_only(tmp_path):
+    workdir = tmp_path / "repo"
+    copy_workflow(workdir)
+    # The default config: its model and data come from rules, so the DAG is complete.
+    resources = dry_run_resources(["--profile", "config/profiles/slurm", "report"], workdir)
+    assert {"mask", "padding", "bucket_sweep", "report"} | GPU_RULES <= set(resources)
+    for rule, line in resources.items():
+        names = resource_names(line)
+        if rule in GPU_RULES:
+            assert names.get("gpu") == "1", line
+        else:
+            assert not GPU_KEYS & set(names), f"rule {rule} asks for a GPU: {line}"
+
+
+# Two GPU rules that are ready at the same time, on two cores. In "serial" mode each takes a
+# lock directory for a second and fails if the other holds it; in "partner" mode each waits
+# (bounded) to see the other start, which proves the two did overlap.
+TOY_SNAKEFILE = textwrap.dedent(
+    """
+    MODE = config.get("mode", "serial")
+
+    rule all:
+        input: "gpu_a.done", "gpu_b.done"
+
+    rule gpu_job:
+        output: "{name}.done"
+        wildcard_constraints: name="gpu_a|gpu_b"
+        params: other=lambda wc: "gpu_b" if wc.name == "gpu_a" else "gpu_a"
+        resources: gpu=1
+        run:
+            import os, time
+            from pathlib import Path
+            if MODE == "serial":
+                os.mkdir("gpu.lock")  # raises FileExistsError if the other job holds the card
+                time.sleep(1)
+                os.rmdir("gpu.lock")
+                Path(output[0]).write_text("ok")
+            else:
+                Path(f"{wildcards.name}.started").touch()
+                for _ in range(300):
+                    if Path(f"{params.other}.started").exists():
+                        break
+                    time.sleep(0.1)
+                Path(output[0]).write_text(str(Path(f"{params.other}.started").exists()))
+    """
+)
+
+
+@pytest.fixture
+def toy_workflow(tmp_path: Path) -> Path:
+    (tmp_path / "Snakefile").write_text(TOY_SNAKEFILE)
+    return tmp_path
+
+
+def run_toy(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*SNAKEMAKE, "--cores", "2", *args],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_local_resources_gpu_1_never_overlaps_gpu_jobs(toy_workflow):
+    result = run_toy(toy_workflow, "all", "--resources", "gpu=1", "--config", "mode=serial")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (toy_workflow / "gpu_a.done").read_text() == "ok"
+    assert (toy_workflow / "gpu_b.done").read_text() == "ok"
+
+
+@pytest.mark.slow
+def test_control_without_the_limit_the_gpu_jobs_do_overlap(toy_workflow):
+    # Positive control for the test above: with room for two GPU jobs both run at once.
+    result = run_toy(toy_workflow, "all", "--resources", "gpu=2", "--config", "mode=partner")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (toy_workflow / "gpu_a.done").read_text() == "True"
+    assert (toy_workflow / "gpu_b.done").read_text() == "True"
+
+
+def test_targets_after_resources_are_swallowed(toy_workflow):
+    # `--resources` takes any number of values: a target after it is read as a resource.
+    swallowed = run_toy(toy_workflow, "--dry-run", "--resources", "gpu=1", "all")
+    assert swallowed.returncode != 0
+    placed_first = run_toy(toy_workflow, "--dry-run", "all", "--resources", "gpu=1")
+    assert placed_first.returncode == 0, placed_first.stderr[-3000:]
