@@ -199,7 +199,7 @@ def main(
         return
     from probes.config import ConfigError, check_config_paths, load_config
 
-    args = _parse_cli(stage, description, argv, {})
+    args = _parse_cli(stage, description, argv, _default_inputs(inputs_for))
     log = setup_logging(args.log, f"probes.{stage}")
     try:
         raw = load_config(args.configfile, overrides=_pairs(args.set, "--set"))
@@ -215,6 +215,18 @@ def main(
         log.error("--output keys %s unknown; known: %s", unknown, list(stage_outputs(stage)))
         sys.exit(2)
     sys.exit(call_stage(run, inputs, outputs, cfg, log))
+
+
+def _default_inputs(
+    inputs_for: Callable[[WorkflowConfig, str], dict[str, Any]],
+) -> dict[str, Any]:
+    """The stage's inputs under the default config, for --help (empty if it cannot load)."""
+    from probes.config import ConfigError, load_config
+
+    try:
+        return inputs_for(WorkflowConfig.from_dict(load_config(None)), RESULTS_DIR)
+    except ConfigError:
+        return {}
 
 
 def upstream(results_dir: str, **keys: tuple[str, str]) -> dict[str, str]:

@@ -30,6 +30,8 @@ def test_every_script_has_the_same_help(stage):
         assert flag in helped.stdout
     for key in STAGE_OUTPUTS[stage]:  # the output keys it writes, from the contract
         assert key in helped.stdout
+    listed = " ".join(helped.stdout.split("Input keys:")[1].split("Output keys")[0].split())
+    assert listed and listed != "none."  # the real input keys, not "none"
 
 
 @pytest.mark.parametrize("stage", sorted(SCRIPTS))
