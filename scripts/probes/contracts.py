@@ -43,7 +43,6 @@ BATCH_REBALANCE = "batch_rebalance"
 PAD_TO_MAX_SEQ_LEN = "pad_to_max_seq_len"
 # random batching without the examples that carry no loss token (the replay's candidates)
 RANDOM_NO_IDLE = "random_no_idle"
-DATASET_ORDER = "dataset_order"
 # A GPU step whose kernels keep the card busy for less than this share of its wall time is
 # host-bound (launch overhead, not compute): the replay labels it, the report explains it.
 HOST_BOUND_THRESHOLD = 0.7

@@ -13,18 +13,6 @@ import torch
 
 from probes.mask import band as mask_band
 
-SCENARIO_NAMES = (
-    "train",
-    "below_window",
-    "at_window",
-    "above_window",
-    "right_padded",
-    "left_padded",
-    "packed",
-    "token_type_ids",
-)
-
-
 # --- scenarios -----------------------------------------------------------------------------------
 
 

@@ -25,11 +25,6 @@ class ReportInputError(ProbeError, ValueError):
     """A stage output the report cannot use; the message names the file, key and what to do."""
 
 
-def default_input_paths(results_dir: str | Path) -> dict[str, Path]:
-    """The rule's inputs for a results directory laid out as the workflow writes it."""
-    return {key: Path(path) for key, path in report_inputs(results_dir).items()}
-
-
 def not_run_reason(obj: Any) -> str | None:
     """The reason a stage did not run, from its JSON ({"status": "not_run", "reason": ...})."""
     if isinstance(obj, Mapping) and obj.get("status") == NOT_RUN:
