@@ -21,8 +21,8 @@ from probes.report import figures_replay  # noqa: E402
 from probes.report.findings import fit_problem  # noqa: E402
 from probes.report.format import label  # noqa: E402
 from probes.report.load import diversity_level_name  # noqa: E402
-from probes.report.sections.common import OTHER_SOURCES  # noqa: E402
-from probes.report.sections.profile import device_rows  # noqa: E402
+from probes.report.sections.kernels import device_rows  # noqa: E402
+from probes.report.sections.padding import OTHER_SOURCES  # noqa: E402
 
 DPI = 110
 SIZE = (7.0, 4.2)

@@ -7,9 +7,10 @@ The report is split by responsibility:
 
 - ``probes.report.load``: read and check every stage output (``load_inputs``);
 - ``probes.report.findings``: the stages' findings as counts (never a price), the fit check;
-- ``probes.report.sections.common``: one builder per section and what they share;
-  ``probes.report.sections.profile``: the profile's sections (scaling, cross-entropy, kernels);
-  ``probes.report.sections.apply``: the "Apply it" section;
+- ``probes.report.sections``: one module per section of the template (``summary``, ``scaling``,
+  ``padding``, ``ce``, ``kernels``, ``bucket``, ``apply``, ``mask``, ``controls``,
+  ``provenance``), ``replay`` for the measured savings that Summary and Apply it share, and
+  ``shared`` for what every section uses;
 - ``probes.report.format``: the template's filters (numbers, codes, labels);
 - this module: assemble every section (``build_context``), render the markdown
   (``render_markdown``) and list the figures it links.
@@ -28,16 +29,16 @@ from typing import Any
 
 from probes.report.format import FILTERS
 from probes.report.sections.apply import apply_section
-from probes.report.sections.common import (
-    bucket_section,
-    controls_section,
-    mask_section,
-    padding_section,
-    provenance_section,
-    summary_section,
-)
-from probes.report.sections.profile import ce_section, kernels_section, scaling_section
+from probes.report.sections.bucket import bucket_section
+from probes.report.sections.ce import ce_section
+from probes.report.sections.controls import controls_section
+from probes.report.sections.kernels import kernels_section
+from probes.report.sections.mask import mask_section
+from probes.report.sections.padding import padding_section
+from probes.report.sections.provenance import provenance_section
 from probes.report.sections.replay import host_bound_overall, replay_fit
+from probes.report.sections.scaling import scaling_section
+from probes.report.sections.summary import summary_section
 
 
 def build_context(

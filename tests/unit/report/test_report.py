@@ -28,8 +28,11 @@ from probes.report import findings, load
 from probes.report import format as fmt
 from probes.report import render as rep
 from probes.report import stage as report_stage
-from probes.report.sections import common as sections
-from probes.report.sections import profile as report_profile
+from probes.report.sections import bucket as bucket_sections
+from probes.report.sections import ce as ce_sections
+from probes.report.sections import controls as controls_sections
+from probes.report.sections import mask as mask_sections
+from probes.report.sections import padding as padding_sections
 
 TEMPLATE = REPO / "workflow" / "templates" / "playbook-evidence.md.j2"
 SCRIPT = REPO / "scripts" / "run_report.py"
@@ -291,7 +294,7 @@ def test_mask_violations_are_listed():
     layers = mask_layers()
     layers.loc[2, "violation"] = "training layer 2: band 600 != window 512"
     gate = {"passed": False, "violations_total": 1, "violations": [layers.loc[2, "violation"]]}
-    mask = sections.mask_section({"mask_layers": layers}, {}, {"mask_gate": gate})
+    mask = mask_sections.mask_section({"mask_layers": layers}, {}, {"mask_gate": gate})
     assert not mask["passed"] and mask["violations"] == [layers.loc[2, "violation"]]
     assert [s["n_violations"] for s in mask["scenarios"]] == [1, 0, 0, 0]
 
@@ -375,9 +378,9 @@ def test_many_sources_show_top_n_and_other(tmp_path):
     distribution = padding_tables(lengths)["distribution"]
     drawn = figures.length_histogram(distribution, 30, tmp_path / "lengths.png", top_n=5, dpi=30)
     assert len(drawn) == 6 and drawn[-1] == "other (25 sources)"
-    rows, more = sections.distribution_rows(distribution, top_sources=5)
+    rows, more = padding_sections.distribution_rows(distribution, top_sources=5)
     assert rows[0]["scope"] == "overall" and len(rows) == 6 and more == 25
-    padding = sections.padding_section(
+    padding = padding_sections.padding_section(
         {"padding_lengths": lengths, "padding_summary": padding_tables(lengths)["summary"]}
         | {"padding_distribution": distribution},
         {},
@@ -539,7 +542,7 @@ def test_bucket_section_rows_carry_only_contract_columns(tmp_path):
     summary = pd.read_parquet(paths["bucket_summary"]).assign(planted=CANARY)
     write_parquet(summary, paths["bucket_summary"], {})
     inputs = load.load_inputs(paths)
-    built = sections.bucket_section(inputs["tables"], inputs["not_run"], inputs["json"])
+    built = bucket_sections.bucket_section(inputs["tables"], inputs["not_run"], inputs["json"])
     assert all(set(row) == set(table_columns("bucket_summary")) for row in built["rows"])
     assert built["n_seeds"] == 3 and built["level"] == "optimizer step"
     assert [row["strategy"] for row in built["packing"]] == ["packing_bfd", "packing_ffd"]
@@ -636,7 +639,7 @@ def test_ce_effect_of_a_failed_variant_is_not_invented():
         {"variant": "loss_positions_unchunked", "status": "OK", "time_s": 0.2},
         {"variant": "loss_positions_chunked", "status": "OK", "time_s": 0.05},
     ]
-    effects = report_profile.ce_effects(rows)
+    effects = ce_sections.ce_effects(rows)
     assert effects["position_selection"] is None
     assert effects["chunking"] == pytest.approx(
         {"before_s": 0.2, "after_s": 0.05, "saved_s": 0.15, "ratio": 0.25}
@@ -662,13 +665,13 @@ def test_flop_counter_check_renders_its_numbers_not_its_json(rendered):
 
 
 def test_check_values_fall_back_and_carry_the_hint():
-    expected, observed = sections.check_values(
+    expected, observed = controls_sections.check_values(
         {"kernel_sum_s_max": 1.1, "tolerance": 0.1},
         {"kernel_sum_s": 0.9, "wall_s": 1.0, "share": 0.9, "extra": 5, "hint": "rerun it"},
     )
     assert expected == "kernel_sum_s_max 1.1; tolerance 0.1"
     assert observed == "kernel_sum_s 0.9; wall_s 1; share 0.9; hint: rerun it"
-    assert sections.check_values(2, 3) == ("2", "3")
+    assert controls_sections.check_values(2, 3) == ("2", "3")
 
 
 def test_recommendations_json_is_written_beside_the_report(rendered):

@@ -10,8 +10,8 @@ import pandas as pd
 
 from probes.report.format import finite
 from probes.report.load import not_run_reason
-from probes.report.sections.common import _not_run, stage_text
 from probes.report.sections.replay import change_measurement
+from probes.report.sections.shared import not_run_section, stage_text
 
 
 def apply_section(
@@ -26,10 +26,10 @@ def apply_section(
     else none: no estimate stands in for a measurement.
     """
     if document is None:
-        return _not_run("no recommendations document was built")
+        return not_run_section("no recommendations document was built")
     reason = not_run_reason(document)
     if reason:
-        return _not_run(reason)
+        return not_run_section(reason)
     libraries = {
         name: info.get("version") or f"not installed ({stage_text(info.get('reason'), 80)})"
         for name, info in (document.get("libraries") or {}).items()
