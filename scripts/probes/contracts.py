@@ -43,6 +43,9 @@ BATCH_REBALANCE = "batch_rebalance"
 PAD_TO_MAX_SEQ_LEN = "pad_to_max_seq_len"
 # random batching without the examples that carry no loss token (the replay's candidates)
 RANDOM_NO_IDLE = "random_no_idle"
+# the padding stage's reference orders: the data as given, and one global length sort
+DATASET_ORDER = "dataset_order"
+SORTED = "sorted"
 # A GPU step whose kernels keep the card busy for less than this share of its wall time is
 # host-bound (launch overhead, not compute): the replay labels it, the report explains it.
 HOST_BOUND_THRESHOLD = 0.7

@@ -18,9 +18,18 @@ import numpy as np
 import pandas as pd
 
 from probes.batching.metrics import batch_slots
-from probes.contracts import STATUSES, TRAINING_STATUSES, TRUNCATED
+from probes.batching.orders import seeded_permutation
+from probes.contracts import (
+    DATASET_ORDER,
+    PAD_TO_MAX_SEQ_LEN,
+    RANDOM,
+    SORTED,
+    STATUSES,
+    TRAINING_STATUSES,
+    TRUNCATED,
+)
 
-WASTE_STRATEGIES = ("pad_to_max_seq_len", "dataset_order", "random", "sorted")
+WASTE_STRATEGIES = (PAD_TO_MAX_SEQ_LEN, DATASET_ORDER, RANDOM, SORTED)
 WASTE_METRICS = {"token_waste": 1, "attention_waste": 2}  # metric -> power of the length
 PERCENTILES = {"p50": 50, "p90": 90, "p99": 99}
 ALL_SOURCES = "(all)"
@@ -112,8 +121,9 @@ def waste_rows(
 ) -> list[dict[str, Any]]:
     """Token and attention waste for each batching strategy (SUMMARY_COLUMNS rows).
 
-    pad_to_max_seq_len: every row padded to max_seq_len. dataset_order: pad to the batch's longest,
-    data order. random: the same after a shuffle; value/std/min/max over `seeds`, `expected` the
+    pad_to_max_seq_len: every row padded to max_seq_len. dataset_order: pad to the batch's
+    longest, data order. random: the same after HF's shuffle (``seeded_permutation``, the
+    bucket sweep's and the replay's `random`); value/std/min/max over `seeds`, `expected` the
     exact expectation 1 - real / E[slots] (the waste of many epochs pooled). sorted: after a
     global length sort (the best pad-to-longest can do at this batch size).
     """
@@ -133,16 +143,17 @@ def waste_rows(
             "max_seq_len": max_seq_len,
         }
         deterministic = {
-            "pad_to_max_seq_len": n * max_seq_len**power,
-            "dataset_order": batch_slots(lengths, micro_batch_size, power),
-            "sorted": batch_slots(np.sort(lengths), micro_batch_size, power),
+            PAD_TO_MAX_SEQ_LEN: n * max_seq_len**power,
+            DATASET_ORDER: batch_slots(lengths, micro_batch_size, power),
+            SORTED: batch_slots(np.sort(lengths), micro_batch_size, power),
         }
         for strategy in WASTE_STRATEGIES:
-            if strategy == "random":
+            if strategy == RANDOM:
                 per_seed = []
                 slots_per_seed = []
                 for seed in seeds:
-                    order = np.random.default_rng(seed).permutation(n)
+                    # HF's shuffle, the same `random` as the bucket sweep's and the replay's
+                    order = seeded_permutation(n, seed)
                     slots = batch_slots(lengths[order], micro_batch_size, power)
                     slots_per_seed.append(slots)
                     per_seed.append(_waste(real, slots))

@@ -17,6 +17,7 @@ import pandas as pd
 from probes.contracts import PACKING, RANDOM, TRAINING_STATUSES
 from probes.report.format import finite, fmt_bytes, fmt_count, fmt_number, fmt_pct, fmt_tokens
 from probes.report.load import diversity_level_name
+from probes.report.sections.padding import waste_table
 
 MIN_IDLE_SHARE = 0.01  # examples without a loss token worth listing from this share
 TRAINING_SHAPE = "max_seq_len"  # the ce_chunks row sized at the training shape
@@ -41,16 +42,6 @@ def fit_problem(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) 
             "cost that grows with length at the measured lengths"
         )
     return None
-
-
-def waste_table(summary: pd.DataFrame) -> pd.DataFrame:
-    """Waste rows of summary.parquet pivoted to one row per strategy: value and std per metric."""
-    waste = summary[summary["section"] == "waste"]
-    wide = waste.pivot_table(
-        index="strategy", columns="metric", values=["value", "std"], aggfunc="first", sort=False
-    )
-    wide.columns = [f"{metric}_{stat}" for stat, metric in wide.columns]
-    return wide.reset_index()
 
 
 def recommendations(

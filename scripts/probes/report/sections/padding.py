@@ -8,7 +8,6 @@ from typing import Any
 import pandas as pd
 
 from probes.contracts import STATUSES, TRAINING_STATUSES
-from probes.report.findings import waste_table
 from probes.report.format import reason_code
 from probes.report.load import ReportInputError
 from probes.report.sections.shared import not_run_section
@@ -85,3 +84,14 @@ def padding_section(
         "train_tokens": float(lengths.loc[trains, "n_tokens"].sum()),
         "loss_tokens": float(lengths.loc[trains, "n_loss_tokens"].sum()),
     }
+
+
+def waste_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """Waste rows of summary.parquet pivoted to one row per strategy: value and std per metric."""
+    waste = summary[summary["section"] == "waste"]
+    wide = waste.pivot_table(
+        index="strategy", columns="metric", values=["value", "std"], aggfunc="first", sort=False
+    )
+    # token_waste_value, token_waste_std, attention_waste_value, attention_waste_std
+    wide.columns = [f"{metric}_{stat}" for stat, metric in wide.columns]
+    return wide.reset_index()
