@@ -6,11 +6,6 @@ Run by Snakemake (`snakemake bucket_sweep`) or standalone:
 """
 
 from probes.bucket import stage as bucket_stage
-from probes.stage import main, upstream
+from probes.stage import main
 
-
-def inputs(cfg, results):
-    return upstream(results, lengths=("padding", "lengths"))
-
-
-main("bucket", bucket_stage.run, __doc__, inputs, globals())
+main("bucket", bucket_stage.run, __doc__, globals())

@@ -7,13 +7,7 @@ Run by the `mask` rule, or standalone, e.g. for the shipped Gemma 3 27B config a
         --set training.max_seq_len=4096
 """
 
-from probes.config import model_file
 from probes.mask import stage as mask_stage
 from probes.stage import main
 
-
-def inputs(cfg, results):
-    return {"model_config": model_file(cfg.raw, "config.json")}
-
-
-main("mask", mask_stage.run, __doc__, inputs, globals())
+main("mask", mask_stage.run, __doc__, globals())

@@ -6,21 +6,7 @@ Run by `snakemake profile`, or standalone (no Snakemake needed), e.g. on a GPU n
         --set profile.cuda.lengths=[2048,4096,8192]
 """
 
-from probes.config import model_file
 from probes.profile import stage as profile_stage
-from probes.stage import main, upstream
+from probes.stage import main
 
-
-def inputs(cfg, results):
-    return {
-        **upstream(
-            results,
-            lengths=("padding", "lengths"),
-            recommendation=("bucket", "recommendation"),
-        ),
-        "model_config": model_file(cfg.raw, "config.json"),
-        "tokenizer": [model_file(cfg.raw, "tokenizer.json")],
-    }
-
-
-main("profile", profile_stage.run, __doc__, inputs, globals())
+main("profile", profile_stage.run, __doc__, globals())

@@ -6,23 +6,7 @@ Run by `snakemake replay`, or standalone (no Snakemake needed), e.g. on a GPU no
     python scripts/run_replay.py --results results --set profile.device=cuda
 """
 
-from probes.config import model_file
 from probes.replay import stage as replay_stage
-from probes.stage import main, upstream
+from probes.stage import main
 
-
-def inputs(cfg, results):
-    return {
-        **upstream(
-            results,
-            plans=("bucket", "plans"),
-            lengths=("padding", "lengths"),
-            recommendation=("bucket", "recommendation"),
-            gate=("mask", "gate"),
-        ),
-        "model_config": model_file(cfg.raw, "config.json"),
-        "tokenizer": [model_file(cfg.raw, "tokenizer.json")],
-    }
-
-
-main("replay", replay_stage.run, __doc__, inputs, globals())
+main("replay", replay_stage.run, __doc__, globals())

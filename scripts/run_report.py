@@ -13,4 +13,4 @@ def inputs(cfg, results):
     return {**report_inputs(results), "template": str(report_stage.DEFAULT_TEMPLATE)}
 
 
-main("report", report_stage.run, __doc__, inputs, globals())
+main("report", report_stage.run, __doc__, globals(), inputs)

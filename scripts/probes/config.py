@@ -12,6 +12,15 @@ from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
+from probes.contracts import (
+    DATA_FILES,
+    MODEL_CONFIG,
+    MODEL_TOKENIZER,
+    RESULTS_DIR,
+    STAGE_INPUTS,
+    TOKENIZER_FILES,
+    stage_outputs,
+)
 from probes.errors import ProbeError
 from probes.step.harness import is_file_spec as is_harness_file
 
@@ -33,6 +42,23 @@ def model_file(config: dict[str, Any], name: str) -> str:
     if name == "config.json" and config["model"].get("config_path"):
         return str(config["model"]["config_path"])
     return str(Path(config["model"]["path"]) / name)
+
+
+def stage_inputs(
+    stage: str, config: dict[str, Any], results_dir: str | Path = RESULTS_DIR
+) -> dict[str, str | list[str]]:
+    """Input key -> path(s) of a stage, from its declaration (probes.contracts.STAGE_INPUTS)."""
+    user_files = {
+        MODEL_CONFIG: lambda: model_file(config, "config.json"),
+        MODEL_TOKENIZER: lambda: [model_file(config, name) for name in TOKENIZER_FILES],
+        DATA_FILES: lambda: [str(entry["path"]) for entry in config["data"]["files"]],
+    }
+    return {
+        key: stage_outputs(source[0], results_dir)[source[1]]
+        if isinstance(source, tuple)
+        else user_files[source]()
+        for key, source in STAGE_INPUTS[stage].items()
+    }
 
 
 def check_config_paths(config: dict[str, Any], workdir: Path | None = None) -> None:

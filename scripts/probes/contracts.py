@@ -105,6 +105,42 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
 STAGES = ("mask", "padding", "bucket", "profile", "replay")
 
 
+# ---------------------------------------------------------------------------------------------
+# Inputs: what each stage reads, declared once for its rule (common.smk `stage_inputs`) and its
+# script (probes.stage.main). A value is an upstream output (stage, key) or one of the user's
+# files, resolved from the config by probes.config.stage_inputs.
+# ---------------------------------------------------------------------------------------------
+
+MODEL_CONFIG = "model config.json"  # model.config_path, else config.json in model.path
+MODEL_TOKENIZER = "model tokenizer"  # TOKENIZER_FILES in model.path
+DATA_FILES = "data files"  # every data.files[].path
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+STAGE_INPUTS: dict[str, dict[str, tuple[str, str] | str]] = {
+    "mask": {"model_config": MODEL_CONFIG},
+    "padding": {
+        "gate": ("mask", "gate"),
+        "model_config": MODEL_CONFIG,
+        "tokenizer": MODEL_TOKENIZER,
+        "data": DATA_FILES,
+    },
+    "bucket": {"lengths": ("padding", "lengths")},
+    "profile": {
+        "lengths": ("padding", "lengths"),
+        "recommendation": ("bucket", "recommendation"),
+        "model_config": MODEL_CONFIG,
+        "tokenizer": MODEL_TOKENIZER,
+    },
+    "replay": {
+        "plans": ("bucket", "plans"),
+        "lengths": ("padding", "lengths"),
+        "recommendation": ("bucket", "recommendation"),
+        "gate": ("mask", "gate"),
+        "model_config": MODEL_CONFIG,
+        "tokenizer": MODEL_TOKENIZER,
+    },
+}
+
+
 def stage_outputs(stage: str, results_dir: str | Path = RESULTS_DIR) -> dict[str, str]:
     """Output key -> path of one stage (what its rule declares and its `run` writes)."""
     return {key: str(Path(results_dir) / rel) for key, rel in STAGE_OUTPUTS[stage].items()}

@@ -178,15 +178,22 @@ def main(
     stage: str,
     run: StageRun,
     description: str,
-    inputs_for: Callable[[WorkflowConfig, str], dict[str, Any]],
     namespace: Mapping[str, Any],
+    inputs_for: Callable[[WorkflowConfig, str], dict[str, Any]] | None = None,
     argv: Sequence[str] | None = None,
 ) -> None:
-    """The whole body of a stage script: `main("bucket", run, __doc__, inputs, globals())`.
+    """The whole body of a stage script: `main("bucket", stage.run, __doc__, globals())`.
 
     Under Snakemake the rule's named inputs, outputs, log and config are used; standalone, the
-    inputs come from `inputs_for(cfg, results_dir)` and the outputs from the contract.
+    inputs come from the contract (`probes.config.stage_inputs`, what the rule declares too) or
+    from `inputs_for(cfg, results_dir)`, and the outputs from the contract.
     """
+    if inputs_for is None:
+        from probes.config import stage_inputs
+
+        def inputs_for(cfg: WorkflowConfig, results: str) -> dict[str, Any]:
+            return stage_inputs(stage, cfg.raw, results)
+
     smk = namespace.get("snakemake")
     if smk is not None:
         log = setup_logging(smk.log[0] if smk.log else None, f"probes.{stage}")
@@ -229,11 +236,6 @@ def _default_inputs(
         return {}
 
 
-def upstream(results_dir: str, **keys: tuple[str, str]) -> dict[str, str]:
-    """Input key -> path of an upstream output: `upstream(r, lengths=("padding", "lengths"))`."""
-    return {name: stage_outputs(stage, results_dir)[key] for name, (stage, key) in keys.items()}
-
-
 __all__ = [
     "ControlFailedError",
     "OutputSet",
@@ -242,5 +244,4 @@ __all__ = [
     "call_stage",
     "main",
     "report_inputs",
-    "upstream",
 ]

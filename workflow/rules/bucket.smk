@@ -1,6 +1,6 @@
 rule bucket_sweep:
     input:
-        lengths=out("padding", "lengths"),
+        **stage_inputs("bucket", config),
     output:
         sweep=report(
             out("bucket", "sweep"),

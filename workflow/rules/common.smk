@@ -1,8 +1,6 @@
-from pathlib import Path
-
 from snakemake.utils import min_version, validate
 
-from probes.config import check_config_paths, model_file
+from probes.config import check_config_paths, stage_inputs
 from probes.contracts import report_inputs, stage_outputs
 
 min_version("8.20")
@@ -20,18 +18,3 @@ def out(stage, key):
     the upstream rule even under `--allowed-rules`, which users rely on to rerun one stage.
     """
     return stage_outputs(stage)[key]
-
-
-def model_config_json():
-    return model_file(config, "config.json")
-
-
-def model_tokenizer_files():
-    return [
-        model_file(config, "tokenizer.json"),
-        model_file(config, "tokenizer_config.json"),
-    ]
-
-
-def data_files():
-    return [entry["path"] for entry in config["data"]["files"]]

@@ -1,6 +1,6 @@
 rule mask:
     input:
-        model_config=model_config_json(),
+        **stage_inputs("mask", config),
     output:
         layers=report(
             out("mask", "layers"),

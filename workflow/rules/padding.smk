@@ -1,9 +1,6 @@
 rule padding:
     input:
-        gate=out("mask", "gate"),
-        model_config=model_config_json(),
-        tokenizer=model_tokenizer_files(),
-        data=data_files(),
+        **stage_inputs("padding", config),
     output:
         lengths=out("padding", "lengths"),
         summary=report(

@@ -2,10 +2,7 @@
 # profile turns gpu=1 into --gpus=1. It checks the card is idle before loading weights.
 rule profile:
     input:
-        lengths=out("padding", "lengths"),
-        recommendation=out("bucket", "recommendation"),
-        model_config=model_config_json(),
-        tokenizer=model_tokenizer_files(),
+        **stage_inputs("profile", config),
     output:
         scaling=out("profile", "scaling"),
         fit=out("profile", "fit"),

@@ -2,12 +2,7 @@
 # timed through the harness. Asks for the GPU like profile; both serialise on gpu=1.
 rule replay:
     input:
-        plans=out("bucket", "plans"),
-        lengths=out("padding", "lengths"),
-        recommendation=out("bucket", "recommendation"),
-        gate=out("mask", "gate"),
-        model_config=model_config_json(),
-        tokenizer=model_tokenizer_files(),
+        **stage_inputs("replay", config),
     output:
         estimates=report(
             out("replay", "estimates"),
