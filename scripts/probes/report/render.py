@@ -36,6 +36,7 @@ from probes.report.sections.common import (
     provenance_section,
     summary_section,
 )
+from probes.report.sections.data_parallel import data_parallel_section
 from probes.report.sections.profile import ce_section, kernels_section, scaling_section
 from probes.report.sections.replay import host_bound_overall, replay_fit
 
@@ -68,6 +69,7 @@ def build_context(
         "ce": ce_section(tables, not_run),
         "kernels": kernels_section(tables, not_run, jsons),
         "bucket": bucket_section(tables, not_run, jsons),
+        "data_parallel": data_parallel_section(tables, not_run, jsons),
         "apply": apply_section(recommendations_document, tables, not_run),
         "mask": mask,
         "controls": controls_section(jsons, not_run),
