@@ -59,10 +59,13 @@ def straggler_by_world_size(
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.0, 4.0))
     styles = {s: (style, name) for s, style, name in STYLES}
     for i, (strategy, rows) in enumerate(lines.items()):
-        style, name = styles.get(strategy, (":", f"{strategy} (bins of max_seq_len)"))
+        style, name = styles.get(strategy, ("x:", f"{strategy} (bins of max_seq_len)"))
+        if strategy == LENGTH_GROUPED and recommended_size is not None:
+            name = f"length_grouped (recommended bucket, {int(recommended_size)} micro-batches)"
         x = rows["world_size"].to_numpy(dtype="float64")
-        left.plot(x, 100 * rows[straggler], style, color=f"C{i}", markersize=4, label=name)
-        right.plot(x, 100 * rows[gain], style, color=f"C{i}", markersize=4)
+        size = 7 if style.startswith("x") else 4
+        left.plot(x, 100 * rows[straggler], style, color=f"C{i}", markersize=size, label=name)
+        right.plot(x, 100 * rows[gain], style, color=f"C{i}", markersize=size)
     worlds = sorted({int(w) for rows in lines.values() for w in rows["world_size"]})
     for ax in (left, right):
         ax.set_xscale("log", base=2)
