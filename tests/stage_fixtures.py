@@ -218,6 +218,18 @@ def bucket_sweep() -> pd.DataFrame:
     return frame
 
 
+def bucket_data_parallel() -> pd.DataFrame:
+    """probes.bucket.data_parallel's table, computed on 234 lengths at the fixture's sizes."""
+    from probes.bucket import data_parallel
+    from probes.lengths import LengthSet
+
+    values = np.random.default_rng(7).integers(20, 2000, 234).astype(np.int64)
+    data = LengthSet(values, np.zeros(values.size, np.int32), ("none",))
+    return data_parallel.data_parallel_sweep(
+        data, 2, 8, 4096, seeds=[0, 1, 2], bucket_sizes=[1, 2, 4, 8, HF_BUCKET, ALL_BUCKET]
+    )
+
+
 POINT_KEYS = (
     "bucket_size_batches",
     "token_efficiency",
@@ -550,6 +562,7 @@ def write_stage(
         write_parquet(sweep, paths["bucket_sweep"], meta)
         write_parquet(summary, paths["bucket_summary"], meta)
         write_json(bucket_recommendation(summary), paths["bucket_recommendation"])
+        write_parquet(bucket_data_parallel(), paths["bucket_data_parallel"], meta)
     elif stage == "replay":
         if profile == "not_run":
             for name in ("estimates", "steps", "fit"):

@@ -76,6 +76,9 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
         "control": "bucket/control.json",
         # every strategy's micro-batches for one seed (probes.batching.plans), what the replay times
         "plans": "bucket/plans.parquet",
+        # straggler cost per strategy x bucket size x seed at W = 1, 2, 4, 8 ranks
+        # (probes.bucket.data_parallel)
+        "data_parallel": "bucket/data_parallel.parquet",
     },
     "profile": {
         "scaling": "profile/scaling.parquet",
@@ -284,6 +287,29 @@ TABLES: dict[str, TableSpec] = {
             "order_length_spearman",
         ),
         ("is_hf_trainer_default", "padded_tokens_saved_vs_random"),
+    ),
+    # per strategy x bucket size x seed x world size: sum over optimizer steps of the slowest
+    # rank's padded tokens / dense attention cost (step_max), of the mean over ranks (step_mean),
+    # max / mean - 1 (straggler), and the max's saving vs random at the same W and seed
+    "bucket_data_parallel": TableSpec(
+        "bucket",
+        "Bucketing",
+        (
+            "strategy",
+            "bucket_size_batches",
+            "seed",
+            "world_size",
+            "n_steps",
+            "padded_tokens_step_max",
+            "padded_tokens_step_mean",
+            "padded_tokens_straggler",
+            "attention_cost_step_max",
+            "attention_cost_step_mean",
+            "attention_cost_straggler",
+            "dp_padded_tokens_saved_vs_random",
+            "dp_attention_cost_saved_vs_random",
+        ),
+        ("micro_batches_per_rank",),
     ),
     "profile_scaling": TableSpec(
         "profile",

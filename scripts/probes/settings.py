@@ -42,6 +42,7 @@ class TrainingConfig:
     grad_accum: int
     max_seq_len: int
     loss_on: str
+    world_size: int
 
 
 @dataclass(frozen=True)

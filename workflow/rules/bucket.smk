@@ -11,6 +11,7 @@ rule bucket_sweep:
         recommendation=out("bucket", "recommendation"),
         control=out("bucket", "control"),
         plans=out("bucket", "plans"),
+        data_parallel=out("bucket", "data_parallel"),
     log:
         "logs/bucket_sweep.log",
     benchmark:

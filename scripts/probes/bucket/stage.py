@@ -7,8 +7,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from probes.batching import plans
+from probes.batching import plans, ranks
 from probes.bucket import control as bucket_controls
+from probes.bucket import data_parallel as dp
 from probes.bucket import sweep as bucket
 from probes.contracts import SKIPPED_STATUSES, TRAINING_STATUSES
 from probes.io import config_hash, run_metadata
@@ -63,6 +64,16 @@ def run(
         packing=list(settings.packing),
         progress=progress,
     )
+    data_parallel = dp.data_parallel_sweep(
+        data,
+        micro_batch_size=training.micro_batch_size,
+        grad_accum=training.grad_accum,
+        max_seq_len=training.max_seq_len,
+        seeds=list(settings.seeds),
+        world_sizes=ranks.world_sizes_for(training.world_size),
+        bucket_sizes=None if settings.bucket_sizes is None else list(settings.bucket_sizes),
+        packing=list(settings.packing),
+    )
     try:
         guard = bucket.assert_sweep_varies(sweep, data, training.micro_batch_size)
     except bucket.SweepCollapsedError as error:
@@ -74,6 +85,8 @@ def run(
         min_diversity_share=settings.min_diversity_share,
         gain_metric=settings.gain_metric,
         diversity_level=settings.diversity_level,
+        data_parallel=data_parallel,
+        world_size=training.world_size,
     )
     recommendation.update(
         input={
@@ -104,6 +117,8 @@ def run(
     with all_or_nothing(outputs) as out:
         out.parquet("sweep", sweep, provenance)
         out.parquet("summary", summary, provenance)
+        if "data_parallel" in outputs:  # straggler cost per strategy at W = 1, 2, 4, 8 ranks
+            out.parquet("data_parallel", data_parallel, provenance)
         out.json("recommendation", recommendation)
         out.json("control", control)
         if "plans" in outputs:  # every strategy's micro-batches for one seed (the replay's input)

@@ -349,12 +349,17 @@ def recommend(
     min_diversity_share: float,
     gain_metric: str = "tokens",
     diversity_level: str = "step",
+    data_parallel: pd.DataFrame | None = None,
+    world_size: int = 1,
 ) -> dict[str, Any]:
     """The smallest bucket size reaching ``gain_share`` of the best gain with diversity kept.
 
     Gain = share of random batching's padded tokens (or dense attention cost) saved, mean over
     seeds. Diversity = the lower of distinct-sources and source-entropy relative to random, at
     the micro-batch or optimizer-step level. Smaller buckets keep batches closer to random.
+    With ``world_size > 1`` and the sweep's ``data_parallel`` table, the gain is the saving of
+    the slowest rank's cost per step at that world size (``probes.bucket.data_parallel``), and a
+    ``data_parallel`` block says so; at ``world_size == 1`` the result is the single-device one.
     """
     summary = summarise(sweep, diversity_level)
     grouped = summary.loc[summary["bucket_size_batches"].notna()].sort_values("bucket_size_batches")
@@ -363,6 +368,19 @@ def recommend(
         if gain_metric == "tokens"
         else "attention_cost_saved_vs_random"
     )
+    dp_summary = None
+    if world_size > 1 and data_parallel is not None:
+        from probes.bucket import data_parallel as dp
+
+        dp_summary = dp.summarise_data_parallel(data_parallel)
+        at_w = dp_summary.loc[dp_summary["world_size"] == world_size]
+        gain_column = dp.gain_column(gain_metric)
+        grouped = grouped.merge(
+            at_w[["strategy", "bucket_size_batches", gain_column]],
+            on=["strategy", "bucket_size_batches"],
+            how="left",
+            validate="one_to_one",
+        )
     best = grouped.loc[grouped[gain_column].idxmax()]
     best_gain = float(best[gain_column])
     meets_gain = grouped[gain_column] >= gain_share * best_gain
@@ -424,6 +442,11 @@ def recommend(
             for _, row in summary.loc[summary["strategy"].str.startswith("packing_")].iterrows()
         },
         "batch_rebalance": _rebalance_point(summary),
+        **(
+            {}
+            if dp_summary is None
+            else {"data_parallel": _data_parallel_block(dp_summary, world_size, gain_metric, m)}
+        ),
         "attention_note": ATTENTION_NOTE,
         "batch_shapes": {
             "micro_batch_size": micro,
@@ -435,6 +458,32 @@ def recommend(
             "note": "micro-batch shapes (rows × padded length) under the recommended bucket "
             "size, median over seeds of each quantile; for the profile stage's realistic shapes",
         },
+    }
+
+
+def _data_parallel_block(
+    dp_summary: pd.DataFrame, world_size: int, gain_metric: str, bucket_size: int
+) -> dict[str, Any]:
+    """What the recommendation judged at ``world_size`` ranks: per strategy (mean over seeds),
+    the straggler overhead and the saving of the slowest rank's cost against random."""
+    from probes.bucket import data_parallel as dp
+
+    at_w = dp_summary.loc[dp_summary["world_size"] == world_size]
+    gain, straggler = dp.gain_column(gain_metric), dp.straggler_column(gain_metric)
+    strategies = {}
+    for _, row in at_w.iterrows():
+        m = row["bucket_size_batches"]
+        if row["strategy"] == "length_grouped" and (pd.isna(m) or int(m) != bucket_size):
+            continue
+        strategies[str(row["strategy"])] = {
+            "bucket_size_batches": None if pd.isna(m) else int(m),
+            "straggler_overhead": float(row[straggler]),
+            "saved_vs_random": float(row[gain]),
+        }
+    return {
+        "world_size": int(world_size),
+        "gain": f"{gain}: 1 - sum over steps of the slowest rank's cost / random's",
+        "strategies": strategies,
     }
 
 

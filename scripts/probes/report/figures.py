@@ -233,7 +233,15 @@ def kernel_shares(kernels: pd.DataFrame, path: str | Path, cpu_only: bool, dpi: 
     _save(fig, path, dpi, left=0.24)
 
 
-FIGURES = ("lengths", "scaling", "bucket", "kernels", "replay_epoch", "replay_fit")
+FIGURES = (
+    "lengths",
+    "scaling",
+    "bucket",
+    "data_parallel",
+    "kernels",
+    "replay_epoch",
+    "replay_fit",
+)
 
 
 def draw_all(
@@ -263,6 +271,15 @@ def draw_all(
         level = diversity_level_name(rec)
         bucket_tradeoff(tables["bucket_summary"], size, level, directory / "bucket.png", dpi)
         drawn["bucket"] = "bucket.png"
+        if not tables["bucket_data_parallel"].empty:
+            from probes.report import figures_dp
+
+            world = int((rec.get("data_parallel") or {}).get("world_size", 1))
+            metric = str((rec.get("thresholds") or {}).get("gain_metric", "tokens"))
+            figures_dp.straggler_by_world_size(
+                tables["bucket_data_parallel"], size, metric, world, directory / "dp.png", dpi
+            )
+            drawn["data_parallel"] = "dp.png"
     if "profile" not in not_run and not tables["profile_kernels"].empty:
         cpu_only = bool(jsons["profile_provenance"].get("cpu_only"))
         kernels = device_rows(tables["profile_kernels"], cpu_only)

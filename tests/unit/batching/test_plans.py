@@ -137,7 +137,7 @@ def test_bucket_stage_plans_and_read_back(tmp_path):
     frame = bucket_controls.synthetic_lengths_frame(120, seed=4, max_seq_len=MAX_LEN)
     lengths = tmp_path / "lengths.parquet"
     write_parquet(frame, lengths, {})
-    training = TrainingConfig(MICRO, ACCUM, MAX_LEN, "assistant")
+    training = TrainingConfig(MICRO, ACCUM, MAX_LEN, "assistant", 1)
     rec = {"recommended": {"bucket_size_batches": 4}}
     out = tmp_path / "plans.parquet"
     write_parquet(pl.bucket_stage_plans(lengths, rec, training, seed=2), out, {"plan_seed": 2})

@@ -337,7 +337,7 @@ def _stage_inputs(tmp_path, gate_violations=0):
     write_json(rec, tmp_path / "rec.json")
     from probes.settings import TrainingConfig
 
-    typed = TrainingConfig(training["micro_batch_size"], ACCUM, 128, "assistant")
+    typed = TrainingConfig(training["micro_batch_size"], ACCUM, 128, "assistant", 1)
     write_parquet(pl.bucket_stage_plans(lengths, rec, typed), tmp_path / "plans.parquet", {})
     write_json(
         {"scenarios": [{"scenario": "packed", "violations": gate_violations}]},

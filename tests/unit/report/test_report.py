@@ -88,6 +88,7 @@ def test_every_linked_figure_exists(rendered):
     links = rep.linked_figures(markdown)
     assert sorted(Path(link).name for link in links) == [
         "bucket.png",
+        "dp.png",
         "kernels.png",
         "lengths.png",
         "replay_epoch.png",
@@ -342,6 +343,7 @@ def test_profile_not_run_renders_not_run(rendered_not_run):
     assert "| # | change | basis |" in summary  # what the stages found, listed unpriced
     assert sorted(Path(link).name for link in rep.linked_figures(markdown)) == [
         "bucket.png",
+        "dp.png",
         "lengths.png",
     ]
     assert not (out.parent / "figures" / "scaling.png").exists()
@@ -735,3 +737,16 @@ def test_mask_section_states_the_prediction_target_and_its_confirmation(rendered
     assert "| 6/6 calls |" in train
     other = next(line for line in mask.splitlines() if line.startswith("| packed |"))
     assert "| — |" in other  # not confirmed for that scenario: no number invented
+
+
+def test_bucketing_shows_the_data_parallel_table_and_figure(rendered):
+    markdown, out = rendered
+    bucketing = section(markdown, "Bucketing")
+    assert "### Data parallel: every step waits for the slowest rank" in bucketing
+    assert "| strategy | W = 1 | W = 2 | W = 4 | W = 8 |" in bucketing
+    # W = 1 has no straggler: every row's first cell is 0.0% overhead
+    rows = re.findall(
+        r"^\| (random|global_sort|batch_rebalance|packing_\w+) \| (\S+) /", bucketing, re.M
+    )
+    assert rows and all(first == "0.0%" for _, first in rows)
+    assert (out.parent / "figures" / "dp.png").is_file()
