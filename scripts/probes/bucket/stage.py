@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from probes.batching import plans
+from probes.batching import plans, rebalance
 from probes.bucket import control as bucket_controls
 from probes.bucket import sweep as bucket
 from probes.contracts import SKIPPED_STATUSES, TRAINING_STATUSES
@@ -75,7 +75,11 @@ def run(
         gain_metric=settings.gain_metric,
         diversity_level=settings.diversity_level,
     )
+    rebalance_skipped = rebalance.skip_reason(int(data.lengths.size), training.grad_accum)
+    if rebalance_skipped is not None:
+        LOG.warning("%s", rebalance_skipped)
     recommendation.update(
+        batch_rebalance_not_run=rebalance_skipped,
         input={
             "lengths": str(inputs["lengths"]),
             "examples_used": int(data.lengths.size),
