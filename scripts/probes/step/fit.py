@@ -299,8 +299,10 @@ def default_fit_lengths(
     micro-batch and the fit can price a whole plan without leaving it.
 
     When the data's lengths crowd the cap (a CPU run caps every length at
-    ``replay.cpu.max_seq_len``, so the low quantile can land just under it), the low end drops to
-    ``max_seq_len // 8``: the fit then spans more than the data, never less."""
+    ``replay.cpu.max_seq_len``, so the low quantile can land just under it; or a dataset of a
+    few examples), the low end drops to ``max_seq_len // 8`` wherever it lies above half the cap:
+    over a narrower range the fit cannot tell its three terms apart. The fit then spans more
+    than the data, never less."""
     if n_points < MIN_POINTS:
         raise ValueError(f"n_points={n_points}: the fit needs at least {MIN_POINTS} lengths")
     values = np.asarray(padded_lengths, dtype=np.float64)
@@ -310,7 +312,7 @@ def default_fit_lengths(
     quantiles = np.quantile(values, np.linspace(low_quantile, 1.0, n_points))
     low = max(int(round(quantiles[0])), 1)
     high = int(max_seq_len)
-    if high - low + 1 < 2 * n_points:  # too narrow a range for n distinct, spread lengths
+    if low > high // 2:  # under a factor of 2 the three terms are not told apart
         low = max(1, min(low, high // 8))
     points = {min(max(int(round(q)), low), high) for q in quantiles[:-1]} | {low, high}
     fill = n_points
