@@ -81,6 +81,19 @@ def resolve_settings(profile: Mapping[str, Any], training: Mapping[str, Any]) ->
     )
 
 
+def lengths_note(settings: Settings, device_type: str) -> str | None:
+    """What to know when the profile times lengths beyond training.max_seq_len (none it trains
+    at): said in the log and the provenance, never silently."""
+    beyond = [n for n in settings.lengths if n > settings.max_seq_len]
+    if not beyond:
+        return None
+    return (
+        f"profile.{device_type}.lengths {beyond} exceed training.max_seq_len="
+        f"{settings.max_seq_len}: those step times are at lengths this training never reaches "
+        f"(set profile.{device_type}.lengths to at least 3 lengths <= {settings.max_seq_len})"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The stage
 # ---------------------------------------------------------------------------------------------
@@ -108,6 +121,9 @@ def run_profile(
         settings.lengths,
         settings.micro_batch,
     )
+    beyond_note = lengths_note(settings, settings.device.type)
+    if beyond_note:
+        LOG.warning("%s", beyond_note)
 
     # the fit's positive control first: cheap, and a broken fit must not cost a GPU run
     controls = [fit_control(settings.lengths)]
@@ -258,6 +274,7 @@ def run_profile(
         "dtype_reason": settings.dtype_reason,
         "attn_implementation": profile["attn_implementation"],
         "lengths": settings.lengths,
+        "lengths_note": beyond_note,
         "warmup": settings.warmup,
         "repeats": settings.repeats,
         "kernel_steps": settings.kernel_steps,
