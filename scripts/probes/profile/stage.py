@@ -139,8 +139,15 @@ def run_profile(
     else:
         loss_share = bt.loss_fraction(train)
         loss_source = "n_loss_tokens / n_tokens of the padding lengths (training.loss_on)"
-    # fail before loading weights if no micro-batch fits the longest length at all
-    bt.padding_length_band(train, max(settings.lengths), settings.micro_batch)
+    # fail before loading weights if no micro-batch fits the longest length at all; with fewer
+    # examples than a micro-batch no length can help: the penalty is skipped, said, the rest runs
+    if len(train) >= settings.micro_batch:
+        bt.padding_length_band(train, max(settings.lengths), settings.micro_batch)
+    else:
+        LOG.warning(
+            "%s",
+            bt.too_few_for_a_batch(train, len(train), max(settings.lengths), settings.micro_batch),
+        )
     harness = load_harness(profile["harness"])
 
     idle: dict[str, Any] = {"checked": False, "reason": "CPU run: no card to check"}

@@ -318,3 +318,18 @@ def test_busy_card_stops_the_stage_before_weights_load(
             sleep=lambda s: None,
         )
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_one_usable_example_profiles_everything_but_the_padding_penalty(tmp_path, tiny_model_dir):
+    one = pd.DataFrame(
+        {"example_id": ["0" * 16], "source": ["s"], "status": ["OK"], "n_tokens": [12]}
+    ).assign(n_loss_tokens=4)
+    path = tmp_path / "one.parquet"
+    one.to_parquet(path)
+    out, _ = run(tmp_path, path, tiny_model_dir)
+    penalty = pd.read_parquet(out["padding_penalty"])
+    assert (penalty["status"] == "SKIPPED").all()
+    assert "only 1 usable training example(s)" in penalty["pick"].iloc[0]
+    assert "use more data" in penalty["pick"].iloc[0]
+    assert (pd.read_parquet(out["scaling"])["status"] == "OK").all()
+    assert not pd.read_parquet(out["ce"]).empty and not pd.read_parquet(out["kernels"]).empty
