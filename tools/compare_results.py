@@ -33,12 +33,23 @@ def timed(column: str) -> bool:
     return any(marker in column for marker in TIMED_MARKERS)
 
 
-def strip(obj):
+def strip(obj, root: Path | None = None):
+    """`obj` without run-specific keys, each path inside `root` (the results directory it was
+    read from) written relative to it, so two directories at different paths compare equal."""
     if isinstance(obj, dict):
-        return {k: strip(v) for k, v in obj.items() if k not in RUN_SPECIFIC_KEYS}
+        return {k: strip(v, root) for k, v in obj.items() if k not in RUN_SPECIFIC_KEYS}
     if isinstance(obj, list):
-        return [strip(v) for v in obj]
+        return [strip(v, root) for v in obj]
+    if isinstance(obj, str) and root is not None:
+        return relative_to_root(obj, root)
     return obj
+
+
+def relative_to_root(text: str, root: Path) -> str:
+    for prefix in {root.as_posix(), root.resolve().as_posix()}:
+        if text == prefix or text.startswith(prefix.rstrip("/") + "/"):
+            return "<results>" + text[len(prefix.rstrip("/")) :]
+    return text
 
 
 def compare_table(old: Path, new: Path) -> str | None:
@@ -85,7 +96,9 @@ def main(old_dir: str, new_dir: str) -> int:
                 else "keys missing"
             )
         else:
-            same = strip(json.loads(old.read_text())) == strip(json.loads(new.read_text()))
+            same = strip(json.loads(old.read_text()), old_root) == strip(
+                json.loads(new.read_text()), new_root
+            )
             problem = None if same else "content differs"
         failures += problem is not None
         print(f"{'DIFF' if problem else 'same'}  {old.relative_to(old_root)}  {problem or ''}")

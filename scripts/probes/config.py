@@ -23,6 +23,7 @@ from probes.contracts import (
 )
 from probes.errors import ProbeError
 from probes.step.harness import is_file_spec as is_harness_file
+from probes.step.harness import missing_required
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -131,13 +132,35 @@ def check_harness(harness: str, base: Path) -> None:
                 f"config key profile.harness: file '{harness}' does not exist (a relative path "
                 f"starts at the working directory {base}); {what}."
             )
-    elif find_module_spec(harness) is None:
+        check_harness_source(harness, base / harness, what)
+        return
+    module = find_module_spec(harness)
+    if module is None:
         raise ConfigError(
             f"config key profile.harness: no module '{harness}' on this Python path (the "
             "workflow's scripts/, PYTHONPATH, installed packages); install the package or add "
             f"its directory to PYTHONPATH, or {what}. A module installed only in the job's own "
             "environment (e.g. --software-deployment-method conda) is not visible here: give its "
             ".py path instead."
+        )
+    origin = getattr(module, "origin", None)
+    if origin and origin.endswith(".py") and Path(origin).is_file():
+        check_harness_source(harness, Path(origin), what)
+
+
+def check_harness_source(harness: str, path: Path, what: str) -> None:
+    """The harness's source parses and visibly defines the required functions (read, not run)."""
+    try:
+        missing = missing_required(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, ValueError) as error:
+        where = f" line {error.lineno}" if getattr(error, "lineno", None) else ""
+        raise ConfigError(
+            f"config key profile.harness: '{harness}' ({path}) does not parse{where}: "
+            f"{type(error).__name__}: {getattr(error, 'msg', error)}."
+        ) from error
+    if missing:
+        raise ConfigError(
+            f"config key profile.harness: '{harness}' ({path}) defines no {missing}; {what}."
         )
 
 
@@ -194,6 +217,17 @@ def merge_config(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, A
     return merged
 
 
+def blame(path: Path, key: str, overrides: Mapping[str, str]) -> str:
+    """Where a bad value came from: the `--set` that wrote it (or wrote under the key that is
+    wrong), else the config file."""
+    top = key == "(top level)"
+    for dotted, text in overrides.items():
+        if top or dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + "."):
+            if not top or dotted.split(".")[0] not in schema().get("properties", {}):
+                return f"--set {dotted}={text}"
+    return str(path)
+
+
 def load_config(
     configfile: str | Path | None = None, overrides: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
@@ -220,5 +254,7 @@ def load_config(
         )
         if error is not None:
             key = ".".join(str(part) for part in error.absolute_path) or "(top level)"
-            raise ConfigError(f"{path}: config key {key}: {error.message}")
+            raise ConfigError(
+                f"{blame(path, key, overrides or {})}: config key {key}: {error.message}"
+            )
     return fill_defaults(raw, schema())

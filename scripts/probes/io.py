@@ -68,6 +68,11 @@ def run_metadata(config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Provenance stamped into every output: config hash, versions, commit, date, command line."""
     return {
         "config_hash": config_hash(config or {}),
+        # per section, so a standalone stage can tell whether the sections an upstream output
+        # depends on changed (probes.stage.check_upstream_config)
+        "config_section_hashes": {
+            section: config_hash({section: value}) for section, value in (config or {}).items()
+        },
         "versions": package_versions(),
         "git_commit": git_commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),

@@ -69,6 +69,8 @@ class PaddingConfig:
     histogram_max_sources: int
     tokenize_batch_size: int
     reference_check_examples: int
+    min_loss_fraction: float
+    allow_no_loss: bool
 
 
 @dataclass(frozen=True)

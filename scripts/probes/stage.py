@@ -161,7 +161,46 @@ def _parse_cli(
     parser.add_argument("--output", action="append", default=[], metavar="KEY=PATH")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=YAML")
     parser.add_argument("--log", default=None, help="also log to this file")
+    parser.add_argument(
+        "--allow-config-mismatch",
+        action="store_true",
+        help="use upstream outputs written with other values of the config sections they read",
+    )
     return parser.parse_args(argv)
+
+
+# Every stage reads these sections, plus its own (named as its stage).
+SHARED_SECTIONS = ("model", "data", "training")
+
+
+def upstream_config_mismatches(
+    inputs: Mapping[str, Any], results_dir: str, config: Mapping[str, Any]
+) -> list[str]:
+    """Each upstream Parquet input whose recorded config disagrees with `config` in a section
+    that its stage reads (SHARED_SECTIONS + the stage's own), naming both hashes."""
+    from probes.contracts import STAGE_OUTPUTS
+
+    owners = {
+        str(Path(path)): stage
+        for stage in STAGE_OUTPUTS
+        for path in stage_outputs(stage, results_dir).values()
+    }
+    problems = []
+    for key, value in inputs.items():
+        path = Path(value) if isinstance(value, str | Path) else None
+        stage = owners.get(str(path)) if path is not None else None
+        if stage is None or path.suffix != ".parquet" or not path.is_file():
+            continue
+        recorded = io.read_provenance(path).get("config_section_hashes") or {}
+        for section in (*SHARED_SECTIONS, stage):
+            mine = io.config_hash({section: config.get(section)}) if section in config else None
+            theirs = recorded.get(section)
+            if theirs is not None and mine is not None and theirs != mine:
+                problems.append(
+                    f"--input {key}={path}: written by the {stage} stage with config section "
+                    f"'{section}' hash {theirs}, this run's is {mine}"
+                )
+    return problems
 
 
 def _pairs(values: Sequence[str], flag: str) -> dict[str, str]:
@@ -220,7 +259,17 @@ def main(
     unknown = sorted(set(_pairs(args.output, "--output")) - set(stage_outputs(stage)))
     if unknown:
         log.error("--output keys %s unknown; known: %s", unknown, list(stage_outputs(stage)))
-        sys.exit(2)
+        sys.exit(1)
+    mismatches = upstream_config_mismatches(inputs, args.results, cfg.raw)
+    if mismatches and not args.allow_config_mismatch:
+        log.error(
+            "upstream output(s) from another config: %s; rerun those stages with this config, "
+            "or pass --allow-config-mismatch to use them anyway.",
+            "; ".join(mismatches),
+        )
+        sys.exit(1)
+    for problem in mismatches:
+        log.warning("%s (--allow-config-mismatch)", problem)
     sys.exit(call_stage(run, inputs, outputs, cfg, log))
 
 

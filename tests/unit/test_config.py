@@ -61,11 +61,56 @@ def test_harness_that_cannot_be_found_is_named_with_what_to_do(tmp_path, harness
 
 def test_harness_file_relative_to_the_workdir_and_import_paths_pass(tmp_path):
     (tmp_path / "harnesses").mkdir()
-    (tmp_path / "harnesses" / "train.py").write_text("raise RuntimeError('never imported')\n")
+    (tmp_path / "harnesses" / "train.py").write_text(
+        "raise RuntimeError('never imported')\n"
+        "def discover_target_modules(model): ...\n"
+        "try:\n    from torch import nn\nexcept ImportError:\n    nn = None\n"
+        "compute_loss = lambda model, batch: None\n"
+    )
     config = load_config()
-    for harness in ("harnesses/train.py", "probes.reference_harness", "json.decoder"):
+    for harness in ("harnesses/train.py", "probes.reference_harness"):
         config["profile"]["harness"] = harness
         check_config_paths(config, workdir=tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def compute_loss(model, batch): ...\n", "defines no ['discover_target_modules']"),
+        ("x = 1\n", "defines no ['discover_target_modules', 'compute_loss']"),
+        ("def compute_loss(:\n", "does not parse line 1"),
+    ],
+)
+def test_harness_without_its_required_functions_is_refused_at_parse_time(
+    tmp_path, source, expected
+):
+    (tmp_path / "train.py").write_text(source)
+    config = load_config()
+    config["profile"]["harness"] = "train.py"
+    with pytest.raises(ConfigError, match="config key profile.harness") as caught:
+        check_config_paths(config, workdir=tmp_path)
+    assert expected in str(caught.value)
+
+
+def test_import_path_without_the_required_functions_is_refused():
+    config = load_config()
+    config["profile"]["harness"] = "json.decoder"  # found, read, never imported
+    with pytest.raises(ConfigError, match=r"json\.decoder.*defines no"):
+        check_config_paths(config)
+
+
+@pytest.mark.parametrize(
+    ("assignment", "key"),
+    [
+        ({"training.max_seq_len": "abc"}, "training.max_seq_len"),
+        ({"training.nope": "1"}, "training"),
+        ({"nope.x": "1"}, r"\(top level\)"),
+    ],
+)
+def test_set_errors_name_the_set_not_the_config_file(assignment, key):
+    dotted, text = next(iter(assignment.items()))
+    with pytest.raises(ConfigError, match=rf"^--set {dotted}={text}: config key {key}"):
+        load_config(overrides=assignment)
 
 
 def test_import_path_is_found_without_running_the_package(tmp_path, monkeypatch):

@@ -57,7 +57,35 @@ def test_bad_config_value_exits_1_naming_the_key(tmp_path):
 
 def test_unknown_output_key_is_refused(tmp_path):
     run = script("bucket", "--output", "sweeep=x.parquet", "--results", str(tmp_path))
-    assert run.returncode == 2 and "sweeep" in run.stderr
+    assert run.returncode == 1 and "sweeep" in run.stderr
+
+
+def test_upstream_output_from_another_config_is_refused_naming_both_hashes(tmp_path):
+    from probes.bucket.control import synthetic_lengths_frame
+    from probes.config import load_config
+    from probes.io import config_hash, run_metadata, write_parquet
+    from probes.stage import upstream_config_mismatches
+
+    other = load_config(overrides={"training.max_seq_len": "1024"})
+    lengths = tmp_path / "padding" / "lengths.parquet"
+    lengths.parent.mkdir()
+    write_parquet(
+        synthetic_lengths_frame(50, seed=0, max_seq_len=1024), lengths, run_metadata(other)
+    )
+    mine = load_config()
+    problems = upstream_config_mismatches({"lengths": str(lengths)}, str(tmp_path), mine)
+    theirs, ours = (config_hash({"training": c["training"]}) for c in (other, mine))
+    assert problems == [
+        f"--input lengths={lengths}: written by the padding stage with config section "
+        f"'training' hash {theirs}, this run's is {ours}"
+    ]
+    # a section only a later stage reads is no mismatch for the padding stage's output
+    bucket_only = load_config(overrides={"training.max_seq_len": "1024", "bucket.seeds": "[0]"})
+    assert upstream_config_mismatches({"lengths": str(lengths)}, str(tmp_path), bucket_only) == []
+    run = script("bucket", "--results", str(tmp_path))
+    assert run.returncode == 1 and "--allow-config-mismatch" in run.stderr
+    assert theirs in run.stderr and ours in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "bucket").exists()
 
 
 def test_outputs_are_all_or_nothing(tmp_path):

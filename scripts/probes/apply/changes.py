@@ -266,7 +266,8 @@ def batch_rebalance_change(
                 f"transformers {transformers_info.get('version')} has no "
                 "train_sampling_strategy='batch_rebalance'"
                 if kwargs is None
-                else "the bucket sweep has no batch_rebalance row"
+                else recommendation.get("batch_rebalance_not_run")
+                or "the bucket sweep has no batch_rebalance row"
             ),
         }
     random = recommendation.get("random") or {}

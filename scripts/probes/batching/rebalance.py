@@ -51,6 +51,21 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def skip_reason(n_examples: int, grad_accum: int) -> str | None:
+    """Why the batch_rebalance row is left out for this data, or None when it can be computed:
+    the installed transformers lacks the sampler, or there are fewer usable examples than
+    ``grad_accum`` (the sampler splits each step into ``grad_accum`` non-empty micro-batches)."""
+    reason = unavailable_reason()
+    if reason is not None:
+        return reason
+    if n_examples < grad_accum:
+        return (
+            f"batch_rebalance needs at least training.grad_accum={grad_accum} usable examples, "
+            f"got {n_examples}; no batch_rebalance row (use more data or a smaller grad_accum)"
+        )
+    return None
+
+
 def rebalance_micro_batches(
     lengths: np.ndarray,
     micro_batch_size: int,

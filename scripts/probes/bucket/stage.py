@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from probes.batching import plans, ranks
+from probes.batching import plans, ranks, rebalance
 from probes.bucket import control as bucket_controls
 from probes.bucket import data_parallel as dp
 from probes.bucket import sweep as bucket
@@ -88,7 +88,11 @@ def run(
         data_parallel=data_parallel,
         world_size=training.world_size,
     )
+    rebalance_skipped = rebalance.skip_reason(int(data.lengths.size), training.grad_accum)
+    if rebalance_skipped is not None:
+        LOG.warning("%s", rebalance_skipped)
     recommendation.update(
+        batch_rebalance_not_run=rebalance_skipped,
         input={
             "lengths": str(inputs["lengths"]),
             "examples_used": int(data.lengths.size),

@@ -87,8 +87,9 @@ def sweep_bucket_sizes(
     does not depend on mega_batch_mult), so differences between sizes are not shuffle noise.
     ``batch_rebalance`` adds a comparison row per seed from transformers' own
     BatchRebalanceSampler (``probes.batching.rebalance``; same shuffle as the seed's), where the
-    installed
-    transformers has it. It has no bucket size: the guard and the recommendation skip it.
+    installed transformers has it and there are at least ``grad_accum`` examples
+    (``rebalance.skip_reason`` says why not). It has no bucket size: the guard and the
+    recommendation skip it.
     """
     from tqdm import tqdm
 
@@ -103,7 +104,7 @@ def sweep_bucket_sizes(
     real_tokens = int(lengths.sum())
     attention_useful = int((lengths * lengths).sum())
     rows: list[dict[str, Any]] = []
-    with_rebalance = batch_rebalance and rebalance.unavailable_reason() is None
+    with_rebalance = batch_rebalance and rebalance.skip_reason(n, grad_accum) is None
     bar = tqdm(
         total=len(seeds) * (len(sizes) + len(packings) + int(with_rebalance)),
         desc="bucket sweep",

@@ -77,8 +77,21 @@ class Example:
         return self.messages is not None
 
 
+def display_name(path: str | Path) -> str:
+    """A data file as the user named it: relative to the working directory where it lies under
+    it, else as given. Two files with one basename (a/train.jsonl, b/train.jsonl) stay apart."""
+    path = Path(path)
+    if path.is_absolute():
+        try:
+            return path.relative_to(Path.cwd()).as_posix()
+        except ValueError:
+            return path.as_posix()
+    return path.as_posix()
+
+
 def example_id(file_name: str, row: int, payload: str) -> str:
-    """A stable id from where the row is and what it holds; never the text itself."""
+    """A stable id from where the row is (the file as display_name gives it, the row) and what
+    it holds; never the text itself. Unique across the files of one run."""
     digest = hashlib.sha256(f"{file_name}\x00{row}\x00{payload}".encode()).hexdigest()
     return digest[:16]
 
@@ -151,12 +164,17 @@ def _row_source(record: Any, file_source: str | None, source_column: str) -> str
     return NO_SOURCE
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
 def iter_jsonl(path: Path, file_source: str | None, source_column: str) -> Iterator[Example]:
-    name = path.name
+    name = display_name(path)
     # Bytes, not text mode: a non-UTF-8 byte makes one line an ERROR, not the whole file.
     with path.open("rb") as handle:
         for line_number, raw in enumerate(handle, start=1):
             payload_bytes = raw.strip()
+            if line_number == 1 and payload_bytes.startswith(UTF8_BOM):  # an editor's BOM
+                payload_bytes = payload_bytes[len(UTF8_BOM) :].strip()
             if not payload_bytes:
                 continue  # blank lines are not rows
             try:
@@ -178,7 +196,7 @@ def iter_jsonl(path: Path, file_source: str | None, source_column: str) -> Itera
 
 
 def iter_parquet(path: Path, file_source: str | None, source_column: str) -> Iterator[Example]:
-    name = path.name
+    name = display_name(path)
     try:
         parquet = pq.ParquetFile(path)
     except Exception as error:  # pyarrow raises several types for a broken file
@@ -187,7 +205,18 @@ def iter_parquet(path: Path, file_source: str | None, source_column: str) -> Ite
             "rewrite it with pandas/pyarrow or convert it to JSONL."
         ) from error
     row = 0
-    for batch in parquet.iter_batches(batch_size=4096):
+    batches = parquet.iter_batches(batch_size=4096)
+    while True:
+        try:  # the footer read fine; a page may still be corrupt
+            batch = next(batches, None)
+        except Exception as error:
+            raise DataError(
+                f"{path}: rows after {row} cannot be read ({type(error).__name__}: {error}); the "
+                "file is damaged: rewrite it from its source, or convert the readable part to "
+                "JSONL."
+            ) from error
+        if batch is None:
+            break
         for record in batch.to_pylist():
             row += 1
             payload = json.dumps(record, sort_keys=True, default=str)
@@ -210,9 +239,11 @@ def load_file(
         raise DataError(f"{path}: unsupported extension '{path.suffix}'; use .jsonl or .parquet.")
     if not any(example.status == OK for example in examples):
         counts = Counter(example.status for example in examples)
+        reasons = Counter(example.reason for example in examples if example.reason)
         raise DataError(
-            f"{path}: no usable example ({len(examples)} rows: {dict(counts)}); each row needs "
-            "`messages` [{role, content}], `conversations` [{from, value}] or `text`."
+            f"{path}: no usable example ({len(examples)} rows: {dict(counts)}; reasons: "
+            f"{dict(reasons.most_common())}); each row needs `messages` [{{role, content}}], "
+            "`conversations` [{from, value}] or `text` (reason codes: probes/padding/data.py)."
         )
     return examples
 
@@ -220,7 +251,15 @@ def load_file(
 def load_examples(files: Iterable[dict[str, Any]]) -> list[Example]:
     """Load every configured file (entries of config `data.files`), in order."""
     examples: list[Example] = []
-    for entry in files:
+    seen: dict[Path, int] = {}
+    for index, entry in enumerate(files):
+        resolved = Path(entry["path"]).resolve()
+        if resolved in seen:
+            raise DataError(
+                f"data.files[{index}].path: '{entry['path']}' is the file of "
+                f"data.files[{seen[resolved]}] again; list each file once."
+            )
+        seen[resolved] = index
         examples.extend(
             load_file(entry["path"], entry.get("source"), entry.get("source_column", "source"))
         )

@@ -144,8 +144,63 @@ def tokenize(
             f"no usable example left after tokenization in: {bad_files}; "
             "see the per-row reasons in the log (file:row reason)."
         )
+    problem = no_loss_problem(
+        lengths, cfg.padding.min_loss_fraction, training.loss_on, training.max_seq_len
+    )
+    if problem is not None:
+        if not cfg.padding.allow_no_loss:
+            raise DataError(
+                f"{problem} Fix the cause, or set padding.allow_no_loss: true to measure anyway."
+            )
+        LOG.warning("%s (padding.allow_no_loss: measured anyway)", problem)
     columns = list(LENGTH_COLUMNS) + [c for c in lengths.columns if c not in LENGTH_COLUMNS]
     return lengths[columns], seconds
+
+
+def no_loss_problem(
+    lengths: pd.DataFrame, min_loss_fraction: float, loss_on: str, max_seq_len: int
+) -> str | None:
+    """Why this data would train (almost) nothing, with the likely cause; None when it trains.
+
+    Over the usable (OK/TRUNCATED) examples: refused when no example has a loss token, or when
+    fewer than ``min_loss_fraction`` of the kept tokens carry loss."""
+    usable = lengths[lengths["status"].isin(TRAINING_STATUSES)]
+    tokens = int(usable["n_tokens"].sum())
+    loss = int(usable["n_loss_tokens"].sum())
+    if usable.empty or tokens == 0:
+        return None  # no usable example at all: no_usable_files reports that
+    fraction = loss / tokens
+    if loss > 0 and fraction >= min_loss_fraction:
+        return None
+    without = int((usable["n_loss_tokens"] == 0).sum())
+    cut = int(((usable["n_loss_tokens"] == 0) & (usable["n_loss_tokens_full"] > 0)).sum())
+    never = int((usable["n_loss_tokens_full"] == 0).sum())
+    causes = []
+    if cut:
+        causes.append(
+            f"{cut} example(s) lost every loss token to truncation: training.max_seq_len="
+            f"{max_seq_len} is too short for where their assistant turns start"
+        )
+    if never:
+        causes.append(
+            f"{never} example(s) have no loss token at all: with training.loss_on={loss_on} check "
+            "that the data has assistant turns and that the chat template marks them with "
+            "{% generation %} tags"
+            if loss_on == "assistant"
+            else f"{never} example(s) have no loss token at all (training.loss_on={loss_on})"
+        )
+    if not causes:
+        causes.append(
+            "the assistant turns are a tiny share of each example (training.loss_on="
+            f"{loss_on}; training.max_seq_len={max_seq_len} may cut them short)"
+        )
+    return (
+        f"the data trains (almost) nothing: {loss} of {tokens} kept tokens in {len(usable)} "
+        f"usable example(s) carry loss ({100 * fraction:.2f}%, padding.min_loss_fraction is "
+        f"{100 * min_loss_fraction:g}%); {without} example(s) have none. Likely cause: "
+        + "; ".join(causes)
+        + "."
+    )
 
 
 def reference_sample(lengths: pd.DataFrame, n: int) -> list[int]:

@@ -51,7 +51,20 @@ def load_tokenizer(model_path: str | Path) -> Any:
     path = Path(model_path)
     if not path.is_dir():
         raise TokenizeError(f"model.path '{path}' is not a directory with tokenizer files.")
-    tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if not (path / "tokenizer.json").is_file():
+        raise TokenizeError(
+            f"model.path '{path}': no tokenizer.json; the data is tokenized in batches by the "
+            "fast (Rust) tokenizer: save it there with "
+            "AutoTokenizer.from_pretrained(...).save_pretrained(model_path)."
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as error:
+        raise TokenizeError(
+            f"model.path '{path}': the tokenizer does not load ({type(error).__name__}: "
+            f"{str(error).splitlines()[0] if str(error) else ''}); check tokenizer.json and "
+            "tokenizer_config.json there."
+        ) from error
     if not getattr(tokenizer, "is_fast", False):
         raise TokenizeError(
             f"model.path '{path}': the tokenizer is not a fast (Rust) tokenizer; "

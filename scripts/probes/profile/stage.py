@@ -81,6 +81,19 @@ def resolve_settings(profile: Mapping[str, Any], training: Mapping[str, Any]) ->
     )
 
 
+def lengths_note(settings: Settings, device_type: str) -> str | None:
+    """What to know when the profile times lengths beyond training.max_seq_len (none it trains
+    at): said in the log and the provenance, never silently."""
+    beyond = [n for n in settings.lengths if n > settings.max_seq_len]
+    if not beyond:
+        return None
+    return (
+        f"profile.{device_type}.lengths {beyond} exceed training.max_seq_len="
+        f"{settings.max_seq_len}: those step times are at lengths this training never reaches "
+        f"(set profile.{device_type}.lengths to at least 3 lengths <= {settings.max_seq_len})"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # The stage
 # ---------------------------------------------------------------------------------------------
@@ -108,6 +121,9 @@ def run_profile(
         settings.lengths,
         settings.micro_batch,
     )
+    beyond_note = lengths_note(settings, settings.device.type)
+    if beyond_note:
+        LOG.warning("%s", beyond_note)
 
     # the fit's positive control first: cheap, and a broken fit must not cost a GPU run
     controls = [fit_control(settings.lengths)]
@@ -123,8 +139,15 @@ def run_profile(
     else:
         loss_share = bt.loss_fraction(train)
         loss_source = "n_loss_tokens / n_tokens of the padding lengths (training.loss_on)"
-    # fail before loading weights if no micro-batch fits the longest length at all
-    bt.padding_length_band(train, max(settings.lengths), settings.micro_batch)
+    # fail before loading weights if no micro-batch fits the longest length at all; with fewer
+    # examples than a micro-batch no length can help: the penalty is skipped, said, the rest runs
+    if len(train) >= settings.micro_batch:
+        bt.padding_length_band(train, max(settings.lengths), settings.micro_batch)
+    else:
+        LOG.warning(
+            "%s",
+            bt.too_few_for_a_batch(train, len(train), max(settings.lengths), settings.micro_batch),
+        )
     harness = load_harness(profile["harness"])
 
     idle: dict[str, Any] = {"checked": False, "reason": "CPU run: no card to check"}
@@ -258,6 +281,7 @@ def run_profile(
         "dtype_reason": settings.dtype_reason,
         "attn_implementation": profile["attn_implementation"],
         "lengths": settings.lengths,
+        "lengths_note": beyond_note,
         "warmup": settings.warmup,
         "repeats": settings.repeats,
         "kernel_steps": settings.kernel_steps,
@@ -282,7 +306,14 @@ def run_profile(
         "versions": run["versions"],
         "run": run,
     }
-    passed = all(c["passed"] for c in controls)
+    # a control may guard one derived figure only (the FLOP count guards MFU): its failure marks
+    # that figure, not the stage
+    unverified = [c["mfu_unverified_reason"] for c in controls if c.get("mfu_unverified_reason")]
+    provenance["mfu_verified"] = not unverified
+    provenance["mfu_unverified_reason"] = unverified[0] if unverified else None
+    if unverified:
+        LOG.warning("MFU unverified: %s", unverified[0])
+    passed = all(c["passed"] for c in controls if c.get("gates_stage", True))
     control = {
         "name": "profile_controls",
         "description": (
@@ -292,10 +323,12 @@ def run_profile(
         "expected": {c["name"]: c["expected"] for c in controls},
         "observed": {c["name"]: c["observed"] for c in controls},
         "passed": passed,
+        "mfu_verified": provenance["mfu_verified"],
+        "mfu_unverified_reason": provenance["mfu_unverified_reason"],
         "checks": controls,
     }
     if not passed:
-        failed = [c["name"] for c in controls if not c["passed"]]
+        failed = [c["name"] for c in controls if not c["passed"] and c.get("gates_stage", True)]
         raise ProfileError(f"control(s) failed: {failed}: {[c['observed'] for c in controls]}")
 
     text = evidence_text(provenance, scaling, fit, penalty, ce, kernels, raw_table, controls)

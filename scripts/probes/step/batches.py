@@ -41,6 +41,19 @@ class PaddingPick:
         return int(sum(self.n_tokens))
 
 
+def too_few_for_a_batch(train: pd.DataFrame, n_fit: int, max_len: int, batch_size: int) -> str:
+    """Why no padding-penalty batch can be drawn, with the one change that would help."""
+    if len(train) < batch_size:  # a longer profile length cannot help here
+        return (
+            f"only {len(train)} usable training example(s), fewer than "
+            f"training.micro_batch_size={batch_size}: no padding-penalty batch (use more data)"
+        )
+    return (
+        f"only {n_fit} training example(s) have <= {max_len} tokens; need {batch_size} for the "
+        "padding-penalty batch (raise the largest profile length)."
+    )
+
+
 def _drawn_batches(
     train: pd.DataFrame, batch_size: int, max_len: int, seed: int, draws: int
 ) -> tuple[pd.DataFrame, np.ndarray, np.ndarray]:
@@ -48,10 +61,7 @@ def _drawn_batches(
     batch's padding waste."""
     eligible = train[train["n_tokens"] <= max_len].reset_index(drop=True)
     if len(eligible) < batch_size:
-        raise LengthsError(
-            f"only {len(eligible)} training example(s) have <= {max_len} tokens; need "
-            f"{batch_size} for the padding-penalty batch (raise the largest profile length)."
-        )
+        raise LengthsError(too_few_for_a_batch(train, len(eligible), max_len, batch_size))
     rng = np.random.default_rng(seed)
     lengths = eligible["n_tokens"].to_numpy()
     picks = np.stack(
@@ -97,10 +107,7 @@ def padding_length_band(
     if len(band) < batch_size:
         fits = train[lengths <= max_len]
         if len(fits) < batch_size:
-            raise LengthsError(
-                f"only {len(fits)} training example(s) have <= {max_len} tokens; need "
-                f"{batch_size} for the padding-penalty batch (raise the largest profile length)."
-            )
+            raise LengthsError(too_few_for_a_batch(train, len(fits), max_len, batch_size))
         fit_lengths = fits["n_tokens"]
         low = float(fit_lengths.quantile(low_q))
         high = float(fit_lengths.quantile(high_q))

@@ -14,7 +14,13 @@ from typing import Any
 
 import numpy as np
 
+from probes.errors import ProbeError
+
 MIN_POINTS = 3
+
+
+class FitLengthsError(ProbeError, ValueError):
+    """No set of distinct fit lengths fits under the length cap the replay runs at."""
 
 
 @dataclass(frozen=True)
@@ -290,7 +296,13 @@ def default_fit_lengths(
     up to max_seq_len (the longest a micro-batch can be), at least `n_points` distinct lengths
     (geometric fill between the ends where quantiles coincide). `shortest` (the shortest padded
     micro-batch of any plan) is added as one more point, so the measured range covers every
-    micro-batch and the fit can price a whole plan without leaving it."""
+    micro-batch and the fit can price a whole plan without leaving it.
+
+    When the data's lengths crowd the cap (a CPU run caps every length at
+    ``replay.cpu.max_seq_len``, so the low quantile can land just under it; or a dataset of a
+    few examples), the low end drops to ``max_seq_len // 8`` wherever it lies above half the cap:
+    over a narrower range the fit cannot tell its three terms apart. The fit then spans more
+    than the data, never less."""
     if n_points < MIN_POINTS:
         raise ValueError(f"n_points={n_points}: the fit needs at least {MIN_POINTS} lengths")
     values = np.asarray(padded_lengths, dtype=np.float64)
@@ -300,16 +312,18 @@ def default_fit_lengths(
     quantiles = np.quantile(values, np.linspace(low_quantile, 1.0, n_points))
     low = max(int(round(quantiles[0])), 1)
     high = int(max_seq_len)
-    if high <= low:
-        low = max(1, high // 8)
+    if low > high // 2:  # under a factor of 2 the three terms are not told apart
+        low = max(1, min(low, high // 8))
     points = {min(max(int(round(q)), low), high) for q in quantiles[:-1]} | {low, high}
     fill = n_points
     while len(points) < n_points and fill < 64 * n_points:
         points |= {int(round(v)) for v in np.geomspace(low, high, fill)}
         fill += 1
     if len(points) < n_points:
-        raise ValueError(
-            f"cannot place {n_points} distinct lengths between {low} and {high}; raise max_seq_len"
+        raise FitLengthsError(
+            f"cannot place {n_points} distinct fit lengths between {low} and {high}: raise the "
+            "length cap the replay runs at (replay.cpu.max_seq_len on CPU, training.max_seq_len "
+            "on a GPU), or set replay.fit.cpu_lengths / replay.fit.lengths"
         )
     if shortest is not None and 1 <= int(shortest) < min(points):
         points.add(int(shortest))

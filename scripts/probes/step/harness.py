@@ -7,11 +7,14 @@ present; see probes/step/reference_harness.py for the contract.
 
 from __future__ import annotations
 
+import ast
+import functools
 import hashlib
 import importlib
 import importlib.util
 import inspect
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +30,124 @@ DEFAULT_HARNESS = "probes.reference_harness"
 
 class HarnessError(ProbeError, ValueError):
     """The harness cannot be imported or lacks a required function; the message says what to do."""
+
+
+class HarnessCallError(HarnessError):
+    """A call into the harness raised, or compute_loss returned a loss backward cannot use."""
+
+
+def defined_names(source: str) -> set[str] | None:
+    """Top-level names a module's source defines (def, class, assignment, import; inside
+    top-level if/try/with blocks too), without running it; None where they cannot be known
+    statically (``import *``, a module ``__getattr__``)."""
+    names: set[str] = set()
+    for node in _top_level(ast.parse(source).body):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add(alias.asname or alias.name.split(".")[0])
+    return None if "__getattr__" in names else names
+
+
+def _top_level(body: list[ast.stmt]):
+    for node in body:
+        yield node
+        if isinstance(node, ast.If | ast.Try | ast.With):
+            for block in ("body", "orelse", "finalbody"):
+                yield from _top_level(getattr(node, block, []))
+            for handler in getattr(node, "handlers", []):
+                yield from _top_level(handler.body)
+
+
+def missing_required(source: str) -> list[str]:
+    """Required functions the source visibly lacks ([] where it cannot be told statically)."""
+    names = defined_names(source)
+    return [] if names is None else [name for name in REQUIRED if name not in names]
+
+
+def describe_batch(args: tuple, kwargs: dict) -> str:
+    """Shapes of the tensors among a call's arguments (a batch dict's keys with theirs)."""
+    parts = []
+    for value in [*args, *kwargs.values()]:
+        if isinstance(value, dict):
+            parts += [f"{k} {_shape(v)}" for k, v in value.items() if _shape(v)]
+        elif _shape(value):
+            parts.append(_shape(value))
+    return ", ".join(parts)
+
+
+def _shape(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return "x".join(str(int(d)) for d in shape) if shape is not None else ""
+
+
+def own_line(error: BaseException, source_file: str) -> str:
+    """Where the harness's own code raised: its deepest frame in the harness file (else the
+    deepest frame), as ``file:line (code)``."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if not frames:
+        return ""
+    mine = [f for f in frames if source_file and Path(f.filename) == Path(source_file)]
+    frame = (mine or frames)[-1]
+    code = f" ({frame.line.strip()})" if frame.line else ""
+    return f" at {Path(frame.filename).name}:{frame.lineno}{code}"
+
+
+def guarded(spec: str, name: str, fn: Callable[..., Any], source_file: str) -> Callable[..., Any]:
+    """`fn` (a harness function) with every failure named: profile.harness, the function, the
+    batch shape, the harness's own exception line. Out-of-memory errors pass unchanged (the
+    profile records them per length); compute_loss must return a loss that requires grad."""
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        from probes.step.timing import is_out_of_memory
+
+        try:
+            result = fn(*args, **kwargs)
+        except Exception as error:
+            if is_out_of_memory(error) or isinstance(error, HarnessError):
+                raise
+            shapes = describe_batch(args, kwargs)
+            raise HarnessCallError(
+                f"profile.harness '{spec}': {name}() raised {type(error).__name__}: {error}"
+                f"{own_line(error, source_file)}"
+                + (f"; batch shape {shapes}" if shapes else "")
+                + ". Fix the harness (call it on this shape alone to reproduce)."
+            ) from error
+        if name == "compute_loss":
+            check_loss(spec, result, describe_batch(args, kwargs))
+        return result
+
+    return call
+
+
+def check_loss(spec: str, loss: Any, shapes: str) -> None:
+    """compute_loss must return a tensor backward() can start from (where grad is enabled)."""
+    import torch
+
+    if isinstance(loss, torch.Tensor):
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            problem = "returned a tensor that does not require grad (detached, or computed "
+            problem += "under torch.no_grad / from frozen parameters only)"
+        elif loss.numel() != 1:
+            problem = f"returned a tensor of shape {_shape(loss)}, not a scalar loss"
+        else:
+            return
+    elif callable(getattr(loss, "backward", None)):
+        return
+    else:
+        problem = f"returned {type(loss).__name__}, not a loss tensor"
+    raise HarnessCallError(
+        f"profile.harness '{spec}': compute_loss() {problem}; batch shape {shapes}. The profile "
+        "calls loss.backward() on it, as training does: return the loss tensor itself."
+    )
 
 
 @dataclass
@@ -116,15 +237,19 @@ def load_harness(spec: str | None) -> Harness:
             "harness's own discover_target_modules(model) -> list[str] and "
             "compute_loss(model, batch) -> loss tensor."
         )
-    hooks = {
-        name: getattr(module, name) for name in OPTIONAL if callable(getattr(module, name, None))
-    }
     source = inspect.getsourcefile(module) or getattr(module, "__file__", "") or ""
+    hooks = {
+        name: guarded(spec, name, getattr(module, name), source)
+        for name in OPTIONAL
+        if callable(getattr(module, name, None))
+    }
     return Harness(
         spec=spec,
         module=module,
         source_file=source,
-        discover_target_modules=module.discover_target_modules,
-        compute_loss=module.compute_loss,
+        discover_target_modules=guarded(
+            spec, "discover_target_modules", module.discover_target_modules, source
+        ),
+        compute_loss=guarded(spec, "compute_loss", module.compute_loss, source),
         hooks=hooks,
     )

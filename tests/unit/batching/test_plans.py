@@ -177,3 +177,14 @@ def test_default_fit_lengths_come_from_the_data():
     # the shortest micro-batch joins, so the measured range covers every plan
     with_min = fit.default_fit_lengths(padded, 4096, shortest=9)
     assert with_min[0] == 9 and with_min[1:] == lengths
+
+
+def test_default_fit_lengths_when_the_data_crowds_the_cap():
+    # The CPU replay caps 18-246-token examples at 64: the p10 of the padded lengths is 61.
+    crowded = np.array([61] * 2 + [64] * 18)
+    lengths = fit.default_fit_lengths(crowded, 64, n_points=5, low_quantile=0.1)
+    assert len(set(lengths)) >= 5 and max(lengths) == 64 and min(lengths) == 8
+    # one example of 51 tokens: [51, 64] cannot tell the three terms apart, the range widens
+    assert min(fit.default_fit_lengths(np.array([51]), 64)) == 8
+    with pytest.raises(fit.FitLengthsError, match=r"replay\.cpu\.max_seq_len"):
+        fit.default_fit_lengths(np.full(10, 4), 4, n_points=5)

@@ -434,3 +434,15 @@ def test_recommend_variants_echo_thresholds(gain_metric, diversity_level):
     assert rec["recommended"]["gain"] == rec["recommended"][column]
     assert rec["recommended"]["gain"] >= 0.8 * rec["best_gain"]["gain"]
     assert json.loads(json.dumps(rec)) == rec  # plain JSON types only
+
+
+def test_fewer_examples_than_grad_accum_answers_without_batch_rebalance(tmp_path):
+    # grad_accum is 4 in TRAINING: three usable examples cannot feed the sampler's 4 micro-batches.
+    path = tmp_path / "lengths.parquet"
+    bucket_controls.synthetic_lengths_frame(3, seed=1, max_seq_len=1024).to_parquet(path)
+    recommendation = _run_stage(path, tmp_path / "out")
+    assert recommendation["batch_rebalance"] is None
+    assert "training.grad_accum=4" in recommendation["batch_rebalance_not_run"]
+    assert "got 3" in recommendation["batch_rebalance_not_run"]
+    sweep = pd.read_parquet(tmp_path / "out" / "sweep.parquet")
+    assert "batch_rebalance" not in set(sweep["strategy"])

@@ -146,3 +146,41 @@ def test_file_whose_turns_all_lack_content_is_refused_without_data_text(tmp_path
     with pytest.raises(DataError, match="no usable example") as caught:
         load_file(write_jsonl(tmp_path / "no_content.jsonl", rows))
     assert CANARY not in str(caught.value) and "'ERROR': 3" in str(caught.value)
+
+
+def test_two_files_with_one_basename_stay_apart_and_ids_are_unique(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        write_jsonl(tmp_path / folder / "train.jsonl", chat_rows(20))
+    absolute = str(tmp_path / "b" / "train.jsonl")  # under the working directory: made relative
+    examples = load_examples([{"path": "a/train.jsonl"}, {"path": absolute}])
+    assert len(examples) == 40 and len({e.example_id for e in examples}) == 40
+    assert {e.file for e in examples} == {"a/train.jsonl", "b/train.jsonl"}
+    with pytest.raises(DataError, match=r"data.files\[1\].path: 'a/./train.jsonl' is the file of"):
+        load_examples([{"path": "a/train.jsonl"}, {"path": "a/./train.jsonl"}])
+
+
+def test_utf8_bom_does_not_make_row_one_invalid(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "hello"}).encode() + b"\n")
+    assert [e.status for e in load_file(path)] == [OK]
+
+
+def test_corrupt_parquet_pages_are_named_not_a_raw_oserror(tmp_path):
+    path = tmp_path / "broken.parquet"
+    rows = [{"text": f"hello {i} " + "pizza " * (i % 50)} for i in range(3000)]
+    pq.write_table(pa.Table.from_pylist(rows), path, compression="snappy")
+    data = bytearray(path.read_bytes())
+    footer = int.from_bytes(data[-8:-4], "little") + 8
+    data[64 : len(data) - footer - 64] = b"\xff" * (len(data) - footer - 128)  # footer intact
+    path.write_bytes(bytes(data))
+    pq.ParquetFile(path)  # the footer still reads
+    with pytest.raises(DataError, match=r"broken\.parquet: rows after 0 cannot be read"):
+        load_file(path)
+
+
+def test_file_without_usable_rows_names_the_reason_codes(tmp_path):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": []}, {"foo": 1}, {"foo": 2}])
+    with pytest.raises(DataError, match="no_messages_conversations_or_text': 2, 'no_content': 1"):
+        load_file(bad)

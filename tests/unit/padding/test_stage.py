@@ -26,11 +26,13 @@ def outputs_in(directory: Path) -> dict[str, str]:
     return {key: str(directory / Path(rel).name) for key, rel in STAGE_OUTPUTS["padding"].items()}
 
 
-def run_stage(model_dir: Path, files: list[dict], outdir: Path, **training) -> dict:
+def run_stage(
+    model_dir: Path, files: list[dict], outdir: Path, padding: dict | None = None, **training
+) -> dict:
     cfg = workflow_config(
         model={"path": str(model_dir)},
         data={"files": files},
-        padding=PADDING,
+        padding={**PADDING, **(padding or {})},
         training={**TRAINING, **training},
     )
     inputs = {
@@ -80,7 +82,7 @@ def test_every_bad_row_is_counted_in_its_bucket_and_the_run_goes_on(
     assert by_row.loc[5, ["status", "reason"]].tolist() == ["ERROR", "not_utf8"]
     assert by_row.loc[6, "status"] == "TRUNCATED"
     assert by_row.loc[6, "n_tokens"] == 128 and by_row.loc[6, "n_truncated_tokens"] > 0
-    assert (lengths["file"] == "messy.jsonl").all()
+    assert (lengths["file"] == messy_jsonl.as_posix()).all()  # the path as given
     assert tuple(lengths.columns[: len(LENGTH_COLUMNS)]) == LENGTH_COLUMNS
     summary = pd.read_parquet(outdir / "summary.parquet")
     counts = summary[(summary["section"] == "status") & (summary["metric"] == "count")]
@@ -108,6 +110,31 @@ def test_file_with_no_usable_example_fails_and_writes_nothing(tiny_model_dir, tm
     with pytest.raises(DataError, match="bad.jsonl: no usable example"):
         run_stage(tiny_model_dir, [{"path": str(good)}, {"path": str(bad)}], outdir)
     assert not any(outdir.glob("*.parquet")) and not (outdir / "control.json").exists()
+
+
+def test_data_without_assistant_turns_is_refused_with_the_cause(tiny_model_dir, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": "hello how are you"}]}] * 5
+    path = write_jsonl(tmp_path / "users.jsonl", rows)
+    outdir = tmp_path / "out"
+    with pytest.raises(DataError, match="trains \\(almost\\) nothing") as refused:
+        run_stage(tiny_model_dir, [{"path": str(path)}], outdir)
+    message = str(refused.value)
+    assert "0 of " in message and "training.loss_on=assistant" in message
+    assert "generation" in message and "padding.allow_no_loss" in message
+    assert not outdir.exists() or not any(outdir.iterdir())
+    # the opt-in measures it anyway
+    control = run_stage(tiny_model_dir, [{"path": str(path)}], outdir, {"allow_no_loss": True})
+    assert control["passed"]
+
+
+def test_max_seq_len_cutting_every_assistant_turn_is_refused(tiny_model_dir, tmp_path):
+    turns = [
+        {"role": "user", "content": "hello " * 40},
+        {"role": "assistant", "content": "pizza pasta"},
+    ]
+    path = write_jsonl(tmp_path / "long.jsonl", [{"messages": turns}] * 4)
+    with pytest.raises(DataError, match="truncation: training.max_seq_len=16"):
+        run_stage(tiny_model_dir, [{"path": str(path)}], tmp_path / "out", max_seq_len=16)
 
 
 def test_cli_exits_non_zero_with_a_message_naming_the_file(tiny_model_dir, tmp_path):

@@ -170,3 +170,11 @@ def test_rust_backend_never_truncates_and_leaves_the_tokenizer_alone(tiny_model_
     assert backend is not tokenizer.backend_tokenizer
     assert backend.truncation is None and tokenizer.backend_tokenizer.truncation is not None
     assert len(backend.encode("hello how are you today", add_special_tokens=False)) == 5
+
+
+def test_model_directory_without_tokenizer_json_is_named(tiny_model_dir, tmp_path):
+    import shutil
+
+    shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(TokenizeError, match="no tokenizer.json"):
+        load_tokenizer(tmp_path)

@@ -117,7 +117,11 @@ def test_flop_control_passes_within_tolerance_and_fails_outside():
     failed = fl.flop_counter_control(flops, {"aten.mm": 800})
     assert failed["passed"] is False
     assert failed["observed"]["analytic_over_counted"] == pytest.approx(500 / 800)
-    assert fl.flop_counter_control(flops, {})["passed"] is False  # nothing counted
+    assert failed["mfu_unverified_reason"].startswith("the analytic FLOP count is 0.625 x")
+    blind = fl.flop_counter_control(flops, {})  # nothing counted: the counter could not see it
+    assert blind["passed"] is False and blind["gates_stage"] is False
+    assert "cannot see it" in blind["mfu_unverified_reason"]
+    assert fl.flop_counter_control(flops, {"aten.mm": 520})["mfu_unverified_reason"] is None
 
 
 def test_gradient_checkpointing_recompute_is_counted_by_the_control_not_by_mfu():

@@ -52,6 +52,9 @@ def test_the_band_shrinks_to_what_fits_the_longest_length_that_ran():
     assert "fit" in picks[0].method
     with pytest.raises(bt.LengthsError, match="raise the largest profile length"):
         bt.pick_padding_batches(train, 2, max_len=3, seed=0)
+    # one usable example: a longer profile length cannot help, more data can
+    with pytest.raises(bt.LengthsError, match=r"only 1 usable .*\(use more data\)$"):
+        bt.pick_padding_batches(train.head(1), 2, max_len=10_000, seed=0)
 
 
 def test_predicted_step_times_per_variant_by_hand():

@@ -217,6 +217,49 @@ def test_reference_run_writes_every_output_and_leaks_no_data(
         assert CANARY.encode() not in path.read_bytes(), path
 
 
+BLIND_HARNESS = """
+from torch.utils._python_dispatch import _disable_current_modes
+
+from probes.step import reference_harness
+
+discover_target_modules = reference_harness.discover_target_modules
+
+
+class HiddenLoss:
+    # forward and backward both run with every dispatch mode popped, as a custom kernel or a
+    # compiled region would: FlopCounterMode sees none of the step
+    def __init__(self, loss):
+        self.loss = loss
+
+    def backward(self):
+        with _disable_current_modes():
+            self.loss.backward()
+
+
+def compute_loss(model, batch):
+    with _disable_current_modes():
+        return HiddenLoss(reference_harness.compute_loss(model, batch))
+"""
+
+
+def test_harness_hidden_from_the_flop_counter_keeps_every_timing(
+    tmp_path, lengths_path, tiny_model_dir
+):
+    harness = tmp_path / "blind_harness.py"
+    harness.write_text(textwrap.dedent(BLIND_HARNESS))
+    out, _ = run(tmp_path, lengths_path, tiny_model_dir, harness=str(harness))
+    provenance = json.loads(out["provenance"].read_text())
+    assert provenance["mfu_verified"] is False
+    assert "cannot see it" in provenance["mfu_unverified_reason"]
+    control = json.loads(out["control"].read_text())
+    assert control["passed"] is True and control["mfu_verified"] is False
+    flops = next(c for c in control["checks"] if c["name"] == "analytic_flops_match_flop_counter")
+    assert flops["passed"] is False and flops["observed"]["counted_linear_flops"] == 0
+    assert (pd.read_parquet(out["scaling"])["status"] == "OK").all()
+    for key in ("padding_penalty", "ce", "kernels"):
+        assert not pd.read_parquet(out[key]).empty
+
+
 OOM_HARNESS = """
 import torch
 
@@ -275,3 +318,18 @@ def test_busy_card_stops_the_stage_before_weights_load(
             sleep=lambda s: None,
         )
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_one_usable_example_profiles_everything_but_the_padding_penalty(tmp_path, tiny_model_dir):
+    one = pd.DataFrame(
+        {"example_id": ["0" * 16], "source": ["s"], "status": ["OK"], "n_tokens": [12]}
+    ).assign(n_loss_tokens=4)
+    path = tmp_path / "one.parquet"
+    one.to_parquet(path)
+    out, _ = run(tmp_path, path, tiny_model_dir)
+    penalty = pd.read_parquet(out["padding_penalty"])
+    assert (penalty["status"] == "SKIPPED").all()
+    assert "only 1 usable training example(s)" in penalty["pick"].iloc[0]
+    assert "use more data" in penalty["pick"].iloc[0]
+    assert (pd.read_parquet(out["scaling"])["status"] == "OK").all()
+    assert not pd.read_parquet(out["ce"]).empty and not pd.read_parquet(out["kernels"]).empty

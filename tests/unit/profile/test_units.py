@@ -216,3 +216,15 @@ def test_schema_defaults_fill_the_profile_section():
     assert filled["cuda"]["lengths"] == [4096, 8192, 16384]
     assert filled["harness"] == "probes.reference_harness"
     assert filled["idle"]["timeout_s"] == 600
+
+
+def test_profile_lengths_beyond_max_seq_len_are_said():
+    from probes.profile.stage import lengths_note, resolve_settings
+
+    schema = load_yaml(SCHEMA)["properties"]
+    profile = fill_defaults({"device": "cpu"}, schema["profile"])
+    training = fill_defaults({"max_seq_len": 16}, schema["training"])
+    settings = resolve_settings(profile, training)
+    note = lengths_note(settings, "cpu")
+    assert note.startswith("profile.cpu.lengths [32, 64, 128] exceed training.max_seq_len=16")
+    assert lengths_note(resolve_settings(profile, {**training, "max_seq_len": 128}), "cpu") is None

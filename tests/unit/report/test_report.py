@@ -611,6 +611,17 @@ def test_scaling_header_states_dtype_and_mfu_convention(rendered, tmp_path):
     assert "Dtype: **float32** (auto: this CPU emulates bfloat16" in cpu
 
 
+def test_unverified_mfu_is_marked_with_its_reason(tmp_path):
+    paths = write_results(tmp_path / "results")
+    provenance = read_json(paths["profile_provenance"])
+    provenance["mfu_unverified_reason"] = "FlopCounterMode counted no matmul FLOPs"
+    write_json(provenance, paths["profile_provenance"])
+    out = tmp_path / "results" / "report" / "playbook-evidence.md"
+    run_report(paths, out)
+    scaling = section(out.read_text(), "Scaling")
+    assert "**MFU unverified**: FlopCounterMode counted no matmul FLOPs." in scaling
+
+
 def test_provenance_without_the_mfu_convention_fails(tmp_path):
     paths = write_results(tmp_path)
     provenance = read_json(paths["profile_provenance"])

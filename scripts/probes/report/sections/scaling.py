@@ -32,6 +32,8 @@ def scaling_section(
         "dtype_reason": provenance.get("dtype_reason"),
         # probes.profile.flops.MFU_CONVENTION: how the `mfu` column counts model FLOPs
         "mfu_convention": provenance.get("mfu_convention"),
+        # probes.profile.flops.mfu_unverified_reason: the FLOP counter did not confirm the count
+        "mfu_unverified_reason": provenance.get("mfu_unverified_reason"),
         "points": records(scaling, table_columns("profile_scaling")),
         "n_ok": int(ok.sum()),
         "n_failed": int((~ok).sum()),
