@@ -28,7 +28,7 @@ from probes.replay.estimate import (
     decided,
     greg_estimate_all,
 )
-from probes.replay.strata import grow_allocation, proxy_spread, stratum_orders
+from probes.replay.strata import grow_allocation, proxy_cost, proxy_spread, stratum_orders
 from probes.replay.timing import MICRO_BATCH, ReplaySettings, run_sample
 from probes.step.timing import OK
 
@@ -74,13 +74,24 @@ def strategy_weights(
 
 
 def initial_takes(design: Design, valid: Sequence[str], extra: int) -> dict[Key, int]:
-    spread, totals = {}, {}
+    spread, totals, cost = {}, {}, {}
     for name, plan in design.plans.items():
         proxy = proxy_spread(plan, design.stratum[name])
+        costs = proxy_cost(plan, design.stratum[name])
         for h, s in proxy.items():
             spread[(name, h)] = s
+            cost[(name, h)] = costs[h]
         totals[name] = float((plan["computed_tokens"] + plan["loss_tokens"]).sum())
-    return grow_allocation({}, design.sizes, spread, strategy_weights(totals, valid), extra)
+    weights = strategy_weights(totals, valid)
+    return grow_allocation({}, design.sizes, spread, weights, extra, cost)
+
+
+def unit_costs(design: Design, steps: pd.DataFrame) -> dict[Key, float]:
+    """Seconds a unit of each stratum took to time (its mean; the overall mean where none)."""
+    ok = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == OK)]
+    means = ok.groupby(["strategy", "stratum"])["time_s"].mean().to_dict()
+    overall = float(ok["time_s"].mean()) if len(ok) else 1.0
+    return {key: max(float(means.get(key, overall)), 1e-9) for key in design.sizes}
 
 
 def new_units(
@@ -212,7 +223,8 @@ def run_sequential(
         totals = {n: e.time_s for n, e in estimates.items()}
         weights = strategy_weights(totals, valid)
         spreads = spreads_from(design, estimates, all_steps, cv)
-        takes = grow_allocation(done, design.sizes, spreads, weights, round_size)
+        costs = unit_costs(design, all_steps)
+        takes = grow_allocation(done, design.sizes, spreads, weights, round_size, costs)
     all_steps = pd.concat(parts, ignore_index=True)
     all_steps["run_order"] = np.arange(len(all_steps))
     record = {

@@ -112,11 +112,13 @@ def grow_allocation(
     spread: dict[tuple[str, int], float],
     weight: dict[str, float],
     extra: int,
+    cost: dict[tuple[str, int], float] | None = None,
 ) -> dict[tuple[str, int], int]:
-    """`extra` more units, one at a time where they cut Σ_s weight_s · V_s most, V_s = Σ_h N_h²
-    S_h² (1/n_h − 1/N_h) (Neyman's allocation, by stratum size × spread, greedily, across
-    strategies; weight carries 1/T_s² and how often a strategy's variance is counted). A stratum
-    first gets MIN_PER_STRATUM (or all of it)."""
+    """`extra` more units, one at a time where they cut Σ_s weight_s · V_s most per second of
+    timing, V_s = Σ_h N_h² S_h² (1/n_h − 1/N_h) (Neyman's allocation by stratum size × spread,
+    / √cost when a unit's timing cost differs, greedily, across strategies; weight carries 1/T_s²
+    and how often a strategy's variance is counted). A stratum first gets MIN_PER_STRATUM (or
+    all of it)."""
     out = dict(takes)
     for key, size in sizes.items():
         out[key] = max(out.get(key, 0), min(size, MIN_PER_STRATUM))
@@ -127,12 +129,22 @@ def grow_allocation(
             if n >= size:
                 continue
             g = weight[key[0]] * size * size * spread[key] ** 2 * (1.0 / n - 1.0 / (n + 1))
+            g /= cost[key] if cost else 1.0
             if g > gain:
                 best, gain = key, g
         if best is None:
             break
         out[best] += 1
     return out
+
+
+def proxy_cost(plan: pd.DataFrame, stratum: np.ndarray) -> dict[int, float]:
+    """Before anything is timed: a unit's timing cost per stratum in token units, its mean
+    computed + loss tokens plus a fixed share (a fifth of the plan's mean) for the step's
+    overhead."""
+    cost = plan["computed_tokens"].to_numpy(np.float64) + plan["loss_tokens"].to_numpy(np.float64)
+    fixed = 0.2 * float(cost.mean())
+    return {int(h): float(cost[stratum == h].mean()) + fixed for h in np.unique(stratum)}
 
 
 def proxy_spread(plan: pd.DataFrame, stratum: np.ndarray, cv: float = 0.1) -> dict[int, float]:
