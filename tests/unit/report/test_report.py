@@ -769,3 +769,26 @@ def test_summary_and_apply_agree_and_a_slower_change_is_never_recommended(tmp_pa
     assert not by_id["length_grouped"]["recommended"] and not by_id["packing"]["recommended"]
     assert by_id["length_grouped"]["saving_ci_high"] == -0.1
     assert not any(c["recommended"] for c in document["changes"] if (c["saving_ci_high"] or 0) < 0)
+
+
+def test_replay_notes_read_the_instrument_coverage_and_stopping():
+    from probes.report.sections.replay import replay_measurement_notes, tokens_not_time
+
+    control = {
+        "instrument": {"cv": 0.04, "repeats": 5, "done": {"warmup": 1, "threads": 1}},
+        "coverage": {
+            "expected": {"replications": 400},
+            "observed": {"min_coverage": 0.93, "coverage": {"packing": 0.93}},
+            "passed": True,
+        },
+        "stopping": {"stopped_by": "budget", "rounds": 3},
+    }
+    notes = replay_measurement_notes(control)
+    assert notes["instrument"]["cv"] == 0.04 and "1 thread(s)" in notes["instrument"]["done"]
+    assert notes["coverage"]["min"] == 0.93 and notes["coverage"]["passed"]
+    assert notes["stopping"]["stopped_by"] == "budget"
+    assert replay_measurement_notes({}) == {"instrument": None, "coverage": None, "stopping": None}
+    tie = "ties with random batches: its 95% interval includes 0"
+    assert "20.0% of the tokens" in tokens_not_time({"computed_token_saving": 0.2}, tie)
+    assert tokens_not_time({"computed_token_saving": 0.2}, "recommended: faster") is None
+    assert tokens_not_time({"computed_token_saving": 0.0}, tie) is None

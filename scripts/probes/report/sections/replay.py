@@ -212,6 +212,8 @@ def measured_changes(
             "sampled": finite(row["sampled"]),
             "micro_batches": finite(row["micro_batches"]),
         }
+        outside = finite(row.get("model_out_of_range_share"))
+        entry["out_of_range"] = outside if outside else None
         entry["tokens_not_time"] = (
             None
             if inverted or strategy == RANDOM or entry["verdict"] == "faster"
@@ -248,6 +250,11 @@ def measured_changes(
         "cpu_only": cpu_only,
         "max_seq_len": max_seq_len,
         "host_bound": None if cpu_only else host_bound_note(frame),
+        "out_of_range": [
+            {"title": r["title"], "share": r["out_of_range"]}
+            for r in rows + conditional
+            if r.get("out_of_range")
+        ],
         **replay_measurement_notes((jsons or {}).get("replay_control")),
     }
 
