@@ -370,7 +370,8 @@ def strategy_table(
 # micro-batch total is Σ_U ŷ_i (every micro-batch of its plan) + Σ_h N_h · mean residual of its
 # own sample in stratum h: design-unbiased whatever the model (a wrong model only widens the
 # interval). Variance (linearised): Σ_h N_h² [(1 − f_h) s²_e,h / n_h + f_h σ²_ε,h / n_h], s_e the
-# leverage-adjusted residual spread, σ_ε the instrument's own noise (CV × stratum mean, per
+# leverage-adjusted residual spread (relative to ŷ, pooled over a strategy's units: greg_total),
+# σ_ε the instrument's own noise (CV × stratum mean, per
 # timing), which a census stratum (f_h = 1) still carries. The saving 1 − T_s/T_base is
 # linearised with the optimizer mean shared by both; Student t with Satterthwaite's df.
 
@@ -482,12 +483,20 @@ class GregTotal:
 def greg_total(
     design: StrategyDesign, model: WorkingModel, leverage: np.ndarray, cv: float, cv_df: float
 ) -> GregTotal:
-    """Σ_U ŷ + Σ_h N_h ē_h and its linearised variance components (see the section's note)."""
+    """Σ_U ŷ + Σ_h N_h ē_h and its linearised variance components.
+
+    The residual spread is estimated relative to the model's prediction, pooled over the
+    strategy's timed units (S_h² = σ_r² · mean_{U_h} ŷ², σ_r² = mean of (e/ŷ)² over its units,
+    uncentred: a residual mean the model leaves in a stratum only widens it), so the interval has
+    the strategy's n degrees of freedom rather than one per stratum of two."""
     predicted = model.predict(design.plan_x)
     residual = design.y - model.predict(design.x)
     adjusted = residual / np.sqrt(1.0 - leverage)
+    floor = 0.1 * float(np.median(np.abs(design.y))) if design.y.size else 1e-12
+    relative = adjusted / np.maximum(model.predict(design.x), max(floor, 1e-12))
+    sigma2_rel = float(np.mean(relative**2)) if design.y.size else 0.0
     sizes = np.bincount(design.plan_stratum)
-    correction, parts, spreads = 0.0, [], {}
+    correction, sampling, parts, spreads = 0.0, 0.0, [], {}
     for h in np.flatnonzero(sizes):
         mine = design.stratum == h
         n, big_n = int(mine.sum()), float(sizes[h])
@@ -495,14 +504,13 @@ def greg_total(
             raise ValueError(f"stratum {h} of {int(big_n)} micro-batches has no timed unit")
         correction += big_n * float(residual[mine].mean())
         f = n / big_n
+        level2 = float(np.mean(np.maximum(predicted[design.plan_stratum == h], floor) ** 2))
+        s2 = sigma2_rel * level2
+        spreads[int(h)] = math.sqrt(s2)
+        sampling += big_n**2 * (1 - f) * s2 / n
         noise = (cv * float(design.y[mine].mean())) ** 2 / float(np.mean(design.timings[mine]))
-        if n >= 2:
-            s2 = float(np.var(adjusted[mine], ddof=1))
-            spreads[int(h)] = math.sqrt(s2)
-            parts.append((big_n**2 * (1 - f) * s2 / n, n - 1.0))
-        elif f < 1:  # one unit of a larger stratum: its spread is the instrument's at least
-            parts.append((big_n**2 * (1 - f) * noise, cv_df))
         parts.append((big_n**2 * f * noise / n, cv_df))
+    parts.insert(0, (sampling, float(max(design.y.size, 1))))
     model_s = float(predicted.sum())
     return GregTotal(
         model_s + correction,

