@@ -3,10 +3,11 @@ rounds that interleave the strategies, grown where the variance is, until the de
 or the time budget is spent (``run_sequential``), and priced by the model-assisted estimator
 (``probes.replay.estimate.greg_estimate_all``).
 
-Round 1 times MIN_PER_STRATUM units of every stratum (all of a smaller one) plus a Neyman share
-of `initial_extra` more; each later round adds `round_size` units by stratum size × the residual
-spread just measured. Stops: "decision" (the best change's interval clears the next one's),
-"budget" (another round would pass budget_s), "census" (nothing left to time).
+Round 1 times at least `per_strategy` units of every strategy (MIN_PER_STRATUM of every stratum,
+all of a smaller one, the rest by Neyman within the strategy) plus `initial_extra` more; each
+later round adds `round_size` units by stratum size × the residual spread just measured.
+Stops: "decision" (the best change's interval clears the next one's), "budget" (another round
+would pass budget_s), "census" (nothing left to time).
 """
 
 from __future__ import annotations
@@ -73,7 +74,11 @@ def strategy_weights(
     return weights
 
 
-def initial_takes(design: Design, valid: Sequence[str], extra: int) -> dict[Key, int]:
+def initial_takes(
+    design: Design, valid: Sequence[str], extra: int, per_strategy: int = 0
+) -> dict[Key, int]:
+    """Round 1: every strategy at least `per_strategy` units (all of a smaller plan), spread over
+    its own strata by Neyman; then `extra` more wherever they pay most across strategies."""
     spread, totals, cost = {}, {}, {}
     for name, plan in design.plans.items():
         proxy = proxy_spread(plan, design.stratum[name])
@@ -83,7 +88,13 @@ def initial_takes(design: Design, valid: Sequence[str], extra: int) -> dict[Key,
             cost[(name, h)] = costs[h]
         totals[name] = float((plan["computed_tokens"] + plan["loss_tokens"]).sum())
     weights = strategy_weights(totals, valid)
-    return grow_allocation({}, design.sizes, spread, weights, extra, cost)
+    takes: dict[Key, int] = {}
+    for name in design.plans:
+        mine = {k: v for k, v in design.sizes.items() if k[0] == name}
+        floor = sum(min(v, 2) for v in mine.values())
+        grown = grow_allocation({}, mine, spread, weights, max(per_strategy - floor, 0), cost)
+        takes.update(grown)
+    return grow_allocation(takes, design.sizes, spread, weights, extra, cost)
 
 
 def unit_costs(design: Design, steps: pd.DataFrame) -> dict[Key, float]:
@@ -186,11 +197,12 @@ def run_sequential(
     round_size: int,
     clock: Callable[[], float] = time.perf_counter,
     progress: bool = False,
+    per_strategy: int = 0,
 ) -> SequentialResult:
     """Time rounds until decided, out of budget or census (module docstring)."""
     rng = np.random.default_rng(settings.seed + 11)
     started = clock()
-    takes = initial_takes(design, valid, initial_extra)
+    takes = initial_takes(design, valid, initial_extra, per_strategy)
     done: dict[Key, int] = {}
     parts, optimizer, rounds = [], [], 0
     stopped_by = "census"
@@ -235,6 +247,7 @@ def run_sequential(
         "budget_s": float(budget_s),
         "round_size": int(round_size),
         "initial_extra": int(initial_extra),
+        "initial_per_strategy": int(per_strategy),
         "takes": {f"{n}/{h}": int(v) for (n, h), v in sorted(done.items())},
         "rule": (
             "stop when the best valid strategy's saving interval lies entirely above the next "

@@ -322,8 +322,6 @@ def run_replay(
     section = replay_cfg["cpu"] if cpu_only else replay_cfg
     design = build_design(plans, settings.n_strata, settings.seed)
     valid = [name for name in design.strategies if name not in invalid]
-    minimum = sum(min(size, 2) for size in design.sizes.values())
-    initial = len(design.strategies) * settings.n_strata * settings.samples_per_stratum
     sequential = run_sequential(
         runner,
         design,
@@ -332,9 +330,10 @@ def run_replay(
         cv,
         cv_df,
         float(section["budget_s"]),
-        max(initial - minimum, 0),
+        0,
         int(section["round_size"]),
         progress=progress,
+        per_strategy=settings.n_strata * settings.samples_per_stratum,
     )
     steps, optimizer_times = sequential.steps, sequential.optimizer_times
     LOG.info(
