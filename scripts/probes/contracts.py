@@ -419,6 +419,14 @@ TABLES: dict[str, TableSpec] = {
             "fit_predicted_time_s",
             "max_seq_len",
             "note",
+            # the model-assisted estimator (probes.replay.estimate.greg_estimate_all)
+            "estimator",
+            "saving_df",
+            "model_time_s",
+            "correction_s",
+            "model_out_of_range_share",
+            "stopped_by",
+            "instrument_cv",
         ),
     ),
     # raw timings: sampled micro-batches, optimizer steps and fit points (kind), one row each
@@ -478,7 +486,9 @@ JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "padding_control": ("padding", CONTROL_KEYS),
     "bucket_control": ("bucket", CONTROL_KEYS),
     "profile_control": ("profile", CONTROL_KEYS),
-    # the synthetic busy-wait harness: savings within 5%, a, b, c within 10%
+    # the synthetic busy-wait harness: savings within 5%, a, b, c within 10%; plus "coverage"
+    # (the intervals' coverage control), "instrument" (CV of repeated identical micro-batches)
+    # and "stopping" (why the timing stopped)
     "replay_control": ("replay", CONTROL_KEYS),
 }
 

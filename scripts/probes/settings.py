@@ -151,6 +151,8 @@ class ReplayCpuConfig:
     n_strata: int
     samples_per_stratum: int
     warmup: int
+    budget_s: float
+    round_size: int
     threads: int
 
 
@@ -165,6 +167,13 @@ class ReplayControlConfig:
 
 
 @dataclass(frozen=True)
+class ReplayCoverageConfig:
+    replications: int
+    threshold: float
+    min_cv: float
+
+
+@dataclass(frozen=True)
 class ReplayConfig:
     seed: int
     n_strata: int
@@ -174,6 +183,10 @@ class ReplayConfig:
     bootstrap_resamples: int
     busy_samples_per_stratum: int
     host_bound_threshold: float
+    budget_s: float
+    round_size: int
+    instrument_repeats: int
+    coverage: ReplayCoverageConfig
     fit: ReplayFitConfig
     cpu: ReplayCpuConfig
     control: ReplayControlConfig

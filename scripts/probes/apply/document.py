@@ -108,3 +108,71 @@ def count_no_loss_examples(lengths: Any) -> int:
     lengths table (a DataFrame with ``status`` and ``n_loss_tokens``)."""
     trains = lengths.loc[lengths["status"].isin(TRAINING_STATUSES)]
     return int((trains["n_loss_tokens"] == 0).sum())
+
+
+# The decision each change carries, in the report's words (recommendations.json "decision")
+RECOMMENDED = "recommended: measured faster than random batches"
+TIES_WITH_RANDOM = "ties with random batches: its 95% interval includes 0, so not shown faster"
+SLOWER = "not recommended: measured slower than random batches (interval entirely below 0)"
+INVALID = "not recommended: invalid here"
+NOT_MEASURED = "not measured: the replay did not time this change"
+ORDER = (
+    "applicable changes by the replay's measured saving versus random batches, best first; a "
+    "change whose 95% interval overlaps the interval of its group's best shares that rank (a "
+    "tie); changes the replay did not measure follow, unranked, then those that do not apply"
+)
+
+
+def decision(measured: Mapping[str, Any] | None) -> str:
+    """What a change's measurement decides (a measured-slower change is never recommended)."""
+    if not measured or measured.get("saving") is None:
+        return NOT_MEASURED
+    if not measured.get("valid", True):
+        return INVALID
+    low, high = measured.get("saving_low"), measured.get("saving_high")
+    if low is not None and low > 0:
+        return RECOMMENDED
+    if high is not None and high < 0:
+        return SLOWER
+    return TIES_WITH_RANDOM
+
+
+def order_changes(
+    document: Mapping[str, Any], measurements: Mapping[int, Mapping[str, Any] | None]
+) -> dict[str, Any]:
+    """recommendations.json with each change's measured saving, interval, rank and decision, and
+    its changes in the report's order (ORDER). `measurements`: change position → the replay's
+    measurement (saving, saving_low, saving_high, valid) or None."""
+    changes = list(document.get("changes") or [])
+    annotated = []
+    for position, change in enumerate(changes):
+        measured = measurements.get(position)
+        entry = dict(change)
+        entry["measured_saving"] = measured.get("saving") if measured else None
+        entry["saving_ci_low"] = measured.get("saving_low") if measured else None
+        entry["saving_ci_high"] = measured.get("saving_high") if measured else None
+        entry["decision"] = decision(measured) if change.get("applies") else "does not apply"
+        entry["recommended"] = entry["decision"] == RECOMMENDED
+        entry["rank"] = None
+        entry["tied"] = False
+        annotated.append(entry)
+    ranked = sorted(
+        (
+            c
+            for c in annotated
+            if c.get("applies") and c["measured_saving"] is not None and c["decision"] != INVALID
+        ),
+        key=lambda c: -c["measured_saving"],
+    )
+    leader, leader_rank = None, 0
+    for position, change in enumerate(ranked, 1):
+        low_leader = leader["saving_ci_low"] if leader else None
+        high = change["saving_ci_high"]
+        if leader is None or (high is not None and low_leader is not None and high < low_leader):
+            leader, leader_rank = change, position
+        else:
+            change["tied"] = leader["tied"] = True
+        change["rank"] = leader_rank
+    rest = [c for c in annotated if c not in ranked]
+    rest.sort(key=lambda c: not c.get("applies"))  # stable: unmeasured, then not applicable
+    return {**document, "order": ORDER, "changes": ranked + rest}

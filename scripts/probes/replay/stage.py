@@ -12,6 +12,7 @@ says ``cpu_only`` and its numbers are not comparable with a GPU run.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -26,15 +27,16 @@ from probes.batching import plans as pl
 from probes.contracts import STAGE_OUTPUTS
 from probes.errors import ControlFailedError, ProbeError
 from probes.io import read_json, read_provenance, run_metadata
-from probes.replay.control import run_synthetic_control
+from probes.replay.control import run_coverage_control, run_synthetic_control
 from probes.replay.estimate import FitPricing, strategy_table
+from probes.replay.sequential import build_design, run_sequential
 from probes.replay.timing import (
     OPTIMIZER_STEP,
     ReplayRunner,
     ReplaySettings,
     measure_fit,
-    run_sample,
-    sample_all,
+    measure_instrument,
+    median_row,
 )
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
@@ -306,13 +308,98 @@ def run_replay(
     )
     LOG.info("fit %s: a=%.3g b=%.3g c=%.3g", fit.fit.method, fit.fit.a, fit.fit.b, fit.fit.c)
 
-    sample = sample_all(plans, settings)
-    LOG.info("replaying %d sampled micro-batches", len(sample))
-    steps, optimizer_times = run_sample(runner, sample, settings, progress=progress)
+    # the instrument's own spread, on random's median micro-batch (the model is warm from the fit)
+    instrument = measure_instrument(
+        runner,
+        median_row(plans, pl.BASELINE),
+        int(replay_cfg["instrument_repeats"]),
+        max(settings.warmup, 1),
+    )
+    cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
+    cv_df = max(instrument["repeats"] - 1.0, 1.0)
+    LOG.info("instrument CV %.3f over %d identical micro-batches", cv, instrument["repeats"])
+
+    section = replay_cfg["cpu"] if cpu_only else replay_cfg
+    design = build_design(plans, settings.n_strata, settings.seed)
+    valid = [name for name in design.strategies if name not in invalid]
+    sequential = run_sequential(
+        runner,
+        design,
+        settings,
+        valid,
+        cv,
+        cv_df,
+        float(section["budget_s"]),
+        0,
+        int(section["round_size"]),
+        progress=progress,
+        per_strategy=settings.n_strata * settings.samples_per_stratum,
+    )
+    steps, optimizer_times = sequential.steps, sequential.optimizer_times
+    LOG.info(
+        "replayed %d micro-batches in %d round(s), stopped by %s",
+        len(steps),
+        sequential.record["rounds"],
+        sequential.record["stopped_by"],
+    )
     pricing = FitPricing(fit.fit, micro, fit.low, fit.high)
     table = strategy_table(
-        plans, steps, optimizer_times, settings, invalid, pricing, cpu_only, max_len
+        plans,
+        steps,
+        optimizer_times,
+        settings,
+        invalid,
+        pricing,
+        cpu_only,
+        max_len,
+        greg=sequential.estimates,
+        stopped_by=sequential.record["stopped_by"],
+        instrument_cv=cv,
     )
+
+    # the coverage control: the same design and estimator on simulated timings of known cost
+    coverage_cfg = replay_cfg["coverage"]
+    coverage = run_coverage_control(
+        design,
+        sequential.takes,
+        max(cv, float(coverage_cfg["min_cv"])),
+        len(optimizer_times),
+        int(coverage_cfg["replications"]),
+        settings.seed + 3,
+        float(coverage_cfg["threshold"]),
+    )
+    LOG.info(
+        "coverage control %s: min coverage %.3f",
+        "passed" if coverage["passed"] else "FAILED",
+        coverage["observed"]["min_coverage"],
+    )
+    if not coverage["passed"]:
+        raise ControlFailedError(
+            f"replay: coverage control failed (95% intervals cover the exact saving in fewer "
+            f"than {coverage_cfg['threshold']} of simulated runs), no output written: "
+            f"{coverage['observed']['coverage']}"
+        )
+    control["coverage"] = coverage
+    control["instrument"] = instrument
+    control["stopping"] = sequential.record
+    # the report's Controls table lists each check on its own row
+    errors = [v["time_ratio_rel_error"] for v in control["observed"]["strategies"].values()]
+    control["checks"] = [
+        {
+            "name": control["name"],
+            "expected": {
+                "time_ratio_rel_error_max": control["expected"]["time_ratio_rel_error_max"]
+            },
+            "observed": {"time_ratio_rel_error_max": max(errors) if errors else None},
+            "passed": bool(control["passed"]),
+        },
+        {
+            "name": coverage["name"],
+            "expected": {"coverage_min": coverage["expected"]["coverage_min"]},
+            "observed": {"coverage_min": coverage["observed"]["min_coverage"]},
+            "passed": bool(coverage["passed"]),
+        },
+    ]
     if cpu_only:
         note = CPU_NOTE.format(cap=max_len, max_seq_len=training["max_seq_len"])
         table["note"] = [f"{note}; {n}" if n else note for n in table["note"]]

@@ -5,6 +5,8 @@ probes.replay.estimate, by how many there really are); within a stratum the samp
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 
@@ -85,3 +87,72 @@ def stratified_sample(
     sample["stratum_low_tokens"] = bounds[stratum[chosen], 0]
     sample["stratum_high_tokens"] = bounds[stratum[chosen], 1]
     return sample.reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The sequential design: simple random samples within strata, grown where the variance is
+# ---------------------------------------------------------------------------------------------
+
+MIN_PER_STRATUM = 2  # a stratum's residual spread needs two timed units
+
+
+def stratum_orders(
+    plan: pd.DataFrame, n_strata: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Every plan row's stratum, the strata bounds, and per stratum a random order of its
+    members: the first n of an order is a simple random sample of n, and growing n keeps it one."""
+    stratum, bounds = assign_strata(plan["computed_tokens"].to_numpy(dtype=np.float64), n_strata)
+    orders = [rng.permutation(np.flatnonzero(stratum == h)) for h in range(len(bounds))]
+    return stratum, bounds, orders
+
+
+def grow_allocation(
+    takes: dict[tuple[str, int], int],
+    sizes: dict[tuple[str, int], int],
+    spread: dict[tuple[str, int], float],
+    weight: dict[str, float],
+    extra: int,
+    cost: dict[tuple[str, int], float] | None = None,
+) -> dict[tuple[str, int], int]:
+    """`extra` more units, one at a time where they cut Σ_s weight_s · V_s most per second of
+    timing, V_s = Σ_h N_h² S_h² (1/n_h − 1/N_h) (Neyman's allocation by stratum size × spread,
+    / √cost when a unit's timing cost differs, greedily, across strategies; weight carries 1/T_s²
+    and how often a strategy's variance is counted). A stratum first gets MIN_PER_STRATUM (or
+    all of it)."""
+    out = dict(takes)
+    for key, size in sizes.items():
+        out[key] = max(out.get(key, 0), min(size, MIN_PER_STRATUM))
+    for _ in range(extra):
+        best, gain = None, 0.0
+        for key, size in sizes.items():
+            n = out[key]
+            if n >= size:
+                continue
+            g = weight[key[0]] * size * size * spread[key] ** 2 * (1.0 / n - 1.0 / (n + 1))
+            g /= cost[key] if cost else 1.0
+            if g > gain:
+                best, gain = key, g
+        if best is None:
+            break
+        out[best] += 1
+    return out
+
+
+def proxy_cost(plan: pd.DataFrame, stratum: np.ndarray) -> dict[int, float]:
+    """Before anything is timed: a unit's timing cost per stratum in token units, its mean
+    computed + loss tokens plus a fixed share (a fifth of the plan's mean) for the step's
+    overhead."""
+    cost = plan["computed_tokens"].to_numpy(np.float64) + plan["loss_tokens"].to_numpy(np.float64)
+    fixed = 0.2 * float(cost.mean())
+    return {int(h): float(cost[stratum == h].mean()) + fixed for h in np.unique(stratum)}
+
+
+def proxy_spread(plan: pd.DataFrame, stratum: np.ndarray, cv: float = 0.1) -> dict[int, float]:
+    """Before anything is timed: a stratum's spread in computed-token units, its own spread of
+    computed + loss tokens and an instrument noise of `cv` × its mean."""
+    cost = plan["computed_tokens"].to_numpy(np.float64) + plan["loss_tokens"].to_numpy(np.float64)
+    out = {}
+    for h in np.unique(stratum):
+        part = cost[stratum == h]
+        out[int(h)] = math.sqrt(float(np.var(part)) + (cv * float(part.mean())) ** 2)
+    return out

@@ -8,7 +8,9 @@ for the scaling fit (``measure_fit``).
 
 from __future__ import annotations
 
+import gc
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -203,7 +205,6 @@ def run_sample(
     and each micro-batch keeps the runner's statistic of its rounds: a burst of load then hits one
     round of a micro-batch, not all its repeats back to back.
     """
-    from tqdm import tqdm
 
     if len(sample) == 0:
         raise ValueError("empty sample: nothing to replay")
@@ -212,6 +213,25 @@ def run_sample(
         runner.warm_up(largest)
     rng = np.random.default_rng(settings.seed + 7)
     rounds = max(int(runner.repeats), 1)
+    gc.collect()  # a collection inside a timed step would be the interpreter's cost, not the step's
+    gc.disable()
+    try:
+        steps, optimizer_times = _timed_rounds(runner, sample, settings, rounds, rng, progress)
+    finally:
+        gc.enable()
+    return steps, optimizer_times
+
+
+def _timed_rounds(
+    runner: ReplayRunner,
+    sample: pd.DataFrame,
+    settings: ReplaySettings,
+    rounds: int,
+    rng: np.random.Generator,
+    progress: bool,
+) -> tuple[pd.DataFrame, np.ndarray]:
+    from tqdm import tqdm
+
     times: list[list[float]] = [[] for _ in range(len(sample))]
     status = [OK] * len(sample)
     shares = [float("nan")] * len(sample)
@@ -257,6 +277,53 @@ def run_sample(
     share = steps["gpu_busy_share"]
     steps["host_bound"] = (share < settings.host_bound_threshold).where(share.notna())
     return steps, np.asarray(optimizer_times, dtype=np.float64)
+
+
+def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int) -> dict:
+    """The instrument's own spread: `repeats` timings of one identical micro-batch (same shape,
+    loss tokens and token ids) after `warmup` untimed ones, with gc off as in the replay loop.
+    CV = sample standard deviation / mean; what was done to reduce it is recorded beside it."""
+    batch = runner.device_batch(row)
+    gc.collect()
+    gc.disable()
+    try:
+        status, times = runner.timed(lambda: runner._forward_backward(batch), warmup + repeats)
+        runner._optimizer()
+    finally:
+        gc.enable()
+    times = times[warmup:]
+    arr = np.asarray(times, dtype=np.float64)
+    ok = status == OK and arr.size >= 2 and float(arr.mean()) > 0
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "status": status,
+        "cv": float(arr.std(ddof=1) / arr.mean()) if ok else float("nan"),
+        "repeats": int(arr.size),
+        "times_s": [float(v) for v in arr],
+        "mean_s": float(arr.mean()) if arr.size else float("nan"),
+        "micro_batch": {
+            "strategy": str(row.strategy),
+            "layout": str(row.layout),
+            "rows": int(row.rows),
+            "padded_length": int(row.padded_length),
+            "loss_tokens": int(row.loss_tokens),
+        },
+        "done": {
+            "warmup": int(warmup),
+            "gc": "collected before, disabled during every timed loop",
+            "threads": int(torch.get_num_threads()) if runner.device.type == "cpu" else None,
+            "cpu_affinity_cores": affinity,
+            "pinning": "not pinned (the process's CPU affinity as given)",
+            "timer": TIMER,
+        },
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def median_row(plans: pd.DataFrame, strategy: str) -> Any:
+    """The plan row of `strategy` at its median computed tokens (the instrument's micro-batch)."""
+    plan = plans[plans["strategy"] == strategy].sort_values(["computed_tokens", "loss_tokens"])
+    return next(plan.iloc[[len(plan) // 2]].itertuples())
 
 
 # ---------------------------------------------------------------------------------------------

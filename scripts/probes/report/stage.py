@@ -15,6 +15,7 @@ from probes.config import REPO_ROOT
 from probes.io import run_metadata
 from probes.report.load import ReportInputError, load_inputs, not_run_reason
 from probes.report.render import build_context, linked_figures, render_markdown
+from probes.report.sections.replay import change_measurement
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 
@@ -40,13 +41,19 @@ def recommendations_document(
     lengths = loaded["tables"]["padding_lengths"]
     no_loss = None if "padding" in loaded["not_run"] else apply.count_no_loss_examples(lengths)
     try:
-        return apply.recommendations_document(
+        document = apply.recommendations_document(
             recommendation, training, versions, no_loss_examples=no_loss, verify=verify
         )
     except KeyError as error:
         raise ReportInputError(
             f"bucket recommendation.json: {error.args[0]}; rerun the bucket_sweep rule"
         ) from error
+    # the report's order: by the replay's measured saving (Summary and "Apply it" agree)
+    measurements = {
+        i: change_measurement(change, loaded["tables"], loaded["not_run"])
+        for i, change in enumerate(document.get("changes") or [])
+    }
+    return apply.order_changes(document, measurements)
 
 
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:

@@ -277,3 +277,29 @@ def test_tokens_per_update_is_the_mean_step():
     base = apply_changes.Baseline(2, 8, 4096, 4, 400, 200)
     assert base.tokens_per_update == pytest.approx(16 * 100)
     assert np.isclose(base.mean_length, 100)
+
+
+def test_order_changes_ranks_by_measured_saving_with_ties_and_decisions():
+    from probes.apply.document import RECOMMENDED, SLOWER, TIES_WITH_RANDOM, order_changes
+
+    document = {
+        "changes": [
+            {"id": "a", "applies": True},
+            {"id": "b", "applies": True},
+            {"id": "c", "applies": True},
+            {"id": "d", "applies": True},
+            {"id": "e", "applies": False},
+        ]
+    }
+    measured = {
+        0: {"saving": -0.2, "saving_low": -0.3, "saving_high": -0.1, "valid": True},
+        1: {"saving": 0.3, "saving_low": 0.2, "saving_high": 0.4, "valid": True},
+        2: {"saving": 0.25, "saving_low": -0.01, "saving_high": 0.5, "valid": True},
+        3: None,
+    }
+    ordered = order_changes(document, measured)["changes"]
+    assert [c["id"] for c in ordered] == ["b", "c", "a", "d", "e"]
+    assert [c["rank"] for c in ordered] == [1, 1, 3, None, None]  # b and c overlap: a tie
+    assert ordered[0]["tied"] and ordered[1]["tied"] and not ordered[2]["tied"]
+    assert [c["decision"] for c in ordered[:3]] == [RECOMMENDED, TIES_WITH_RANDOM, SLOWER]
+    assert [c["recommended"] for c in ordered] == [True, False, False, False, False]

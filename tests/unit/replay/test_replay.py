@@ -275,7 +275,14 @@ def _config(model_dir) -> dict:
             {
                 "bootstrap_resamples": 200,
                 "warmup": 0,
-                "cpu": {"max_seq_len": 32, "n_strata": 2, "samples_per_stratum": 2, "warmup": 0},
+                "cpu": {
+                    "max_seq_len": 32,
+                    "n_strata": 2,
+                    "samples_per_stratum": 2,
+                    "warmup": 0,
+                    "budget_s": 2.0,
+                },
+                "coverage": {"replications": 100},
                 "fit": {"repeats": 3},
                 "control": {"n_strata": 6, "samples_per_stratum": 3},
             },

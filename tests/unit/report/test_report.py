@@ -690,8 +690,20 @@ def test_check_values_fall_back_and_carry_the_hint():
 def test_recommendations_json_is_written_beside_the_report(rendered):
     _, out = rendered
     document = json.loads((out.parent / "recommendations.json").read_text())
-    ids = [c["id"] for c in document["changes"] if c["applies"]]
-    assert ids == ["length_grouped", "group_by_length_builtin", "batch_rebalance", "packing"]
+    applies = [c for c in document["changes"] if c["applies"]]
+    assert {c["id"] for c in applies} == {
+        "length_grouped",
+        "group_by_length_builtin",
+        "batch_rebalance",
+        "packing",
+    }
+    # the report's order: measured changes by measured saving (with rank), then unmeasured ones
+    measured = [c for c in applies if c["measured_saving"] is not None]
+    assert [c["id"] for c in measured] == ["packing", "length_grouped"]
+    assert measured[0]["measured_saving"] > measured[1]["measured_saving"]
+    assert [c["rank"] for c in measured] == [1, 2] and "measured saving" in document["order"]
+    assert applies[: len(measured)] == measured
+    assert all(c["rank"] is None for c in applies[len(measured) :])
     assert document["baseline"]["micro_batch_size"] == 2
     assert all(c["verified"] for c in document["changes"] if c["applies"])
 
@@ -701,10 +713,10 @@ def test_apply_section_lists_each_change_with_snippets_and_savings(rendered):
     applied = section(markdown, "Apply it")
     titles = re.findall(r"^### \d+\. (.+)$", applied, re.M)
     assert titles == [
+        "Pack whole examples into 4096-token rows (TRL, best-fit decreasing)",
         "Group batches by length: buckets of 4 micro-batches",
         "Built-in alternative: group_by_length (its fixed bucket of 24 micro-batches)",
         "transformers' batch_rebalance sampler (variable micro-batch size)",
-        "Pack whole examples into 4096-token rows (TRL, best-fit decreasing)",
     ]
     assert "train_sampling_strategy='batch_rebalance')" in applied
     assert "SFTConfig(packing=True, packing_strategy='bfd'" in applied
@@ -714,7 +726,7 @@ def test_apply_section_lists_each_change_with_snippets_and_savings(rendered):
     # the length-grouping saving is the Summary's, measured by the replay; the built-in
     # alternative (another bucket size) was not replayed: no estimated price beside measurements
     row = next(r for r in summary_rows(markdown) if "Group batches by length" in r[1])
-    first, second = applied.split("### 2.")[0], applied.split("### 2.")[1].split("### 3.")[0]
+    first, second = applied.split("### 3.")[0].split("### 2.")[1], applied.split("### 3.")[1]
     assert f"Saving of training time: **measured** {row[2]} versus random batches" in first
     assert "Saving of training time: not measured: the replay did not time this ordering" in second
     assert "Saving of training time: **estimated**" not in applied
@@ -736,7 +748,8 @@ def test_examples_without_loss_tokens_get_a_filter_snippet(tmp_path):
     out = tmp_path / "results" / "report" / "playbook-evidence.md"
     run_report(paths, out)
     applied = section(out.read_text(), "Apply it")
-    assert "### 5. Drop the 10 examples that carry no loss token" in applied
+    # ordered by its measured saving (random_no_idle is replayed), among the five changes
+    assert re.search(r"^### [1-5]\. Drop the 10 examples that carry no loss token$", applied, re.M)
     assert "train_dataset.filter(lambda example: any(label != -100" in applied
 
 
@@ -761,3 +774,51 @@ def test_bucketing_shows_the_data_parallel_table_and_figure(rendered):
     )
     assert rows and all(first == "0.0%" for _, first in rows)
     assert (out.parent / "figures" / "dp.png").is_file()
+
+
+def test_summary_and_apply_agree_and_a_slower_change_is_never_recommended(tmp_path):
+    markdown = render_planted(
+        tmp_path,
+        packing={"saving_vs_random": 0.02, "saving_ci_low": -0.03, "saving_ci_high": 0.07}
+        | {"rank": 1, "tie_group": 1},
+        length_grouped={"saving_vs_random": -0.2, "saving_ci_low": -0.3, "saving_ci_high": -0.1}
+        | {"rank": 3, "tie_group": 2},
+    )
+    applied = section(markdown, "Apply it")
+    titles = re.findall(r"^### \d+\. (.+)$", applied, re.M)
+    assert titles[0].startswith("Pack") and titles[1].startswith("Group batches by length")
+    summary_order = [r[1] for r in summary_rows(markdown)]
+    pack = next(i for i, t in enumerate(summary_order) if "Pack" in t)
+    group = next(i for i, t in enumerate(summary_order) if "Group batches" in t)
+    assert pack < group  # the same order in both sections
+    first, second = applied.split("### 2.")[0], applied.split("### 2.")[1].split("### 3.")[0]
+    assert "ties with random batches" in first
+    assert "not recommended: measured slower" in second
+    document = json.loads((tmp_path / "results" / "report" / "recommendations.json").read_text())
+    by_id = {c["id"]: c for c in document["changes"]}
+    assert not by_id["length_grouped"]["recommended"] and not by_id["packing"]["recommended"]
+    assert by_id["length_grouped"]["saving_ci_high"] == -0.1
+    assert not any(c["recommended"] for c in document["changes"] if (c["saving_ci_high"] or 0) < 0)
+
+
+def test_replay_notes_read_the_instrument_coverage_and_stopping():
+    from probes.report.sections.replay import replay_measurement_notes, tokens_not_time
+
+    control = {
+        "instrument": {"cv": 0.04, "repeats": 5, "done": {"warmup": 1, "threads": 1}},
+        "coverage": {
+            "expected": {"replications": 400},
+            "observed": {"min_coverage": 0.93, "coverage": {"packing": 0.93}},
+            "passed": True,
+        },
+        "stopping": {"stopped_by": "budget", "rounds": 3},
+    }
+    notes = replay_measurement_notes(control)
+    assert notes["instrument"]["cv"] == 0.04 and "1 thread(s)" in notes["instrument"]["done"]
+    assert notes["coverage"]["min"] == 0.93 and notes["coverage"]["passed"]
+    assert notes["stopping"]["stopped_by"] == "budget"
+    assert replay_measurement_notes({}) == {"instrument": None, "coverage": None, "stopping": None}
+    tie = "ties with random batches: its 95% interval includes 0"
+    assert "20.0% of the tokens" in tokens_not_time({"computed_token_saving": 0.2}, tie)
+    assert tokens_not_time({"computed_token_saving": 0.2}, "recommended: faster") is None
+    assert tokens_not_time({"computed_token_saving": 0.0}, tie) is None

@@ -10,7 +10,7 @@ import pandas as pd
 
 from probes.report.format import finite
 from probes.report.load import not_run_reason
-from probes.report.sections.replay import change_measurement
+from probes.report.sections.replay import change_measurement, tokens_not_time
 from probes.report.sections.shared import not_run_section, stage_text
 
 
@@ -61,6 +61,11 @@ def apply_section(
                     for library, result in (change.get("verification") or {}).items()
                 },
                 "saving": change_measurement(change, tables, not_run),
+                # the report's order and decision (probes.apply.document.order_changes)
+                "rank": change.get("rank"),
+                "tied": bool(change.get("tied")),
+                "decision": change.get("decision"),
+                "recommended": bool(change.get("recommended")),
                 "tokens_before": finite(tokens.get("before")),
                 "tokens_after": finite(tokens.get("after")),
                 "tokens_how": tokens.get("how"),
@@ -68,6 +73,12 @@ def apply_section(
             }
         )
     baseline = document.get("baseline") or {}
+    for entry in changes:
+        entry["tokens_not_time"] = (
+            None
+            if entry["recommended"] or entry["saving"] is None
+            else tokens_not_time(entry["saving"], str(entry["decision"] or ""))
+        )
     return {
         "status": "ok",
         "replayed": replayed,

@@ -212,6 +212,15 @@ def measured_changes(
             "sampled": finite(row["sampled"]),
             "micro_batches": finite(row["micro_batches"]),
         }
+        outside = finite(row.get("model_out_of_range_share"))
+        entry["out_of_range"] = outside if outside else None
+        entry["tokens_not_time"] = (
+            None
+            if inverted or strategy == RANDOM or entry["verdict"] == "faster"
+            else tokens_not_time(
+                {"computed_token_saving": token_saving(row, base)}, entry["verdict"]
+            )
+        )
         if disagrees:
             disagreements.append(title)
         if not entry["fit_priced"] and strategy != RANDOM:
@@ -241,7 +250,42 @@ def measured_changes(
         "cpu_only": cpu_only,
         "max_seq_len": max_seq_len,
         "host_bound": None if cpu_only else host_bound_note(frame),
+        "out_of_range": [
+            {"title": r["title"], "share": r["out_of_range"]}
+            for r in rows + conditional
+            if r.get("out_of_range")
+        ],
+        **replay_measurement_notes((jsons or {}).get("replay_control")),
     }
+
+
+def replay_measurement_notes(control: Any) -> dict[str, Any]:
+    """From replay_control.json: the instrument's CV and what was done, the coverage control's
+    figure and why the timing stopped (None each where the JSON does not carry it)."""
+    control = control if isinstance(control, Mapping) else {}
+    instrument, coverage = control.get("instrument"), control.get("coverage")
+    out: dict[str, Any] = {"instrument": None, "coverage": None, "stopping": None}
+    if isinstance(instrument, Mapping) and finite(instrument.get("cv")) is not None:
+        done = instrument.get("done") or {}
+        out["instrument"] = {
+            "cv": finite(instrument.get("cv")),
+            "repeats": instrument.get("repeats"),
+            "done": (
+                f"{done.get('warmup')} warm-up, gc {done.get('gc')}, "
+                f"{done.get('threads')} thread(s), {done.get('pinning')}"
+            ),
+        }
+    if isinstance(coverage, Mapping):
+        observed = coverage.get("observed") or {}
+        out["coverage"] = {
+            "min": finite(observed.get("min_coverage")),
+            "per_strategy": observed.get("coverage"),
+            "replications": (coverage.get("expected") or {}).get("replications"),
+            "passed": bool(coverage.get("passed")),
+        }
+    if isinstance(control.get("stopping"), Mapping):
+        out["stopping"] = dict(control["stopping"])
+    return out
 
 
 def host_bound_note(frame: pd.DataFrame) -> dict[str, Any] | None:
@@ -258,6 +302,28 @@ def host_bound_note(frame: pd.DataFrame) -> dict[str, Any] | None:
     return {"threshold": HOST_BOUND_THRESHOLD, "shares": shares, "c_meaning": C_MEANING}
 
 
+TOKENS_NOT_TIME = (
+    "saves {share} of the tokens the model computes over (padding removed: an exact count that "
+    "transfers to any device), but this device's time cannot show a saving"
+)
+
+
+def token_saving(row: Mapping[str, Any], base: Mapping[str, Any]) -> float | None:
+    """1 − computed tokens / random's: the padded-token saving, exact (not a measurement)."""
+    tokens, base_tokens = finite(row.get("computed_tokens")), finite(base.get("computed_tokens"))
+    if tokens is None or not base_tokens:
+        return None
+    return 1.0 - tokens / base_tokens
+
+
+def tokens_not_time(saving: Mapping[str, Any] | None, verdict_text: str) -> str | None:
+    """Said where a change saves padded tokens but its measured time ties with random."""
+    share = finite((saving or {}).get("computed_token_saving"))
+    if share is None or share <= 0.005 or verdict_text.startswith(("faster", "recommended")):
+        return None
+    return TOKENS_NOT_TIME.format(share=fmt_pct(share))
+
+
 def change_measurement(
     change: Mapping[str, Any], tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]
 ) -> dict[str, Any] | None:
@@ -271,7 +337,10 @@ def change_measurement(
     if rows.empty:
         return None
     row = _row_dict(rows.iloc[0])
+    base = tables["replay_estimates"]
+    base = base[base["strategy"] == RANDOM]
     return {
+        "computed_token_saving": token_saving(row, _row_dict(base.iloc[0]) if len(base) else {}),
         "source": "measured",
         "saving": finite(row["saving_vs_random"]),
         "saving_low": finite(row["saving_ci_low"]),

@@ -1,0 +1,259 @@
+"""Replay's sequential design: simple random samples within each strategy's strata, timed in
+rounds that interleave the strategies, grown where the variance is, until the decision is made
+or the time budget is spent (``run_sequential``), and priced by the model-assisted estimator
+(``probes.replay.estimate.greg_estimate_all``).
+
+Round 1 times at least `per_strategy` units of every strategy (MIN_PER_STRATUM of every stratum,
+all of a smaller one, the rest by Neyman within the strategy) plus `initial_extra` more; each
+later round adds `round_size` units by stratum size × the residual spread just measured.
+Stops: "decision" (the best change's interval clears the next one's), "budget" (another round
+would pass budget_s), "census" (nothing left to time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from probes.batching import plans as pl
+from probes.replay.estimate import (
+    GregEstimate,
+    StrategyDesign,
+    auxiliaries,
+    decided,
+    greg_estimate_all,
+)
+from probes.replay.strata import grow_allocation, proxy_cost, proxy_spread, stratum_orders
+from probes.replay.timing import MICRO_BATCH, ReplaySettings, run_sample
+from probes.step.timing import OK
+
+Key = tuple[str, int]
+
+
+@dataclass
+class Design:
+    plans: dict[str, pd.DataFrame]
+    stratum: dict[str, np.ndarray]
+    bounds: dict[str, np.ndarray]
+    orders: dict[str, list[np.ndarray]]
+    sizes: dict[Key, int]
+
+    @property
+    def strategies(self) -> list[str]:
+        return list(self.plans)
+
+
+def build_design(plans: pd.DataFrame, n_strata: int, seed: int) -> Design:
+    rng = np.random.default_rng(seed)
+    frames, strata, bounds, orders, sizes = {}, {}, {}, {}, {}
+    for name, group in plans.groupby("strategy", sort=False):
+        plan = group.reset_index(drop=True)
+        stratum, bound, order = stratum_orders(plan, n_strata, rng)
+        frames[name], strata[name], bounds[name], orders[name] = plan, stratum, bound, order
+        for h, members in enumerate(order):
+            sizes[(name, h)] = int(members.size)
+    return Design(frames, strata, bounds, orders, sizes)
+
+
+def strategy_weights(
+    totals: Mapping[str, float], valid: Sequence[str], baseline: str = pl.BASELINE
+) -> dict[str, float]:
+    """1/T² (relative variance), × the number of other valid strategies for the baseline (its
+    variance enters every saving), × 1/4 for a strategy that is invalid anyway."""
+    others = max(sum(1 for n in totals if n != baseline and n in valid), 1)
+    weights = {}
+    for name, total in totals.items():
+        factor = others if name == baseline else (1.0 if name in valid else 0.25)
+        weights[name] = factor / max(total, 1e-12) ** 2
+    return weights
+
+
+def initial_takes(
+    design: Design, valid: Sequence[str], extra: int, per_strategy: int = 0
+) -> dict[Key, int]:
+    """Round 1: every strategy at least `per_strategy` units (all of a smaller plan), spread over
+    its own strata by Neyman; then `extra` more wherever they pay most across strategies."""
+    spread, totals, cost = {}, {}, {}
+    for name, plan in design.plans.items():
+        proxy = proxy_spread(plan, design.stratum[name])
+        costs = proxy_cost(plan, design.stratum[name])
+        for h, s in proxy.items():
+            spread[(name, h)] = s
+            cost[(name, h)] = costs[h]
+        totals[name] = float((plan["computed_tokens"] + plan["loss_tokens"]).sum())
+    weights = strategy_weights(totals, valid)
+    takes: dict[Key, int] = {}
+    for name in design.plans:
+        mine = {k: v for k, v in design.sizes.items() if k[0] == name}
+        floor = sum(min(v, 2) for v in mine.values())
+        grown = grow_allocation({}, mine, spread, weights, max(per_strategy - floor, 0), cost)
+        takes.update(grown)
+    return grow_allocation(takes, design.sizes, spread, weights, extra, cost)
+
+
+def unit_costs(design: Design, steps: pd.DataFrame) -> dict[Key, float]:
+    """Seconds a unit of each stratum took to time (its mean; the overall mean where none)."""
+    ok = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == OK)]
+    means = ok.groupby(["strategy", "stratum"])["time_s"].mean().to_dict()
+    overall = float(ok["time_s"].mean()) if len(ok) else 1.0
+    return {key: max(float(means.get(key, overall)), 1e-9) for key in design.sizes}
+
+
+def new_units(
+    design: Design, takes: Mapping[Key, int], done: Mapping[Key, int], rng: np.random.Generator
+) -> pd.DataFrame:
+    """The rows to time to go from `done` to `takes`, interleaved: round-robin over the
+    strategies in a fresh random order each cycle, so drift is shared."""
+    queues: dict[str, list[pd.DataFrame]] = {}
+    for (name, h), n in takes.items():
+        start = done.get((name, h), 0)
+        if n <= start:
+            continue
+        picked = design.orders[name][h][start:n]
+        rows = design.plans[name].iloc[picked].copy()
+        rows["stratum"] = h
+        rows["stratum_size"] = design.sizes[(name, h)]
+        rows["stratum_low_tokens"] = design.bounds[name][h, 0]
+        rows["stratum_high_tokens"] = design.bounds[name][h, 1]
+        queues.setdefault(name, []).append(rows)
+    pending = {n: pd.concat(q).sample(frac=1.0, random_state=rng) for n, q in queues.items()}
+    position = dict.fromkeys(pending, 0)
+    ordered = []
+    while pending:
+        for name in rng.permutation(sorted(pending)):
+            frame = pending[name]
+            ordered.append(frame.iloc[[position[name]]])
+            position[name] += 1
+            if position[name] >= len(frame):
+                del pending[name]
+    if not ordered:
+        return pd.DataFrame()
+    return pd.concat(ordered, ignore_index=True)
+
+
+def strategy_designs(design: Design, steps: pd.DataFrame) -> dict[str, StrategyDesign]:
+    """The estimator's input from the timed micro-batches (OK rows) of every strategy."""
+    ok = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == OK)]
+    out = {}
+    for name in design.strategies:
+        plan = design.plans[name]
+        mine = ok[ok["strategy"] == name]
+        if mine.empty:
+            continue
+        out[name] = StrategyDesign(
+            plan_x=auxiliaries(plan),
+            plan_stratum=design.stratum[name],
+            optimizer_steps=int(plan["optimizer_step_index"].nunique()),
+            stratum=mine["stratum"].to_numpy(np.int64),
+            x=auxiliaries(mine),
+            y=mine["time_s"].to_numpy(np.float64),
+            timings=mine["timings"].to_numpy(np.float64)
+            if "timings" in mine
+            else np.ones(len(mine)),
+        )
+    return out
+
+
+def spreads_from(
+    design: Design, estimates: Mapping[str, GregEstimate], steps: pd.DataFrame, cv: float
+) -> dict[Key, float]:
+    """Residual spread per stratum where two units were timed, else cv × the stratum's mean."""
+    ok = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == OK)]
+    means = ok.groupby(["strategy", "stratum"])["time_s"].mean().to_dict()
+    overall = float(ok["time_s"].mean()) if len(ok) else 1.0
+    out = {}
+    for key in design.sizes:
+        name, h = key
+        measured = estimates[name].strata_residual_sd.get(h) if name in estimates else None
+        floor = cv * means.get(key, overall)
+        out[key] = max(measured if measured is not None else 0.0, floor, 1e-9)
+    return out
+
+
+@dataclass(frozen=True)
+class SequentialResult:
+    steps: pd.DataFrame
+    optimizer_times: np.ndarray
+    estimates: dict[str, GregEstimate]
+    record: dict[str, Any]
+    takes: dict[Key, int]
+
+
+def run_sequential(
+    runner: Any,
+    design: Design,
+    settings: ReplaySettings,
+    valid: Sequence[str],
+    cv: float,
+    cv_df: float,
+    budget_s: float,
+    initial_extra: int,
+    round_size: int,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: bool = False,
+    per_strategy: int = 0,
+) -> SequentialResult:
+    """Time rounds until decided, out of budget or census (module docstring)."""
+    rng = np.random.default_rng(settings.seed + 11)
+    started = clock()
+    takes = initial_takes(design, valid, initial_extra, per_strategy)
+    done: dict[Key, int] = {}
+    parts, optimizer, rounds = [], [], 0
+    stopped_by = "census"
+    estimates: dict[str, GregEstimate] = {}
+    while True:
+        units = new_units(design, takes, done, rng)
+        if units.empty:
+            stopped_by = "census"
+            break
+        round_settings = settings if rounds == 0 else dataclasses.replace(settings, warmup=0)
+        steps, opt = run_sample(runner, units, round_settings, progress=progress)
+        steps["round"] = rounds
+        steps["timings"] = steps["times_s"].map(len)
+        parts.append(steps)
+        optimizer.extend(opt.tolist())
+        rounds += 1
+        done = dict(takes)
+        all_steps = pd.concat(parts, ignore_index=True)
+        estimates, _ = greg_estimate_all(
+            strategy_designs(design, all_steps), np.asarray(optimizer), cv, cv_df
+        )
+        if decided(estimates, [n for n in valid if n in estimates]):
+            stopped_by = "decision"
+            break
+        elapsed = clock() - started
+        per_unit = elapsed / max(len(all_steps), 1)
+        if elapsed + per_unit * round_size > budget_s:
+            stopped_by = "budget"
+            break
+        totals = {n: e.time_s for n, e in estimates.items()}
+        weights = strategy_weights(totals, valid)
+        spreads = spreads_from(design, estimates, all_steps, cv)
+        costs = unit_costs(design, all_steps)
+        takes = grow_allocation(done, design.sizes, spreads, weights, round_size, costs)
+    all_steps = pd.concat(parts, ignore_index=True)
+    all_steps["run_order"] = np.arange(len(all_steps))
+    record = {
+        "stopped_by": stopped_by,
+        "rounds": rounds,
+        "timed_micro_batches": int(len(all_steps)),
+        "elapsed_s": float(clock() - started),
+        "budget_s": float(budget_s),
+        "round_size": int(round_size),
+        "initial_extra": int(initial_extra),
+        "initial_per_strategy": int(per_strategy),
+        "takes": {f"{n}/{h}": int(v) for (n, h), v in sorted(done.items())},
+        "rule": (
+            "stop when the best valid strategy's saving interval lies entirely above the next "
+            "one's (random's is [0, 0]), or when another round would pass budget_s"
+        ),
+    }
+    return SequentialResult(
+        all_steps, np.asarray(optimizer, dtype=np.float64), estimates, record, done
+    )

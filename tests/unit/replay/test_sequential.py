@@ -1,0 +1,108 @@
+"""The sequential design: Neyman allocation by stratum size × spread, strategies interleaved,
+and the stopping rule (decision, budget, census) on a runner of known cost (no clock)."""
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from probes.batching import plans as pl
+from probes.bucket import control as bucket_controls
+from probes.contracts import TRAINING_STATUSES
+from probes.replay.control import SimulatedCost
+from probes.replay.sequential import build_design, new_units, run_sequential
+from probes.replay.strata import grow_allocation
+from probes.replay.timing import ReplaySettings
+
+MICRO, ACCUM, MAX_LEN = 2, 4, 64
+
+
+@pytest.fixture(scope="module")
+def plans() -> pd.DataFrame:
+    frame = bucket_controls.synthetic_lengths_frame(600, seed=4, max_seq_len=MAX_LEN)
+    used = frame[frame["status"].isin(TRAINING_STATUSES)]
+    lengths = used["n_tokens"].to_numpy(np.int64)
+    loss = np.where(np.arange(lengths.size) % 3 == 0, 0, lengths // 2)
+    examples = pl.PlanExamples(used["example_id"].to_numpy(object), lengths, loss)
+    return pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, bucket_size_batches=16, seed=0)
+
+
+def test_allocation_follows_size_times_spread():
+    sizes = {("s", 0): 100, ("s", 1): 100, ("s", 2): 3}
+    spread = {("s", 0): 1.0, ("s", 1): 3.0, ("s", 2): 50.0}
+    takes = grow_allocation({}, sizes, spread, {"s": 1.0}, extra=34)
+    assert takes[("s", 2)] == 3  # all of a small stratum, never more
+    assert sum(takes.values()) == 40
+    assert takes[("s", 1)] / takes[("s", 0)] == pytest.approx(3.0, rel=0.2)  # Neyman: N·S
+    assert grow_allocation({}, {("s", 0): 1}, {("s", 0): 1.0}, {"s": 1.0}, 5) == {("s", 0): 1}
+
+
+def test_new_units_interleave_strategies_and_never_repeat(plans):
+    design = build_design(plans, 3, seed=0)
+    takes = {key: min(size, 2) for key, size in design.sizes.items()}
+    rng = np.random.default_rng(0)
+    first = new_units(design, takes, {}, rng)
+    n = len(design.strategies)
+    assert set(first["strategy"].iloc[:n]) == set(design.strategies)  # one of each, then again
+    more = {key: min(size, 3) for key, size in design.sizes.items()}
+    second = new_units(design, more, takes, rng)
+    both = pd.concat([first, second])
+    assert not both.duplicated(["strategy", "micro_batch_index"]).any()
+    assert len(second) == sum(more.values()) - sum(takes.values())
+
+
+class KnownCostRunner:
+    """What run_sample needs of a ReplayRunner, 'timing' a known cost with seeded noise."""
+
+    device = torch.device("cpu")
+    repeats = 1
+    reduce = staticmethod(np.median)
+
+    def __init__(self, cost: SimulatedCost, cv: float, clock: list[float]) -> None:
+        self.cost, self.cv, self.clock = cost, cv, clock
+        self.rng = np.random.default_rng(0)
+
+    def warm_up(self, row) -> None:
+        pass
+
+    def time_micro_batch(self, row, busy=False):
+        frame = pd.DataFrame([row._asdict()])
+        seconds = float(self.cost.micro_batch_s(frame)[0]) * (1 + self.cv * self.rng.normal())
+        self.clock[0] += seconds
+        return {"status": "OK", "time_s": seconds, "times_s": [seconds], "gpu_busy_share": np.nan}
+
+    def time_optimizer_step(self) -> float:
+        self.clock[0] += self.cost.optimizer_s
+        return self.cost.optimizer_s
+
+
+def _run(plans, cv, budget_s):
+    design = build_design(plans, 3, seed=0)
+    clock = [0.0]
+    runner = KnownCostRunner(SimulatedCost.scaled_to(plans), cv, clock)
+    settings = ReplaySettings(3, 2, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    return run_sequential(
+        runner,
+        design,
+        settings,
+        list(design.strategies),
+        cv,
+        4.0,
+        budget_s,
+        0,
+        12,
+        clock=lambda: clock[0],
+    )
+
+
+def test_stops_on_the_budget_when_undecided(plans):
+    result = _run(plans, cv=0.3, budget_s=40.0)
+    assert result.record["stopped_by"] == "budget"
+    assert result.record["rounds"] >= 2 and result.record["elapsed_s"] <= 40.0 + 10
+    assert len(result.steps) == result.record["timed_micro_batches"] == sum(result.takes.values())
+
+
+def test_stops_on_the_decision_when_the_timings_are_exact(plans):
+    result = _run(plans, cv=0.0, budget_s=1e6)
+    assert result.record["stopped_by"] == "decision", result.record["rounds"]
+    assert result.record["rounds"] <= 4
