@@ -566,7 +566,7 @@ def test_script_help_and_standalone_render(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "results/report/figures/lengths.png").is_file()
-    assert "stages not run: ['profile', 'replay']" in log.read_text()
+    assert "stages not run: ['profile', 'realize', 'replay']" in log.read_text()
     assert CANARY not in done.stdout + done.stderr + log.read_text()
 
 
