@@ -151,6 +151,11 @@ def realized_phases(steps: pd.DataFrame, sizes: pd.Series) -> tuple[sm.EpochEsti
     for the whole epoch) and its phases, each estimated the same way (the estimator is linear
     in the times, so the phases add up to the total)."""
     ok = steps[steps["status"] == OK]
+    if ok.empty:  # every sampled step ran out of memory: nothing realized
+        nan = math.nan
+        return sm.EpochEstimate(nan, nan, nan, nan, 0, len(sizes), None, "none"), vd.Phases(
+            nan, nan, nan
+        )
     x = sizes.loc[ok["optimizer_step_index"]].to_numpy(dtype=np.float64)
 
     def estimate_of(column: str) -> sm.EpochEstimate:

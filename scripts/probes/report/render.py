@@ -8,6 +8,7 @@ The report is split by responsibility:
 - ``probes.report.load``: read and check every stage output (``load_inputs``);
 - ``probes.report.findings``: the stages' findings as counts (never a price), the fit check;
 - ``probes.report.sections.common``: one builder per section and what they share;
+  ``probes.report.sections.realize``: promised (the replay) vs realized (real training steps);
   ``probes.report.sections.profile``: the profile's sections (scaling, cross-entropy, kernels);
   ``probes.report.sections.apply``: the "Apply it" section;
 - ``probes.report.format``: the template's filters (numbers, codes, labels);
@@ -37,6 +38,7 @@ from probes.report.sections.common import (
     summary_section,
 )
 from probes.report.sections.profile import ce_section, kernels_section, scaling_section
+from probes.report.sections.realize import realize_section
 from probes.report.sections.replay import host_bound_overall, replay_fit
 
 
@@ -57,6 +59,8 @@ def build_context(
     mask = mask_section(tables, not_run, jsons)
     return {
         "summary": summary_section(inputs, scaling, mask, max_recommendations),
+        # promised (replay) vs realized (real training steps) for the baseline and top changes
+        "realize": realize_section(tables, jsons, not_run),
         "scaling": scaling,
         # the replay's fit and host-bound share, shown in Scaling whether or not the profile ran
         "replay": {
@@ -78,6 +82,7 @@ def build_context(
 
 SECTION_TITLES = (
     "Summary",
+    "Promised vs realized",
     "Scaling",
     "Padding",
     "Cross-entropy",

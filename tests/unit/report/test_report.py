@@ -329,7 +329,7 @@ def test_canary_never_rendered(rendered):
 def test_profile_not_run_renders_not_run(rendered_not_run):
     markdown, out = rendered_not_run
     assert re.findall(r"^## (.+)$", markdown, re.M) == list(rep.SECTION_TITLES)
-    for title in ("Scaling", "Kernels"):
+    for title in ("Scaling", "Kernels", "Promised vs realized"):
         assert f"**Not run.** {NOT_RUN_REASON}" in section(markdown, title)
     assert f"Wall clock: **Not run.** {NOT_RUN_REASON}" in section(markdown, "Cross-entropy")
     assert re.search(r"^\| profile \| profile_controls \| .* \| not run \|$", markdown, re.M)
@@ -732,3 +732,20 @@ def test_mask_section_states_the_prediction_target_and_its_confirmation(rendered
     assert "| 6/6 calls |" in train
     other = next(line for line in mask.splitlines() if line.startswith("| packed |"))
     assert "| — |" in other  # not confirmed for that scenario: no number invented
+
+
+@pytest.fixture(scope="module")
+def rendered_disagreement(tmp_path_factory):
+    return render(tmp_path_factory.mktemp("realize"), failed=("realize_verdict",))[0]
+
+
+def test_the_report_shows_the_disagreement_and_the_summary_says_not_confirmed(
+    rendered_disagreement,
+):
+    # promised vs realized (probes.report.sections.realize; its rows: test_realize.py)
+    text = section(rendered_disagreement, "Promised vs realized")
+    row = next(line for line in text.splitlines() if line.startswith("| **Pack"))
+    assert "| **disagrees** | optimizer time +" in row
+    assert "**Disagreement:**" in text
+    summary = section(rendered_disagreement, "Summary")
+    assert "**Not confirmed:** real training steps of Pack" in summary
