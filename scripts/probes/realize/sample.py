@@ -67,8 +67,9 @@ class EpochEstimate:
 
 
 def _interval(total: float, se: float, df: int, n: int, n_total: int, method: str):
+    """The t interval, its lower end at 0 (an epoch takes no negative time)."""
     half = t_quantile(df) * se
-    return EpochEstimate(total, se, total - half, total + half, n, n_total, df, method)
+    return EpochEstimate(total, se, max(total - half, 0.0), total + half, n, n_total, df, method)
 
 
 def epoch_estimate(
@@ -121,4 +122,5 @@ def saving_estimate(change: EpochEstimate, baseline: EpochEstimate) -> tuple[flo
     if not dfs:
         return 1.0 - ratio, 1.0 - ratio, 1.0 - ratio
     half = t_quantile(max(min(dfs), 1)) * ratio * rel
-    return 1.0 - ratio, 1.0 - (ratio + half), 1.0 - (ratio - half)
+    # the time ratio is not negative, so no saving exceeds 100%
+    return 1.0 - ratio, 1.0 - (ratio + half), 1.0 - max(ratio - half, 0.0)

@@ -239,6 +239,7 @@ def realized_table(
             if failed:
                 verdict, differed = vd.DISAGREES, row["note"]
             row.update(verdict=verdict, differed=differed)
+            row["promise_in_realized_interval"] = bool(saving[1] <= p_save <= saving[2])
         row.update(
             realized_saving=saving[0],
             realized_saving_ci_low=saving[1],

@@ -45,3 +45,10 @@ def test_saving_of_exact_estimates_is_exact_and_sampled_ones_have_an_interval():
         epoch_estimate([1.0, 1.2, 0.8], 10), epoch_estimate([2.0, 2.2, 1.8], 10)
     )
     assert low < saving < high and saving == pytest.approx(0.5)
+
+
+def test_intervals_stay_inside_what_a_time_and_a_saving_can_be():
+    wild = epoch_estimate([0.1, 10.0], 100)
+    assert wild.low_s == 0.0 < wild.total_s < wild.high_s
+    _, _, high = saving_estimate(wild, epoch_estimate([5.0, 5.1], 100))
+    assert high <= 1.0

@@ -22,6 +22,7 @@ def test_baseline_first_then_the_checked_change_with_its_verdict(tmp_path):
     assert change["promised_saving_ci_low"] <= change["realized_saving"]
     assert change["realized_saving"] <= change["promised_saving_ci_high"]
     assert realize["unconfirmed"] == []
+    assert change["promise_in_realized_interval"] is True
 
 
 def test_a_disagreement_is_listed_with_what_differed(tmp_path):

@@ -36,7 +36,10 @@ def realize_section(
     summary = jsons.get("realize_summary") or {}
     rows = []
     for record in frame[[c for c in COLUMNS if c in frame.columns]].to_dict(orient="records"):
-        row = {k: (finite(v) if isinstance(v, int | float) else v) for k, v in record.items()}
+        row = {
+            k: (finite(v) if isinstance(v, int | float) and not isinstance(v, bool) else v)
+            for k, v in record.items()
+        }
         row["title"] = change_title(
             str(record["strategy"]),
             recommended.get("bucket_size_batches"),
@@ -54,5 +57,7 @@ def realize_section(
         "checked": len(changes),
         "cpu_only": bool(frame["cpu_only"].fillna(False).astype(bool).any()),
         "sample_steps": summary.get("sample_steps"),
-        "agree_within": summary.get("agree_within"),
+        "agree_within_pp": (
+            100 * float(summary["agree_within"]) if summary.get("agree_within") is not None else 5.0
+        ),
     }
