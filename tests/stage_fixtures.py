@@ -434,13 +434,25 @@ def control(name: str, passed: bool = True, checks: int = 0) -> dict:
 REPLAY_GRAD_ACCUM, REPLAY_MAX_LEN, REPLAY_BUCKET = 8, 4096, 4
 
 
+def fixture_plans() -> pd.DataFrame:
+    """Every strategy's plan of the fixture lengths (probes.batching.plans)."""
+    from probes.batching import plans as pl
+
+    lengths = padding_lengths()
+    used = lengths[lengths["status"].isin(["OK", "TRUNCATED"])]
+    loss = used["n_loss_tokens"].to_numpy(np.int64)
+    examples = pl.PlanExamples(
+        used["example_id"].to_numpy(object), used["n_tokens"].to_numpy(np.int64), loss
+    )
+    return pl.build_plans(examples, BATCH, REPLAY_GRAD_ACCUM, REPLAY_MAX_LEN, REPLAY_BUCKET, seed=0)
+
+
 def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     """probes.replay.stage's three tables, made by the stage's own functions: the plans of the
     fixture lengths (probes.batching.plans), the stratified sample (probes.replay.timing.sample_all)
     'timed' at a known synthetic cost (no clock), the per-strategy table (strategy_table) with the
     fit as its diagnostic, and the fit with bootstrap intervals
     (probes.step.fit.fit_with_intervals)."""
-    from probes.batching import plans as pl
     from probes.replay.control import SyntheticCost
     from probes.replay.estimate import FitPricing, strategy_table
     from probes.replay.timing import (
@@ -455,15 +467,7 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     )
     from probes.step import fit as ft
 
-    lengths = padding_lengths()
-    used = lengths[lengths["status"].isin(["OK", "TRUNCATED"])]
-    loss = used["n_loss_tokens"].to_numpy(np.int64)
-    examples = pl.PlanExamples(
-        used["example_id"].to_numpy(object), used["n_tokens"].to_numpy(np.int64), loss
-    )
-    plans = pl.build_plans(
-        examples, BATCH, REPLAY_GRAD_ACCUM, REPLAY_MAX_LEN, REPLAY_BUCKET, seed=0
-    )
+    plans = fixture_plans()
     cost = SyntheticCost.scaled_to(plans)
     settings = ReplaySettings(4, 3, 400, REPLAY_GRAD_ACCUM, seed=0)
     rng = np.random.default_rng(3)
@@ -502,6 +506,50 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     fit_row = fitted.as_row() | {"rows": BATCH, "loss_share": 0.5, "cpu_only": cpu_only}
     fit_row |= {"max_seq_len": REPLAY_MAX_LEN, "lengths_source": "configured"}
     return {"estimates": table, "steps": all_steps, "fit": pd.DataFrame([fit_row])}
+
+
+def realize_tables(
+    estimates: pd.DataFrame, cpu_only: bool = False, disagree: bool = False
+) -> tuple[dict[str, pd.DataFrame], dict]:
+    """probes.realize.stage's tables and summary, made by its own functions: the fixture plans'
+    steps 'timed' at the replay fixture's known cost (no clock), scaled to what the replay
+    measured; `disagree` makes the realized optimizer step 10× slower, so the change is not
+    confirmed."""
+    from probes.realize import stage as rz
+    from probes.realize.sample import sample_steps
+    from probes.replay.control import SyntheticCost, exact_epoch_s
+    from probes.replay.timing import batch_shape
+
+    plans = fixture_plans()
+    cost = SyntheticCost.scaled_to(plans)
+    exact = exact_epoch_s(plans, cost, REPLAY_GRAD_ACCUM)
+    measured = estimates.set_index("strategy")["estimated_time_s"]
+    optimizer_s = cost.optimizer_s * (10 if disagree else 1)
+    changes = rz.select_changes(estimates, 1)
+    rng = np.random.default_rng(0)
+    records = []
+    for name in (RANDOM, *changes):
+        steps = rz.step_rows(plans[plans["strategy"] == name])
+        for i in sample_steps(len(steps), 4, rng):
+            micro = sum(cost.micro_batch_s(*batch_shape(r)) for r in steps[i])
+            micro *= measured[name] / exact[name]
+            records.append(
+                {
+                    "strategy": name,
+                    "optimizer_step_index": int(i),
+                    "time_s": micro + optimizer_s + 1e-4,
+                    "status": "OK",
+                    "computed_tokens": sum(r.computed_tokens for r in steps[i]),
+                    "micro_batch_s": micro,
+                    "optimizer_s": optimizer_s,
+                    "rest_s": 1e-4,
+                }
+            )
+    steps = pd.DataFrame(records)
+    table = rz.realized_table(steps, estimates, plans, changes, 0.05, cpu_only, REPLAY_MAX_LEN)
+    verdicts = {r.strategy: r.verdict for r in table.itertuples() if r.role == "change"}
+    summary = {"status": "ran", "verdicts": verdicts, "changes": changes, "cpu_only": cpu_only}
+    return {"realized": table, "steps": steps}, summary
 
 
 def replay_control(passed: bool = True) -> dict:
@@ -572,6 +620,25 @@ def write_stage(
         for name, frame in replay_tables(cpu_only=profile == "cpu").items():
             write_parquet(frame, paths[f"replay_{name}"], meta)
         write_json(replay_control("replay" not in failed), paths["replay_control"])
+        return
+    elif stage == "realize":
+        if profile == "not_run":
+            for name in ("realized", "steps"):
+                write_parquet(pd.DataFrame(), paths[f"realize_{name}"], meta)
+            note = {"status": "not_run", "reason": NOT_RUN_REASON}
+            write_json(note, paths["realize_summary"])
+            write_json(
+                {**note, "name": "realize_recovers_known_step_cost"}, paths["realize_control"]
+            )
+            return
+        estimates = replay_tables(cpu_only=profile == "cpu")["estimates"]
+        # failed "realize_verdict": the realized saving disagrees with the promise
+        tables, summary = realize_tables(estimates, profile == "cpu", "realize_verdict" in failed)
+        for name, frame in tables.items():
+            write_parquet(frame, paths[f"realize_{name}"], meta)
+        write_json(summary, paths["realize_summary"])
+        passed = "realize" not in failed
+        write_json(control("realize_recovers_known_step_cost", passed), paths["realize_control"])
         return
     elif profile == "not_run":
         for name in ("scaling", "fit", "padding_penalty", "ce", "kernels"):

@@ -97,6 +97,13 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
         "fit": "profile/replay_fit.parquet",
         "control": "profile/replay_control.json",
     },
+    # real training steps of the baseline and the top changes (probes.realize.stage); gpu resource
+    "realize": {
+        "realized": "realize/realized.parquet",
+        "steps": "realize/steps.parquet",
+        "summary": "realize/summary.json",
+        "control": "realize/control.json",
+    },
     "report": {
         "markdown": "report/playbook-evidence.md",
         "figures": "report/figures",
@@ -105,7 +112,7 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
     },
 }
 # The probe stages in chain order; the report reads all of their outputs.
-STAGES = ("mask", "padding", "bucket", "profile", "replay")
+STAGES = ("mask", "padding", "bucket", "profile", "replay", "realize")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +145,14 @@ STAGE_INPUTS: dict[str, dict[str, tuple[str, str] | str]] = {
         "lengths": ("padding", "lengths"),
         "recommendation": ("bucket", "recommendation"),
         "gate": ("mask", "gate"),
+        "model_config": MODEL_CONFIG,
+        "tokenizer": MODEL_TOKENIZER,
+    },
+    "realize": {
+        "estimates": ("replay", "estimates"),
+        "plans": ("bucket", "plans"),
+        "lengths": ("padding", "lengths"),
+        "recommendation": ("bucket", "recommendation"),
         "model_config": MODEL_CONFIG,
         "tokenizer": MODEL_TOKENIZER,
     },
@@ -470,6 +485,56 @@ TABLES: dict[str, TableSpec] = {
             "time_basis",
         ),
     ),
+    # promised (the replay) vs realized (real training steps) per strategy checked, baseline first
+    # (probes.realize.stage): epoch time and saving vs random with 95% intervals, the verdict and
+    # each phase's share of the difference in percentage points
+    "realize_realized": TableSpec(
+        "realize",
+        "Summary",
+        (
+            "strategy",
+            "role",
+            "optimizer_steps",
+            "sampled_steps",
+            "realized_time_s",
+            "realized_ci_low_s",
+            "realized_ci_high_s",
+            "promised_time_s",
+            "promised_ci_low_s",
+            "promised_ci_high_s",
+            "realized_saving",
+            "realized_saving_ci_low",
+            "realized_saving_ci_high",
+            "promised_saving",
+            "promised_saving_ci_low",
+            "promised_saving_ci_high",
+            "verdict",
+            "differed",
+            "cpu_only",
+        ),
+        (
+            "realized_micro_batch_s",
+            "realized_optimizer_s",
+            "realized_rest_s",
+            "promised_micro_batch_s",
+            "promised_optimizer_s",
+            "diff_micro_batch_pp",
+            "diff_optimizer_pp",
+            "diff_rest_pp",
+            # the realized interval also holds the promised saving: too few steps to tell apart
+            "promise_in_realized_interval",
+            "estimator",
+            "max_seq_len",
+            "note",
+        ),
+    ),
+    # one row per timed optimizer step: its wall time and phases (micro-batches, optimizer, rest)
+    "realize_steps": TableSpec(
+        "realize",
+        "Summary",
+        ("strategy", "optimizer_step_index", "time_s", "status"),
+        ("run_order", "micro_batches", "computed_tokens", "micro_batch_s", "optimizer_s", "rest_s"),
+    ),
 }
 
 CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
@@ -490,6 +555,10 @@ JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
     # (the intervals' coverage control), "instrument" (CV of repeated identical micro-batches)
     # and "stopping" (why the timing stopped)
     "replay_control": ("replay", CONTROL_KEYS),
+    # what realize checked and its verdicts; {"status": "not_run", "reason": ...} when it did not
+    "realize_summary": ("realize", ("status", "verdicts")),
+    # the virtual-clock harness of known cost: epoch time and optimizer phase within 5%
+    "realize_control": ("realize", CONTROL_KEYS),
 }
 
 

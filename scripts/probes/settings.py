@@ -193,6 +193,19 @@ class ReplayConfig:
 
 
 @dataclass(frozen=True)
+class RealizeConfig:
+    enabled: bool
+    max_changes: int
+    sample_steps: int
+    cpu_sample_steps: int
+    warmup: int
+    seed: int
+    control_steps: int
+    control_tolerance: float
+    agree_within: float
+
+
+@dataclass(frozen=True)
 class ReportConfig:
     histogram_top_sources: int
     max_recommendations: int
@@ -209,6 +222,7 @@ class WorkflowConfig:
     bucket: BucketConfig
     profile: ProfileConfig
     replay: ReplayConfig
+    realize: RealizeConfig
     report: ReportConfig
     # The validated, default-filled dict: what the provenance hashes (not compared, not typed).
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

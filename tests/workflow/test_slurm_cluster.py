@@ -2,8 +2,8 @@
 
 Starts the cluster with tools/slurm/start-cluster.sh (root, Debian, apt or SLURM installed),
 runs the workflow on a tiny config so that every rule is a SLURM job, and checks from the run's
-own records that only the GPU rules (`profile`, `replay`) were submitted with a GPU request and
-that the profile ran on the GPU SLURM gave it. Skipped without root/apt/SLURM, unless
+own records that only the GPU rules (`profile`, `replay`, `realize`) were submitted with a GPU
+request and that the profile ran on the GPU SLURM gave it. Skipped without root/apt/SLURM, unless
 PROBES_REQUIRE_SLURM=1 (then it fails).
 PROBES_SLURM_KEEP=1 leaves the cluster running afterwards.
 """
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 START = REPO / "tools" / "slurm" / "start-cluster.sh"
 STOP = REPO / "tools" / "slurm" / "stop-cluster.sh"
 CPU_RULES = {"mask", "padding", "bucket_sweep", "report"}
-GPU_RULES = {"profile", "replay"}
+GPU_RULES = {"profile", "replay", "realize"}
 # Settings for this test cluster, not for a user's: no slurmdbd (so squeue, not sacct, for job
 # status), no accounts, and a first status check after 1 s instead of 40 s.
 TEST_CLUSTER_ARGS = [

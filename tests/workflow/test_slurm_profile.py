@@ -1,5 +1,5 @@
-"""The cluster profile asks for a GPU for the GPU rules (`profile`, `replay`) only; locally
-`--resources gpu=1` keeps GPU jobs from overlapping on one card. No SLURM needed: see
+"""The cluster profile asks for a GPU for the GPU rules (`profile`, `replay`, `realize`) only;
+locally `--resources gpu=1` keeps GPU jobs from overlapping on one card. No SLURM needed: see
 test_slurm_cluster.py for the real one."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ WORKFLOW_PROFILES = [
 ]
 GPU_KEYS = {"gpu", "gpus", "gres", "gpu_model"}
 # The rules that time the model on a card.
-GPU_RULES = {"profile", "replay"}
+GPU_RULES = {"profile", "replay", "realize"}
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 
 

@@ -41,6 +41,7 @@ from probes.replay.timing import (
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step import fit as ft
+from probes.step.idle import check_idle_card
 
 LOG = logging.getLogger("probes.replay")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["replay"])
@@ -154,26 +155,6 @@ def fit_lengths_for(
     )
 
 
-def _idle_check(profile: Mapping[str, Any], device: torch.device, card_probe, sleep) -> dict:
-    if device.type != "cuda":
-        return {"checked": False, "reason": "CPU run: no card to check"}
-    from probes.step.idle import IdleLimits, wait_for_idle_card
-
-    idle = profile["idle"]
-    limits = IdleLimits(
-        idle["max_memory_used_mib"], idle["max_utilization_pct"], idle["allow_other_processes"]
-    )
-    state, polls = wait_for_idle_card(
-        lambda: card_probe(device.index or 0),
-        limits,
-        idle["timeout_s"],
-        idle["initial_backoff_s"],
-        idle["max_backoff_s"],
-        sleep=sleep,
-    )
-    return {"checked": True, "polls": polls, "state": state.as_dict(), "limits": vars(limits)}
-
-
 def load_runner(
     model_path: str | Path, profile: Mapping[str, Any], device: torch.device, dtype: torch.dtype
 ) -> tuple[Any, int, int, dict[str, Any]]:
@@ -279,11 +260,7 @@ def run_replay(
     if reason:
         invalid[pl.PACKING] = reason
 
-    if card_probe is None:
-        from probes.step.idle import probe_card
-
-        card_probe = probe_card
-    idle = _idle_check(profile, device, card_probe, sleep)
+    idle = check_idle_card(profile, device, card_probe, sleep)
     if cpu_only:
         torch.set_num_threads(int(replay_cfg["cpu"]["threads"]))
     torch.manual_seed(settings.seed)

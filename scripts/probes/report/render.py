@@ -7,10 +7,10 @@ The report is split by responsibility:
 
 - ``probes.report.load``: read and check every stage output (``load_inputs``);
 - ``probes.report.findings``: the stages' findings as counts (never a price), the fit check;
-- ``probes.report.sections``: one module per section of the template (``summary``, ``scaling``,
-  ``padding``, ``ce``, ``kernels``, ``bucket``, ``apply``, ``mask``, ``controls``,
-  ``provenance``), ``replay`` for the measured savings that Summary and Apply it share, and
-  ``shared`` for what every section uses;
+- ``probes.report.sections``: one module per section of the template (``summary``,
+  ``realize``, ``scaling``, ``padding``, ``ce``, ``kernels``, ``bucket``, ``apply``, ``mask``,
+  ``controls``, ``provenance``), ``replay`` for the measured savings that Summary and Apply it
+  share, and ``shared`` for what every section uses;
 - ``probes.report.format``: the template's filters (numbers, codes, labels);
 - this module: assemble every section (``build_context``), render the markdown
   (``render_markdown``) and list the figures it links.
@@ -37,6 +37,7 @@ from probes.report.sections.kernels import kernels_section
 from probes.report.sections.mask import mask_section
 from probes.report.sections.padding import padding_section
 from probes.report.sections.provenance import provenance_section
+from probes.report.sections.realize import realize_section
 from probes.report.sections.replay import host_bound_overall, replay_fit
 from probes.report.sections.scaling import scaling_section
 from probes.report.sections.summary import summary_section
@@ -59,6 +60,8 @@ def build_context(
     mask = mask_section(tables, not_run, jsons)
     return {
         "summary": summary_section(inputs, scaling, mask, max_recommendations),
+        # promised (replay) vs realized (real training steps) for the baseline and top changes
+        "realize": realize_section(tables, jsons, not_run),
         "scaling": scaling,
         # the replay's fit and host-bound share, shown in Scaling whether or not the profile ran
         "replay": {
@@ -81,6 +84,7 @@ def build_context(
 
 SECTION_TITLES = (
     "Summary",
+    "Promised vs realized",
     "Scaling",
     "Padding",
     "Cross-entropy",

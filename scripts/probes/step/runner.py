@@ -5,6 +5,7 @@ and the replay both time.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,12 +73,25 @@ class StepRunner:
         self.optimizer = optimizer
         self.device = device
 
-    def step(self, micro_batches: list[dict[str, torch.Tensor]]) -> None:
+    def step(
+        self,
+        micro_batches: Iterable[dict[str, torch.Tensor]],
+        mark: Callable[[str], None] | None = None,
+    ) -> None:
+        """One optimizer step. `mark(phase)`, when given, is called after each micro-batch is
+        at hand ("built"; a generator builds it then), after its backward ("micro_batch") and
+        after the optimizer step and zero_grad ("optimizer"): the realize stage's phase clock."""
         for batch in micro_batches:
+            if mark is not None:
+                mark("built")
             loss = self.harness.compute_loss(self.model, batch)
             loss.backward()
+            if mark is not None:
+                mark("micro_batch")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if mark is not None:
+            mark("optimizer")
 
     def timed(self, micro_batches, warmup: int, repeats: int) -> Timing:
         timing = time_repeats(lambda: self.step(micro_batches), self.device, warmup, repeats)

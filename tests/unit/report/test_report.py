@@ -333,7 +333,7 @@ def test_canary_never_rendered(rendered):
 def test_profile_not_run_renders_not_run(rendered_not_run):
     markdown, out = rendered_not_run
     assert re.findall(r"^## (.+)$", markdown, re.M) == list(rep.SECTION_TITLES)
-    for title in ("Scaling", "Kernels"):
+    for title in ("Scaling", "Kernels", "Promised vs realized"):
         assert f"**Not run.** {NOT_RUN_REASON}" in section(markdown, title)
     assert f"Wall clock: **Not run.** {NOT_RUN_REASON}" in section(markdown, "Cross-entropy")
     assert re.search(r"^\| profile \| profile_controls \| .* \| not run \|$", markdown, re.M)
@@ -571,7 +571,7 @@ def test_script_help_and_standalone_render(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "results/report/figures/lengths.png").is_file()
-    assert "stages not run: ['profile', 'replay']" in log.read_text()
+    assert "stages not run: ['profile', 'realize', 'replay']" in log.read_text()
     assert CANARY not in done.stdout + done.stderr + log.read_text()
 
 
@@ -822,3 +822,20 @@ def test_replay_notes_read_the_instrument_coverage_and_stopping():
     assert "20.0% of the tokens" in tokens_not_time({"computed_token_saving": 0.2}, tie)
     assert tokens_not_time({"computed_token_saving": 0.2}, "recommended: faster") is None
     assert tokens_not_time({"computed_token_saving": 0.0}, tie) is None
+
+
+@pytest.fixture(scope="module")
+def rendered_disagreement(tmp_path_factory):
+    return render(tmp_path_factory.mktemp("realize"), failed=("realize_verdict",))[0]
+
+
+def test_the_report_shows_the_disagreement_and_the_summary_says_not_confirmed(
+    rendered_disagreement,
+):
+    # promised vs realized (probes.report.sections.realize; its rows: test_realize.py)
+    text = section(rendered_disagreement, "Promised vs realized")
+    row = next(line for line in text.splitlines() if line.startswith("| **Pack"))
+    assert "| **disagrees** | optimizer time +" in row
+    assert "**Disagreement:**" in text
+    summary = section(rendered_disagreement, "Summary")
+    assert "**Not confirmed:** real training steps of Pack" in summary

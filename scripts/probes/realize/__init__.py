@@ -1,0 +1,1 @@
+"""Realize: real training steps of the baseline and the recommended changes."""

@@ -1,0 +1,398 @@
+"""The realize stage: real training steps of the baseline and the replay's top changes, and the
+realized saving beside the promised one.
+
+Order of work: the replay's per-strategy table -> the changes to check (the best measured
+savings, recommended ones first, at most ``realize.max_changes``) -> the replay's own plans
+(capped on CPU exactly as the replay capped them) -> idle-card check -> weights and the user's
+harness (the replay's loader) -> a simple random sample of each strategy's optimizer steps, each
+run whole (probes.realize.steps), interleaved across strategies -> epoch estimates with
+intervals (probes.realize.sample) -> verdicts (probes.realize.verdict) -> outputs, all or nothing.
+
+``realize.enabled: false``, or a replay without a baseline, writes a not-run note instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from probes.contracts import (
+    PAD_TO_MAX_SEQ_LEN,
+    RANDOM,
+    STAGE_OUTPUTS,
+    check_table_columns,
+    table_columns,
+)
+from probes.errors import ControlFailedError, ProbeError
+from probes.io import read_parquet, run_metadata
+from probes.realize import sample as sm
+from probes.realize import verdict as vd
+from probes.realize.control import CONTROL_NAME, run_control
+from probes.realize.steps import StepTimer
+from probes.settings import WorkflowConfig
+from probes.stage import all_or_nothing
+from probes.step.idle import check_idle_card
+from probes.step.timing import OK
+
+LOG = logging.getLogger("probes.realize")
+OUTPUT_KEYS = tuple(STAGE_OUTPUTS["realize"])
+INPUT_KEYS = ("estimates", "plans", "lengths", "recommendation")
+REALIZED_COLUMNS = table_columns("realize_realized")
+STEP_COLUMNS = table_columns("realize_steps")
+NOT_RUN, RAN = "not_run", "ran"
+PHASE_COLUMNS = ("micro_batch_s", "optimizer_s")
+
+
+class RealizeError(ProbeError, RuntimeError):
+    """The stage cannot run as configured; nothing was written."""
+
+
+# ---------------------------------------------------------------------------------------------
+# What to check
+# ---------------------------------------------------------------------------------------------
+
+
+def select_changes(estimates: pd.DataFrame, max_changes: int) -> list[str]:
+    """The changes to check, best first: the valid strategies (not the baseline, not the
+    inverted pad_to_max_seq_len row) with the largest measured saving, a saving above 0. Those
+    the Summary recommends (interval above 0) come first; with none, the best measured ones are
+    still checked, so an interval too wide to recommend is confronted with real steps."""
+    rows = estimates[
+        estimates["valid"].fillna(False).astype(bool)
+        & ~estimates["strategy"].isin([RANDOM, PAD_TO_MAX_SEQ_LEN])
+        & (pd.to_numeric(estimates["saving_vs_random"], errors="coerce") > 0)
+    ].copy()
+    rows["_recommended"] = pd.to_numeric(rows["saving_ci_low"], errors="coerce") > 0
+    rows = rows.sort_values(["_recommended", "saving_vs_random"], ascending=False, kind="stable")
+    return [str(s) for s in rows["strategy"].head(max(int(max_changes), 0))]
+
+
+def step_rows(plan: pd.DataFrame) -> list[list[Any]]:
+    """One strategy's plan as its optimizer steps in epoch order, each its micro-batch rows in
+    order (itertuples rows, what probes.replay.timing.build_batch takes)."""
+    ordered = plan.sort_values("micro_batch_index", kind="stable")
+    steps: dict[int, list[Any]] = {}
+    for row in ordered.itertuples():
+        steps.setdefault(int(row.optimizer_step_index), []).append(row)
+    return [steps[k] for k in sorted(steps)]
+
+
+def run_order(samples: Mapping[str, np.ndarray]) -> list[tuple[str, int]]:
+    """(strategy, step index) round-robin over the strategies, each strategy's steps in epoch
+    order: drift of the machine over the run spreads over every strategy."""
+    order = []
+    longest = max((len(v) for v in samples.values()), default=0)
+    for i in range(longest):
+        for name, picked in samples.items():
+            if i < len(picked):
+                order.append((name, int(picked[i])))
+    return order
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and estimates (any StepRunner: the real model's, or a synthetic harness's)
+# ---------------------------------------------------------------------------------------------
+
+
+def measure(
+    timer: StepTimer,
+    plans: pd.DataFrame,
+    strategies: Sequence[str],
+    sample_size: int,
+    warmup: int,
+    seed: int,
+) -> pd.DataFrame:
+    """Time a simple random sample of `sample_size` optimizer steps of each strategy, whole and
+    back to back (after `warmup` untimed one-micro-batch steps at the largest sampled
+    micro-batch; nothing between steps): one row per step."""
+    rng = np.random.default_rng(seed)
+    all_steps = {s: step_rows(plans[plans["strategy"] == s]) for s in strategies}
+    samples = {s: sm.sample_steps(len(all_steps[s]), sample_size, rng) for s in strategies}
+    order = run_order(samples)
+    if warmup:  # the largest sampled micro-batch first, so memory is allocated once
+        largest = max(
+            (row for s, i in order for row in all_steps[s][i]), key=lambda r: r.computed_tokens
+        )
+        for _ in range(warmup):
+            timer.run([largest])
+    records = []
+    for position, (name, index) in enumerate(order):
+        rows = all_steps[name][index]
+        result = timer.time_step(rows)
+        records.append(
+            {
+                "strategy": name,
+                "optimizer_step_index": index,
+                "run_order": position,
+                "micro_batches": len(rows),
+                "computed_tokens": int(sum(r.computed_tokens for r in rows)),
+                **result,
+            }
+        )
+    return pd.DataFrame(records, columns=list(STEP_COLUMNS))
+
+
+def step_sizes(plan: pd.DataFrame) -> pd.Series:
+    """Every optimizer step's size: the tokens its micro-batches compute over (exact)."""
+    return plan.groupby("optimizer_step_index")["computed_tokens"].sum()
+
+
+def realized_phases(steps: pd.DataFrame, sizes: pd.Series) -> tuple[sm.EpochEstimate, vd.Phases]:
+    """The epoch estimate of one strategy's timed steps (regressed on the steps' sizes, known
+    for the whole epoch) and its phases, each estimated the same way (the estimator is linear
+    in the times, so the phases add up to the total)."""
+    ok = steps[steps["status"] == OK]
+    if ok.empty:  # every sampled step ran out of memory: nothing realized
+        nan = math.nan
+        return sm.EpochEstimate(nan, nan, nan, nan, 0, len(sizes), None, "none"), vd.Phases(
+            nan, nan, nan
+        )
+    x = sizes.loc[ok["optimizer_step_index"]].to_numpy(dtype=np.float64)
+
+    def estimate_of(column: str) -> sm.EpochEstimate:
+        return sm.epoch_estimate(ok[column].to_numpy(), len(sizes), x, float(sizes.sum()))
+
+    estimate = estimate_of("time_s")
+    micro, optimizer = (estimate_of(c).total_s for c in PHASE_COLUMNS)
+    return estimate, vd.Phases(micro, optimizer, estimate.total_s - micro - optimizer)
+
+
+def _num(row: Mapping[str, Any], key: str) -> float:
+    value = pd.to_numeric(pd.Series([row.get(key)]), errors="coerce").iloc[0]
+    return float(value) if pd.notna(value) else math.nan
+
+
+def promise_of(row: Mapping[str, Any]) -> vd.Phases:
+    return vd.promised_phases(
+        _num(row, "estimated_time_s"), _num(row, "optimizer_steps"), _num(row, "optimizer_step_s")
+    )
+
+
+def realized_table(
+    steps: pd.DataFrame,
+    estimates: pd.DataFrame,
+    plans: pd.DataFrame,
+    changes: Sequence[str],
+    agree_within: float,
+    cpu_only: bool,
+    max_seq_len: int,
+) -> pd.DataFrame:
+    """Promised vs realized per strategy, baseline first (REALIZED_COLUMNS)."""
+    promised = estimates.set_index("strategy")
+    sizes = {name: step_sizes(plan) for name, plan in plans.groupby("strategy")}
+    base_estimate, base_phases = realized_phases(steps[steps["strategy"] == RANDOM], sizes[RANDOM])
+    base_promise = promise_of(promised.loc[RANDOM].to_dict())
+    rows = []
+    for name in (RANDOM, *changes):
+        own = steps[steps["strategy"] == name]
+        failed = int((own["status"] != OK).sum())
+        estimate, phases = realized_phases(own, sizes[name])
+        prow = promised.loc[name].to_dict()
+        promise = promise_of(prow)
+        baseline = name == RANDOM
+        row = {
+            "strategy": name,
+            "role": vd.BASELINE_ROLE if baseline else vd.CHANGE_ROLE,
+            "optimizer_steps": len(sizes[name]),
+            "sampled_steps": estimate.sampled,
+            "realized_time_s": estimate.total_s,
+            "realized_ci_low_s": estimate.low_s,
+            "realized_ci_high_s": estimate.high_s,
+            "promised_time_s": _num(prow, "estimated_time_s"),
+            "promised_ci_low_s": _num(prow, "ci_low_s"),
+            "promised_ci_high_s": _num(prow, "ci_high_s"),
+            "realized_micro_batch_s": phases.micro_batch,
+            "realized_optimizer_s": phases.optimizer,
+            "realized_rest_s": phases.rest,
+            "promised_micro_batch_s": promise.micro_batch,
+            "promised_optimizer_s": promise.optimizer,
+            "cpu_only": cpu_only,
+            "estimator": estimate.method,
+            "max_seq_len": max_seq_len,
+            "note": f"{failed} sampled step(s) ran out of memory" if failed else "",
+        }
+        if baseline:
+            saving = (0.0, 0.0, 0.0)
+            row.update(promised_saving=0.0, promised_saving_ci_low=0.0, promised_saving_ci_high=0.0)
+            row.update(verdict=vd.BASELINE_ROLE, differed="")
+            shares = dict.fromkeys(vd.PHASES, math.nan)
+        else:
+            saving = sm.saving_estimate(estimate, base_estimate)
+            p_save, p_low, p_high = (
+                _num(prow, k) for k in ("saving_vs_random", "saving_ci_low", "saving_ci_high")
+            )
+            row.update(
+                promised_saving=p_save, promised_saving_ci_low=p_low, promised_saving_ci_high=p_high
+            )
+            verdict = vd.verdict(saving[0], p_save, p_low, p_high, agree_within)
+            shares = vd.phase_shares(promise, base_promise, phases, base_phases)
+            differed = vd.what_differed(shares) if verdict == vd.DISAGREES else ""
+            if failed:
+                verdict, differed = vd.DISAGREES, row["note"]
+            row.update(verdict=verdict, differed=differed)
+            row["promise_in_realized_interval"] = bool(saving[1] <= p_save <= saving[2])
+        row.update(
+            realized_saving=saving[0],
+            realized_saving_ci_low=saving[1],
+            realized_saving_ci_high=saving[2],
+            diff_micro_batch_pp=shares["micro_batch"],
+            diff_optimizer_pp=shares["optimizer"],
+            diff_rest_pp=shares["rest"],
+        )
+        rows.append(row)
+    return pd.DataFrame(rows, columns=list(REALIZED_COLUMNS))
+
+
+# ---------------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------------
+
+
+def write_not_run(outputs: Mapping[str, str | Path], reason: str, cfg: Mapping[str, Any]) -> None:
+    meta = run_metadata(dict(cfg))
+    with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
+        out.parquet("realized", pd.DataFrame(columns=list(REALIZED_COLUMNS)), meta)
+        out.parquet("steps", pd.DataFrame(columns=list(STEP_COLUMNS)), meta)
+        out.json("summary", {"status": NOT_RUN, "reason": reason})
+        out.json("control", {"status": NOT_RUN, "reason": reason, "name": CONTROL_NAME})
+
+
+def read_estimates(path: str | Path) -> pd.DataFrame:
+    frame = read_parquet(path)
+    check_table_columns(frame.columns, "replay_estimates", path)
+    return frame
+
+
+def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
+    """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
+    summary = run_realize(inputs, outputs, cfg, Path(inputs["tokenizer"][0]).parent)
+    LOG.info("realize summary: %s", summary)
+
+
+def load_real_runner(
+    model_path: str | Path, raw: Mapping[str, Any], device: torch.device
+) -> tuple[Any, int, int, dict[str, Any], str, str]:
+    """The replay's loader (the profile's model loading and the user's harness), its dtype."""
+    from probes.replay.stage import load_runner, replay_dtype
+
+    dtype, reason = replay_dtype(raw["profile"]["dtype"], device)
+    runner, vocab, pad_id, harness = load_runner(model_path, raw["profile"], device, dtype)
+    return runner, vocab, pad_id, harness, str(dtype).replace("torch.", ""), reason
+
+
+def run_realize(
+    inputs: Mapping[str, Any],
+    outputs: Mapping[str, str | Path],
+    cfg: WorkflowConfig,
+    model_path: str | Path,
+    load: Callable[..., tuple] = load_real_runner,
+    card_probe: Callable[[int], Any] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, Any]:
+    """Run the stage and write every output, or none. `load(model_path, raw, device)` returns
+    (StepRunner, vocab_size, pad_id, harness description, dtype name, dtype reason) and may add
+    a seventh item, the clock the steps are timed with (default perf_counter)."""
+    from probes.profile.evidence import device_description
+    from probes.replay.stage import plans_for_device
+    from probes.step.runner import resolve_device
+
+    missing = [k for k in OUTPUT_KEYS if k not in outputs] + [
+        k for k in INPUT_KEYS if k not in inputs
+    ]
+    if missing:
+        raise RealizeError(f"realize: missing path(s) for {missing}")
+    raw, settings = cfg.raw, cfg.realize
+    if not settings.enabled:
+        write_not_run(outputs, "realize.enabled is false", raw)
+        return {"status": NOT_RUN}
+    estimates = read_estimates(inputs["estimates"])
+    if estimates.empty or RANDOM not in set(estimates["strategy"]):
+        reason = f"{inputs['estimates']}: the replay measured no '{RANDOM}' baseline"
+        write_not_run(outputs, reason, raw)
+        return {"status": NOT_RUN, "reason": reason}
+    started = time.perf_counter()
+    changes = select_changes(estimates, settings.max_changes)
+    profile, replay_cfg = raw["profile"], raw["replay"]
+    device = resolve_device(profile["device"], profile["allow_cpu"])
+    cpu_only = device.type != "cuda"
+    plans, max_len = plans_for_device(
+        inputs, raw["training"], cpu_only, int(replay_cfg["cpu"]["max_seq_len"])
+    )
+    unknown = sorted(set(changes) - set(plans["strategy"]))
+    if unknown:
+        raise RealizeError(
+            f"{inputs['plans']}: no plan for {unknown} that {inputs['estimates']} ranks; rerun "
+            "bucket_sweep and replay together"
+        )
+    sample_size = settings.cpu_sample_steps if cpu_only else settings.sample_steps
+    LOG.info(
+        "realize on %s: baseline + %s, %d sampled optimizer steps each",
+        device,
+        changes or "no change (none measured faster)",
+        sample_size,
+    )
+    strategies = [RANDOM, *changes]
+    # the positive control first: no wall time, and a broken estimator must not cost a GPU run
+    control = run_control(
+        plans,
+        strategies,
+        settings.control_steps,
+        settings.seed,
+        int(raw["training"]["grad_accum"]),
+        settings.control_tolerance,
+    )
+    LOG.info("control %s", "passed" if control["passed"] else "FAILED")
+    if not control["passed"]:
+        raise ControlFailedError(
+            f"realize: positive control failed, no output written: {control['observed']}"
+        )
+    idle = check_idle_card(profile, device, card_probe, sleep)
+    if cpu_only:
+        torch.set_num_threads(int(replay_cfg["cpu"]["threads"]))
+    torch.manual_seed(settings.seed)
+    runner, vocab, pad_id, harness, dtype, dtype_reason, *clock = load(model_path, raw, device)
+    timer = StepTimer(runner, vocab, pad_id, settings.seed, *clock)
+    steps = measure(timer, plans, strategies, sample_size, settings.warmup, settings.seed)
+    table = realized_table(
+        steps, estimates, plans, changes, settings.agree_within, cpu_only, max_len
+    )
+    provenance = {
+        **run_metadata(dict(raw)),
+        "device": device_description(device),
+        "cpu_only": cpu_only,
+        "dtype": dtype,
+        "dtype_reason": dtype_reason,
+        "max_seq_len_replayed": max_len,
+        "harness": harness,
+        "idle_check": idle,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "wall_s": time.perf_counter() - started,
+    }
+    verdicts = {
+        str(r.strategy): str(r.verdict) for r in table.itertuples() if r.role == vd.CHANGE_ROLE
+    }
+    summary = {
+        "status": RAN,
+        "verdicts": verdicts,
+        "changes": list(changes),
+        "cpu_only": cpu_only,
+        "sample_steps": sample_size,
+        "warmup": settings.warmup,
+        "agree_within": settings.agree_within,
+        "wall_s": provenance["wall_s"],
+    }
+    with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
+        out.parquet("realized", table, provenance)
+        out.parquet("steps", steps, provenance)
+        out.json("summary", summary)
+        out.json("control", {**control, "observed": {**control["observed"], "cpu_only": cpu_only}})
+    return summary

@@ -1,0 +1,63 @@
+"""The report's promised vs realized: the realize stage's table beside the replay's promise.
+
+``results/realize/realized.parquet`` (``probes.realize.stage``) holds, for the baseline and each
+change it checked, the realized epoch time and saving from real training steps (a simple random
+sample of whole optimizer steps) with 95% intervals, the replay's promised ones, the verdict and
+each phase's share of the difference. This module only selects and labels those rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pandas as pd
+
+from probes.contracts import table_columns
+from probes.realize.verdict import DISAGREES
+from probes.report.format import finite
+from probes.report.sections.replay import change_title, idle_examples
+
+COLUMNS = table_columns("realize_realized")
+
+
+def realize_section(
+    tables: Mapping[str, pd.DataFrame], jsons: Mapping[str, Any], not_run: Mapping[str, str]
+) -> dict[str, Any]:
+    """{"status": "not_run", "reason"} or the rows (baseline first), the changes whose realized
+    saving did not confirm the promise, and how the steps were sampled."""
+    if "realize" in not_run:
+        return {"status": "not_run", "reason": not_run["realize"]}
+    frame = tables["realize_realized"]
+    if frame.empty:
+        return {"status": "not_run", "reason": "the realize stage checked no strategy"}
+    recommended = (jsons["bucket_recommendation"].get("recommended") or {}) if jsons else {}
+    idle = idle_examples(tables, not_run)
+    summary = jsons.get("realize_summary") or {}
+    rows = []
+    for record in frame[[c for c in COLUMNS if c in frame.columns]].to_dict(orient="records"):
+        row = {
+            k: (finite(v) if isinstance(v, int | float) and not isinstance(v, bool) else v)
+            for k, v in record.items()
+        }
+        row["title"] = change_title(
+            str(record["strategy"]),
+            recommended.get("bucket_size_batches"),
+            record.get("max_seq_len"),
+            idle,
+        )
+        row["baseline"] = record["role"] == "baseline"
+        rows.append(row)
+    changes = [r for r in rows if not r["baseline"]]
+    return {
+        "status": "ok",
+        "rows": rows,
+        "unconfirmed": [r["title"] for r in changes if r["verdict"] == DISAGREES],
+        "unconfirmed_strategies": [r["strategy"] for r in changes if r["verdict"] == DISAGREES],
+        "checked": len(changes),
+        "cpu_only": bool(frame["cpu_only"].fillna(False).astype(bool).any()),
+        "sample_steps": summary.get("sample_steps"),
+        "agree_within_pp": (
+            100 * float(summary["agree_within"]) if summary.get("agree_within") is not None else 5.0
+        ),
+    }

@@ -1,0 +1,162 @@
+"""The realize stage on a synthetic harness of known cost (probes.replay.control's SyntheticCost):
+on a virtual clock the harness advances by the known cost, it recovers the exact epoch time
+within its interval and agrees with an exact promise; with the replay's sleeping harness, an
+optimizer step that sleeps longer than promised is caught as a disagreement naming it."""
+
+import dataclasses
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from conftest import workflow_config
+from probes.batching import plans as pl
+from probes.bucket import control as bucket_controls
+from probes.contracts import GLOBAL_SORT, PACKING, RANDOM, TRAINING_STATUSES, table_columns
+from probes.io import read_json, write_parquet
+from probes.realize import stage as rz
+from probes.realize.control import VirtualClock, run_control, virtual_runner
+from probes.realize.verdict import AGREES, DISAGREES
+from probes.replay.control import SyntheticCost, exact_epoch_s, synthetic_runner
+
+MICRO, ACCUM, MAX_LEN, SAMPLE, WIDTH = 2, 2, 512, 12, 0.05
+
+
+@pytest.fixture(scope="module")
+def plans() -> pd.DataFrame:
+    frame = bucket_controls.synthetic_lengths_frame(128, seed=2, max_seq_len=MAX_LEN)
+    used = frame[frame["status"].isin(TRAINING_STATUSES)]
+    lengths = used["n_tokens"].to_numpy(np.int64)
+    examples = pl.PlanExamples(used["example_id"].to_numpy(object), lengths, lengths // 2)
+    return pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, bucket_size_batches=4, seed=0)
+
+
+@pytest.fixture(scope="module")
+def cost(plans) -> SyntheticCost:
+    return SyntheticCost.scaled_to(plans, 0.005, 0.005, 0.005, 0.004)
+
+
+def exact_promise(plans: pd.DataFrame, cost: SyntheticCost) -> pd.DataFrame:
+    """The replay table a perfect replay would write: the exact epoch times and savings."""
+    exact = exact_epoch_s(plans, cost, ACCUM)
+    steps = plans.groupby("strategy")["optimizer_step_index"].nunique()
+    rows = []
+    for name, seconds in exact.items():
+        saving = 1 - seconds / exact[RANDOM]
+        rows.append(
+            {
+                **dict.fromkeys(table_columns("replay_estimates")),
+                "strategy": name,
+                "valid": True,
+                "estimated_time_s": seconds,
+                "ci_low_s": 0.97 * seconds,
+                "ci_high_s": 1.03 * seconds,
+                "saving_vs_random": saving,
+                "saving_ci_low": saving - WIDTH,
+                "saving_ci_high": saving + WIDTH,
+                "optimizer_steps": int(steps[name]),
+                "optimizer_step_s": cost.optimizer_s,
+                "cpu_only": True,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def run_stage(tmp_path, plans, promise, runner, clock=None, **realize):
+    paths = {"estimates": tmp_path / "replay.parquet", "plans": tmp_path / "plans.parquet"}
+    write_parquet(promise, paths["estimates"], {})
+    write_parquet(plans, paths["plans"], {})
+    inputs = {**paths, "lengths": "unused", "recommendation": "unused"}
+    outputs = {k: str(tmp_path / f"realize_{k}") for k in rz.OUTPUT_KEYS}
+    cfg = workflow_config(
+        training={"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": MAX_LEN},
+        profile={"device": "cpu", "allow_cpu": True},
+        replay={"cpu": {"max_seq_len": MAX_LEN}},  # the plans as they are (no CPU cap)
+        realize={"cpu_sample_steps": SAMPLE, "warmup": 1, **realize},
+    )
+
+    def load(model_path, raw, device):
+        clocks = () if clock is None else (clock,)
+        return (runner, 64, 0, {"spec": "synthetic"}, "float32", "test", *clocks)
+
+    summary = rz.run_realize(inputs, outputs, cfg, tmp_path, load=load)
+    return summary, pd.read_parquet(outputs["realized"]), outputs
+
+
+def test_recovers_the_exact_epoch_time_within_its_interval_and_agrees(tmp_path, plans, cost):
+    clock = VirtualClock()
+    promise = exact_promise(plans, cost)
+    summary, table, _ = run_stage(tmp_path, plans, promise, virtual_runner(cost, clock), clock)
+    exact = exact_epoch_s(plans, cost, ACCUM)
+    assert list(table["strategy"]) == [RANDOM, PACKING, GLOBAL_SORT]
+    for row in table.itertuples():
+        assert row.sampled_steps == min(SAMPLE, row.optimizer_steps)
+        assert row.realized_ci_low_s <= exact[row.strategy] <= row.realized_ci_high_s
+        assert row.realized_time_s == pytest.approx(exact[row.strategy], rel=0.05)
+    changes = table[table["role"] == "change"]
+    assert set(changes["verdict"]) == {AGREES}
+    assert set(summary["verdicts"].values()) == {AGREES}
+
+
+def test_an_optimizer_that_sleeps_extra_is_a_disagreement_naming_it(tmp_path, plans, cost):
+    clock = VirtualClock()
+    slow = dataclasses.replace(cost, optimizer_s=cost.optimizer_s + 0.02)
+    promise = exact_promise(plans, cost)  # what a replay of the promised harness measured
+    _, table, _ = run_stage(tmp_path, plans, promise, virtual_runner(slow, clock), clock)
+    changes = table[table["role"] == "change"]
+    assert set(changes["verdict"]) == {DISAGREES}
+    assert all(d.startswith("optimizer time") for d in changes["differed"])
+    assert (changes["diff_optimizer_pp"].abs() > 5).all()
+    assert (changes["diff_micro_batch_pp"].abs() < 1).all()
+
+
+def test_a_really_sleeping_optimizer_is_caught_on_the_wall_clock(tmp_path, plans, cost):
+    # the replay control's harness sleeps its known cost; packing has half the optimizer
+    # steps, so an optimizer 100 ms slower than promised moves its saving by tens of pp, far
+    # beyond what a loaded machine adds to the micro-batches' few milliseconds
+    slow = dataclasses.replace(cost, optimizer_s=cost.optimizer_s + 0.1)
+    promise = exact_promise(plans, cost)
+    _, table, _ = run_stage(tmp_path, plans, promise, synthetic_runner(slow), cpu_sample_steps=3)
+    packing = table.set_index("strategy").loc[PACKING]
+    assert packing["verdict"] == DISAGREES
+    assert "optimizer time +" in packing["differed"] and packing["diff_optimizer_pp"] > 10
+
+
+def test_control_passes_on_the_plans_and_fails_on_a_broken_estimator(plans, monkeypatch):
+    control = run_control(plans, [RANDOM, PACKING, GLOBAL_SORT], 32, 0, ACCUM)
+    assert control["passed"], control["observed"]
+    # an estimator 10% high is caught
+    real = rz.sm.epoch_estimate
+
+    def high(*args):
+        estimate = real(*args)
+        return dataclasses.replace(estimate, total_s=1.1 * estimate.total_s)
+
+    monkeypatch.setattr(rz.sm, "epoch_estimate", high)
+    broken = run_control(plans, [RANDOM, PACKING, GLOBAL_SORT], 32, 0, ACCUM)
+    assert not broken["passed"]
+
+
+def test_disabled_writes_a_not_run_note(tmp_path, plans, cost):
+    clock = VirtualClock()
+    summary, table, outputs = run_stage(
+        tmp_path, plans, exact_promise(plans, cost), virtual_runner(cost, clock), enabled=False
+    )
+    assert summary["status"] == "not_run" and table.empty
+    assert read_json(outputs["summary"])["reason"] == "realize.enabled is false"
+
+
+def test_a_change_that_runs_out_of_memory_disagrees_and_says_so(tmp_path, plans, cost):
+    clock = VirtualClock()
+    runner = virtual_runner(cost, clock)
+    compute_loss = runner.harness.compute_loss
+
+    def out_of_memory_when_packed(model, batch):
+        if batch["input_ids"].shape[0] == 1 and batch["input_ids"].shape[1] > MAX_LEN:
+            raise RuntimeError("CUDA out of memory (synthetic)")
+        return compute_loss(model, batch)
+
+    runner.harness.compute_loss = out_of_memory_when_packed
+    _, table, _ = run_stage(tmp_path, plans, exact_promise(plans, cost), runner, clock, warmup=0)
+    packing = table.set_index("strategy").loc[PACKING]
+    assert packing["verdict"] == DISAGREES and "out of memory" in packing["differed"]

@@ -1,0 +1,35 @@
+"""The report's promised vs realized (probes.report.sections.realize), on the fixture results."""
+
+from __future__ import annotations
+
+from stage_fixtures import NOT_RUN_REASON, write_results
+
+from probes.report import load
+from probes.report.sections.realize import realize_section
+
+
+def _section(tmp_path, **kwargs):
+    inputs = load.load_inputs(write_results(tmp_path, **kwargs))
+    return realize_section(inputs["tables"], inputs["json"], inputs["not_run"])
+
+
+def test_baseline_first_then_the_checked_change_with_its_verdict(tmp_path):
+    realize = _section(tmp_path)
+    assert realize["status"] == "ok" and realize["checked"] == 1
+    base, change = realize["rows"]
+    assert base["baseline"] and base["strategy"] == "random"
+    assert change["strategy"] == "packing" and change["verdict"] == "agrees"
+    assert change["promised_saving_ci_low"] <= change["realized_saving"]
+    assert change["realized_saving"] <= change["promised_saving_ci_high"]
+    assert realize["unconfirmed"] == []
+    assert change["promise_in_realized_interval"] is True
+
+
+def test_a_disagreement_is_listed_with_what_differed(tmp_path):
+    realize = _section(tmp_path, failed=("realize_verdict",))
+    assert realize["unconfirmed_strategies"] == ["packing"]
+    assert realize["rows"][1]["differed"].startswith("optimizer time +")
+
+
+def test_not_run_carries_the_reason(tmp_path):
+    assert _section(tmp_path, profile="not_run") == {"status": "not_run", "reason": NOT_RUN_REASON}
