@@ -457,7 +457,6 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     from probes.replay.estimate import FitPricing, strategy_table
     from probes.replay.timing import (
         FIT_POINT,
-        HOST_BOUND_THRESHOLD,
         MICRO_BATCH,
         OPTIMIZER_STEP,
         TIMER,
@@ -479,7 +478,7 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     steps["kind"] = MICRO_BATCH
     steps["timer"] = TIMER
     steps["gpu_busy_share"] = np.nan if cpu_only else rng.uniform(0.4, 0.99, len(steps))
-    steps["host_bound"] = steps["gpu_busy_share"] < HOST_BOUND_THRESHOLD
+    steps["host_bound"] = steps["gpu_busy_share"] < settings.host_bound_threshold
     optimizer = np.full(8, cost.optimizer_s)
     fit_lengths = np.repeat([32, 256, 1024, 2048, 4096], 3)
     fit_times = [cost.micro_batch_s(BATCH, int(t)) for t in fit_lengths]
@@ -564,6 +563,7 @@ def replay_control(passed: bool = True) -> dict:
             "wall_s": 2.5,
         },
         "passed": passed,
+        "host_bound_threshold": 0.7,
     }
 
 

@@ -193,6 +193,11 @@ def schema() -> dict[str, Any]:
     return load_yaml(SCHEMA)
 
 
+def schema_default(section: str, key: str) -> Any:
+    """One default as the schema writes it (for dataclasses used outside a validated config)."""
+    return schema()["properties"][section]["properties"][key]["default"]
+
+
 def apply_overrides(config: dict[str, Any], assignments: Mapping[str, str]) -> dict[str, Any]:
     """`{"training.max_seq_len": "2048"}` -> config with that value (parsed as YAML) set."""
     import yaml

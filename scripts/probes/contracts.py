@@ -46,9 +46,6 @@ RANDOM_NO_IDLE = "random_no_idle"
 # the padding stage's reference orders: the data as given, and one global length sort
 DATASET_ORDER = "dataset_order"
 SORTED = "sorted"
-# A GPU step whose kernels keep the card busy for less than this share of its wall time is
-# host-bound (launch overhead, not compute): the replay labels it, the report explains it.
-HOST_BOUND_THRESHOLD = 0.7
 
 STRATEGY_ORDER = (RANDOM, LENGTH_GROUPED, GLOBAL_SORT, PACKING, BATCH_REBALANCE)
 

@@ -420,6 +420,8 @@ def run_replay(
         "wall_s": time.perf_counter() - started,
     }
     control["observed"]["cpu_only"] = cpu_only
+    # the report shows and applies the threshold the replay used (its one home: the config)
+    control["host_bound_threshold"] = float(replay_cfg["host_bound_threshold"])
     with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
         out.parquet("estimates", table, provenance)
         out.parquet("steps", all_steps, provenance)

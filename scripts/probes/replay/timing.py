@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import pandas as pd
 import torch
 
 from probes.batching import plans as pl
-from probes.contracts import HOST_BOUND_THRESHOLD
+from probes.config import schema_default
 from probes.replay.strata import stratified_sample
 from probes.step import batches as bt
 from probes.step import fit as ft
@@ -180,7 +180,11 @@ class ReplaySettings:
     seed: int = 0
     warmup: int = 1
     busy_samples_per_stratum: int = 1
-    host_bound_threshold: float = HOST_BOUND_THRESHOLD
+    # A GPU step whose kernels keep the card busy for less than this share of its wall time is
+    # host-bound (launch overhead, not compute); default: the schema's replay.host_bound_threshold
+    host_bound_threshold: float = field(
+        default_factory=lambda: float(schema_default("replay", "host_bound_threshold"))
+    )
 
 
 def sample_all(plans: pd.DataFrame, settings: ReplaySettings) -> pd.DataFrame:

@@ -66,7 +66,7 @@ def build_context(
         # the replay's fit and host-bound share, shown in Scaling whether or not the profile ran
         "replay": {
             "fit": replay_fit(tables, not_run),
-            "host_bound": host_bound_overall(tables, not_run),
+            "host_bound": host_bound_overall(tables, not_run, jsons),
             "not_run": not_run.get("replay"),
         },
         "padding": padding_section(tables, not_run, top_sources),

@@ -18,7 +18,6 @@ import pandas as pd
 
 from probes.contracts import (
     GLOBAL_SORT,
-    HOST_BOUND_THRESHOLD,
     LENGTH_GROUPED,
     PACKING,
     PAD_TO_MAX_SEQ_LEN,
@@ -249,7 +248,7 @@ def measured_changes(
         "best_tied": bool(recommended_rows and recommended_rows[0]["tied"]),
         "cpu_only": cpu_only,
         "max_seq_len": max_seq_len,
-        "host_bound": None if cpu_only else host_bound_note(frame),
+        "host_bound": None if cpu_only else host_bound_note(frame, host_bound_threshold(jsons)),
         "out_of_range": [
             {"title": r["title"], "share": r["out_of_range"]}
             for r in rows + conditional
@@ -288,7 +287,13 @@ def replay_measurement_notes(control: Any) -> dict[str, Any]:
     return out
 
 
-def host_bound_note(frame: pd.DataFrame) -> dict[str, Any] | None:
+def host_bound_threshold(jsons: Mapping[str, Any]) -> float | None:
+    """The host-bound threshold the replay applied (replay.host_bound_threshold of its config)."""
+    control = (jsons or {}).get("replay_control") or {}
+    return finite(control.get("host_bound_threshold"))
+
+
+def host_bound_note(frame: pd.DataFrame, threshold: float | None) -> dict[str, Any] | None:
     """On CUDA: the share of sampled micro-batches that were host-bound, per strategy."""
     if "host_bound_share" not in frame:
         return None
@@ -299,7 +304,7 @@ def host_bound_note(frame: pd.DataFrame) -> dict[str, Any] | None:
     }
     if not shares:
         return None
-    return {"threshold": HOST_BOUND_THRESHOLD, "shares": shares, "c_meaning": C_MEANING}
+    return {"threshold": threshold, "shares": shares, "c_meaning": C_MEANING}
 
 
 TOKENS_NOT_TIME = (
@@ -370,21 +375,23 @@ def replay_fit(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) -
 
 
 def host_bound_overall(
-    tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]
+    tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str], jsons: Mapping[str, Any]
 ) -> dict | None:
-    """Over every sampled micro-batch whose GPU busy share was recorded (CUDA only)."""
+    """Over every sampled micro-batch whose GPU busy share was recorded (CUDA only): the share
+    the replay labelled host-bound (its `host_bound` column, at its configured threshold)."""
     if "replay" in not_run or tables["replay_steps"].empty:
         return None
     steps = tables["replay_steps"]
     if "gpu_busy_share" not in steps:
         return None
-    busy = pd.to_numeric(steps["gpu_busy_share"], errors="coerce").dropna()
-    if busy.empty:
+    recorded = pd.to_numeric(steps["gpu_busy_share"], errors="coerce").notna()
+    if not recorded.any():
         return None
+    busy = pd.to_numeric(steps["gpu_busy_share"], errors="coerce")[recorded]
     return {
-        "n": len(busy),
-        "host_bound_share": float((busy < HOST_BOUND_THRESHOLD).mean()),
+        "n": int(recorded.sum()),
+        "host_bound_share": float(steps.loc[recorded, "host_bound"].astype(bool).mean()),
         "median_busy": float(busy.median()),
-        "threshold": HOST_BOUND_THRESHOLD,
+        "threshold": host_bound_threshold(jsons),
         "c_meaning": C_MEANING,
     }
