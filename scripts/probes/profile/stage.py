@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from probes.contracts import STAGE_OUTPUTS
+from probes.errors import ControlFailedError
 from probes.io import run_metadata
 from probes.lengths import LengthsError, read_training_lengths
 from probes.profile import flops as fl
@@ -128,7 +129,7 @@ def run_profile(
     # the fit's positive control first: cheap, and a broken fit must not cost a GPU run
     controls = [fit_control(settings.lengths)]
     if not controls[0]["passed"]:
-        raise ProfileError(f"positive control failed: {controls[0]}")
+        raise ControlFailedError(f"positive control failed: {controls[0]}")
 
     train = read_training_lengths(lengths_path, settings.max_seq_len)
     # which tokens carry loss (training.loss_on): the padding stage counted them per example
@@ -329,7 +330,8 @@ def run_profile(
     }
     if not passed:
         failed = [c["name"] for c in controls if not c["passed"] and c.get("gates_stage", True)]
-        raise ProfileError(f"control(s) failed: {failed}: {[c['observed'] for c in controls]}")
+        observed = [c["observed"] for c in controls]
+        raise ControlFailedError(f"control(s) failed: {failed}: {observed}")
 
     text = evidence_text(provenance, scaling, fit, penalty, ce, kernels, raw_table, controls)
     with all_or_nothing(outputs) as out:
