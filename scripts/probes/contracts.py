@@ -97,6 +97,11 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
         "fit": "profile/replay_fit.parquet",
         "control": "profile/replay_control.json",
     },
+    # real DDP steps under torchrun (probes.dp.stage); only with training.world_size > 1
+    "data_parallel": {
+        "steps": "data_parallel/steps.parquet",
+        "summary": "data_parallel/summary.json",
+    },
     "report": {
         "markdown": "report/playbook-evidence.md",
         "figures": "report/figures",
@@ -106,6 +111,16 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
 }
 # The probe stages in chain order; the report reads all of their outputs.
 STAGES = ("mask", "padding", "bucket", "profile", "replay")
+# Stages that run only under a config condition: stage -> (condition, the not-run reason). The
+# report reads their outputs only when they ran (`optional_report_inputs`).
+OPTIONAL_STAGES = {"data_parallel": ("training.world_size > 1", "world_size 1")}
+
+
+def stage_enabled(stage: str, config: Mapping) -> bool:
+    """Whether an optional stage runs under `config` (a default-filled workflow config)."""
+    if stage == "data_parallel":
+        return int(config["training"].get("world_size", 1)) > 1
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,6 +156,12 @@ STAGE_INPUTS: dict[str, dict[str, tuple[str, str] | str]] = {
         "model_config": MODEL_CONFIG,
         "tokenizer": MODEL_TOKENIZER,
     },
+    "data_parallel": {
+        "plans": ("bucket", "plans"),
+        "recommendation": ("bucket", "recommendation"),
+        "model_config": MODEL_CONFIG,
+        "tokenizer": MODEL_TOKENIZER,
+    },
 }
 
 
@@ -154,6 +175,18 @@ def report_inputs(results_dir: str | Path = RESULTS_DIR) -> dict[str, str]:
     return {
         f"{stage}_{key}": path
         for stage in STAGES
+        for key, path in stage_outputs(stage, results_dir).items()
+    }
+
+
+def optional_report_inputs(
+    config: Mapping, results_dir: str | Path = RESULTS_DIR
+) -> dict[str, str]:
+    """`<stage>_<key>` -> path of every optional stage's output that runs under `config`."""
+    return {
+        f"{stage}_{key}": path
+        for stage in OPTIONAL_STAGES
+        if stage_enabled(stage, config)
         for key, path in stage_outputs(stage, results_dir).items()
     }
 
@@ -462,6 +495,25 @@ TABLES: dict[str, TableSpec] = {
             "time_basis",
         ),
     ),
+    # one row per strategy x round x sampled optimizer step x rank (probes.dp.worker): the real
+    # DDP step split into compute / wait / collective, the optimizer step, and single_s, the
+    # rank's micro-batches timed in one process without communication (the prediction's input)
+    "data_parallel_steps": TableSpec(
+        "data_parallel",
+        "Data parallel",
+        (
+            "strategy",
+            "round",
+            "step",
+            "rank",
+            "step_s",
+            "wait_s",
+            "collective_s",
+            "optimizer_s",
+            "single_s",
+        ),
+        ("n_micro_batches", "padded_tokens", "real_tokens"),
+    ),
 }
 
 CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
@@ -480,6 +532,11 @@ JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "profile_control": ("profile", CONTROL_KEYS),
     # the synthetic busy-wait harness: savings within 5%, a, b, c within 10%
     "replay_control": ("replay", CONTROL_KEYS),
+    # per strategy real vs predicted, communication share, straggler wait; where each rank ran
+    "data_parallel_summary": (
+        "data_parallel",
+        ("world_size", "backend", "strategies", "ranks", "tolerance"),
+    ),
 }
 
 

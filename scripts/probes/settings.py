@@ -178,6 +178,24 @@ class ReplayConfig:
 
 
 @dataclass(frozen=True)
+class DataParallelCpuConfig:
+    max_seq_len: int
+    threads_per_rank: int
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    backend: str
+    steps: int
+    rounds: int
+    warmup_rounds: int
+    tolerance: float
+    timeout_s: float
+    seed: int
+    cpu: DataParallelCpuConfig
+
+
+@dataclass(frozen=True)
 class ReportConfig:
     histogram_top_sources: int
     max_recommendations: int
@@ -194,6 +212,7 @@ class WorkflowConfig:
     bucket: BucketConfig
     profile: ProfileConfig
     replay: ReplayConfig
+    data_parallel: DataParallelConfig
     report: ReportConfig
     # The validated, default-filled dict: what the provenance hashes (not compared, not typed).
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
