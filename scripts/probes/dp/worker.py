@@ -48,6 +48,30 @@ class HarnessLoss(torch.nn.Module):
         return self._compute_loss(self.model, batch)
 
 
+def timed_allreduce_hook(record: dict[str, float], world: int, sync=lambda: None):
+    """A DDP communication hook that averages each gradient bucket by all-reduce, adding to
+    ``record["wait"]`` this rank's wait for the slowest rank (a barrier first) and to
+    ``record["collective"]`` the all-reduce itself. ``sync`` waits for the device (CUDA)."""
+    import torch.distributed as dist
+
+    def hook(_state, bucket):
+        sync()
+        start = time.perf_counter()
+        dist.barrier()  # until the slowest rank's gradients are ready: this rank's wait
+        ready = time.perf_counter()
+        buffer = bucket.buffer()
+        dist.all_reduce(buffer)
+        buffer.div_(world)
+        sync()
+        record["wait"] += ready - start
+        record["collective"] += time.perf_counter() - ready
+        future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+    return hook
+
+
 def load_model(job: dict[str, Any], device: torch.device):
     """The real model, the user's harness, its adapters and optimizer (probes.step)."""
     from probes.step import runner as ts
@@ -105,22 +129,7 @@ def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dic
         HarnessLoss(model, harness.compute_loss), device_ids=[local_rank] if cuda else None
     )
     record = {"wait": 0.0, "collective": 0.0}
-
-    def hook(_state, bucket):
-        sync()
-        start = time.perf_counter()
-        dist.barrier()  # until the slowest rank's gradients are ready: this rank's wait
-        ready = time.perf_counter()
-        buffer = bucket.buffer()
-        dist.all_reduce(buffer)
-        buffer.div_(world)
-        sync()
-        record["wait"] += ready - start
-        record["collective"] += time.perf_counter() - ready
-        future = torch.futures.Future()
-        future.set_result(buffer)
-        return future
-
+    hook = timed_allreduce_hook(record, world, sync)
     ddp.register_comm_hook(None, hook)
     generator = torch.Generator().manual_seed(int(job["seed"]) + rank)
 
