@@ -3,7 +3,8 @@
 # report then reads its outputs (probes.contracts.optional_report_inputs), else says
 # "world_size 1". One job holds all W ranks: gpu=W on a GPU run (none when profile.device is
 # cpu: gloo ranks on CPU cores), threads W (one core per rank, the plugin's --cpus-per-task), one SLURM task running
-# torchrun --nproc_per_node W.
+# torchrun --nproc_per_node W. The workflow profile's `resources: gpu=1` caps a job's gpu: a W-GPU
+# run passes --resources gpu=W (last on the command line).
 if stage_enabled("data_parallel", config):
 
     rule data_parallel:
