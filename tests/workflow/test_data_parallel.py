@@ -1,6 +1,6 @@
 """The data_parallel rule with world_size 2 on CPU: two gloo ranks under torchrun, each loading
 the tiny model through the reference harness and running its shard of the bucket stage's plans.
-At world_size 1 (the default) the rule is not in the DAG."""
+At world_size 1 (the default) the rule is not in the DAG; a rank that dies is one message."""
 
 from __future__ import annotations
 
@@ -17,19 +17,30 @@ from probes.io import read_json, read_parquet
 
 # small: two sampled steps per strategy, one measured round after one warm-up round
 DP_CONFIG = {"steps": 2, "rounds": 1, "warmup_rounds": 1, "cpu": {"max_seq_len": 32}}
+# rank 1 dies at its first loss; rank 0 would wait for it at the first collective
+DYING_HARNESS = """
+import os
+from probes.reference_harness import *  # noqa: F403
+from probes.reference_harness import compute_loss as _loss
+
+def compute_loss(model, batch):
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("rank one ran out of luck")
+    return _loss(model, batch)
+"""
 
 
-def snakemake(tmp_path: Path, config: dict, *args: str) -> subprocess.CompletedProcess:
-    path = tmp_path / "config.yaml"
+def snakemake(workdir: Path, config: dict, *args: str) -> subprocess.CompletedProcess:
+    path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     # targets first: --configfile takes every value after it
     command = [sys.executable, "-m", "snakemake", *args, "--cores", "2", "--snakefile"]
-    command += [str(REPO / "Snakefile"), "--directory", str(tmp_path), "--configfile", str(path)]
+    command += [str(REPO / "Snakefile"), "--directory", str(workdir), "--configfile", str(path)]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
 
 
-def tiny(tmp_path: Path, model_dir: Path, world_size: int) -> dict:
-    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
+def tiny(workdir: Path, model_dir: Path, world_size: int) -> dict:
+    data = write_jsonl(workdir / "chat.jsonl", chat_rows(24))
     return {
         "model": {"path": str(model_dir)},
         "data": {"files": [{"path": str(data)}]},
@@ -44,6 +55,16 @@ def tiny(tmp_path: Path, model_dir: Path, world_size: int) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def upstream(tmp_path_factory, tiny_model_dir) -> tuple[Path, dict]:
+    """mask, padding and bucket_sweep once, for the tests that run the stage."""
+    workdir = tmp_path_factory.mktemp("dp")
+    config = tiny(workdir, tiny_model_dir, 2)
+    run = snakemake(workdir, config, "bucket_sweep")
+    assert run.returncode == 0, run.stderr[-4000:]
+    return workdir, config
+
+
 def test_world_size_1_leaves_the_rule_out_of_the_dag(tmp_path, tiny_model_dir):
     run = snakemake(tmp_path, tiny(tmp_path, tiny_model_dir, 1), "--dry-run", "report")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -55,10 +76,11 @@ def test_world_size_1_leaves_the_rule_out_of_the_dag(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow  # ~75 s on 2 busy cores: mask, padding, bucket_sweep, then two ranks
-def test_data_parallel_rule_runs_two_gloo_ranks(tmp_path, tiny_model_dir):
-    run = snakemake(tmp_path, tiny(tmp_path, tiny_model_dir, 2), "data_parallel")
+def test_data_parallel_rule_runs_two_gloo_ranks(upstream):
+    workdir, config = upstream
+    run = snakemake(workdir, config, "data_parallel")
     assert run.returncode == 0, run.stderr[-4000:]
-    results = tmp_path / "results"
+    results = workdir / "results"
     steps = read_parquet(results / STAGE_OUTPUTS["data_parallel"]["steps"])
     check_table_columns(steps.columns, "data_parallel_steps", "steps.parquet")
     summary = read_json(results / STAGE_OUTPUTS["data_parallel"]["summary"])
@@ -79,10 +101,31 @@ def test_data_parallel_rule_runs_two_gloo_ranks(tmp_path, tiny_model_dir):
     assert (steps["n_micro_batches"] == 2).all()
 
 
+@pytest.mark.slow
+def test_a_rank_that_dies_is_one_message_naming_it_and_nothing_is_written(upstream, tmp_path):
+    from probes.config import load_config, stage_inputs
+    from probes.dp import stage
+    from probes.settings import WorkflowConfig
+
+    workdir, config = upstream
+    harness = tmp_path / "dying_harness.py"
+    harness.write_text(DYING_HARNESS)
+    raw = load_config(workdir / "config.yaml")
+    raw["profile"]["harness"] = str(harness)
+    inputs = stage_inputs("data_parallel", raw, workdir / "results")
+    outputs = {k: str(tmp_path / v) for k, v in STAGE_OUTPUTS["data_parallel"].items()}
+    with pytest.raises(stage.DataParallelError) as error:
+        stage.run(inputs, outputs, WorkflowConfig.from_dict(raw))
+    message = str(error.value)
+    assert "rank 1 of 2 failed: RuntimeError: rank one ran out of luck" in message
+    assert "No output written" in message
+    assert not any(Path(p).exists() for p in outputs.values())
+    # the other stages' results are kept
+    assert (workdir / "results" / STAGE_OUTPUTS["bucket"]["plans"]).is_file()
+
+
 @pytest.mark.parametrize("world_size", [64])
-def test_a_world_size_the_machine_cannot_host_fails_with_one_message(
-    tmp_path, tiny_model_dir, world_size
-):
+def test_a_world_size_the_machine_cannot_host_fails_with_one_message(tmp_path, world_size):
     from probes.config import load_config
     from probes.dp import stage
     from probes.settings import WorkflowConfig
