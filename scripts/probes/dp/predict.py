@@ -101,19 +101,20 @@ def saving(random_s: float, other_s: float) -> float:
 
 
 def failed_rank_message(
-    errors: Mapping[int, str], returncode: int, launcher_tail: str, world_size: int
+    errors: Sequence[tuple[int, str]], returncode: int, launcher_tail: str, world_size: int
 ) -> str:
-    """One message for a failed launch: the first rank that wrote an error and its last error
-    line, else the launcher's last line."""
+    """One message for a failed launch. ``errors``: (rank, traceback) in the order the ranks
+    failed; the first is the cause (the others typically lost their peer at a collective). Without
+    any, the launcher's last line."""
     if errors:
-        rank = min(errors)
-        lines = [line for line in errors[rank].strip().splitlines() if line.strip()]
+        rank, text = errors[0]
+        lines = [line for line in text.strip().splitlines() if line.strip()]
         last = lines[-1] if lines else "no error text"
-        others = sorted(set(errors) - {rank})
-        also = f" (rank(s) {others} failed too)" if others else ""
+        others = sorted({r for r, _ in errors[1:]} - {rank})
+        also = f" (then rank(s) {others} failed too)" if others else ""
         return (
-            f"data_parallel: rank {rank} of {world_size} failed: {last}{also}; torchrun exit "
-            f"{returncode}. No output written; the other stages' results are kept."
+            f"data_parallel: rank {rank} of {world_size} failed first: {last}{also}; torchrun "
+            f"exit {returncode}. No output written; the other stages' results are kept."
         )
     lines = [line for line in launcher_tail.strip().splitlines() if line.strip()]
     last = lines[-1] if lines else "no output"

@@ -131,9 +131,9 @@ def launch(job: dict[str, Any], world: int, threads: int, timeout_s: float) -> l
             f"data_parallel.timeout_s={timeout_s:.0f} s; raise it or sample fewer steps "
             "(data_parallel.steps). No output written."
         ) from error
-    errors = {
-        int(p.stem.removeprefix("rank")): p.read_text() for p in sorted(out.glob("rank*.error"))
-    }
+    # in the order the ranks failed: the first is the cause
+    failed = sorted(out.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
+    errors = [(int(p.stem.removeprefix("rank")), p.read_text()) for p in failed]
     results = [out / f"rank{r}.json" for r in range(world)]
     if result.returncode != 0 or errors or not all(p.is_file() for p in results):
         raise DataParallelError(

@@ -79,13 +79,13 @@ def test_saving():
     assert math.isnan(predict.saving(0.0, 1.0))
 
 
-def test_failed_rank_message_names_the_first_rank_and_its_last_error_line():
-    errors = {1: "Traceback ...\n  File x\nRuntimeError: boom on rank one\n", 3: "E: other\n"}
+def test_failed_rank_message_names_the_first_rank_to_fail_and_its_last_error_line():
+    errors = [(3, "Traceback ...\n  File x\nRuntimeError: boom on rank three\n"), (0, "E: peer\n")]
     message = predict.failed_rank_message(errors, 1, "launcher noise", 4)
-    assert "rank 1 of 4 failed: RuntimeError: boom on rank one" in message
-    assert "rank(s) [3] failed too" in message and "No output written" in message
+    assert "rank 3 of 4 failed first: RuntimeError: boom on rank three" in message
+    assert "then rank(s) [0] failed too" in message and "No output written" in message
 
 
 def test_failed_rank_message_without_rank_errors_quotes_the_launcher():
-    message = predict.failed_rank_message({}, 1, "x\nChildFailedError: worker died\n", 2)
+    message = predict.failed_rank_message([], 1, "x\nChildFailedError: worker died\n", 2)
     assert "2 ranks failed (exit 1)" in message and "ChildFailedError: worker died" in message
