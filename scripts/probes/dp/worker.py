@@ -7,9 +7,9 @@ the harness's own loss runs inside DDP's forward), and for every round:
 1. **one process**: each of its sampled steps' micro-batches, forward + backward under
    ``no_sync`` (no communication), timed alone: ``single_s`` per step;
 2. **DDP**: each sampled step after a barrier, ``no_sync`` on all but the last micro-batch (what
-   ``accelerator.accumulate`` does); a communication hook times the rank's **wait** (a barrier,
-   until the slowest rank's gradients are ready) and the **collective** (the all-reduce); then
-   the optimizer step (timed: a local, one-process cost).
+   ``accelerator.accumulate`` does; no buffer broadcast); a communication hook times the
+   rank's **wait** (a barrier, until the slowest rank's gradients are ready) and the
+   **collective** (the all-reduce); then the optimizer step (timed: a local, one-process cost).
 
 Writes ``rank<R>.json`` (records + where it ran) into the job's out directory; on any error
 ``rank<R>.error`` (the traceback) and exit 1, which makes torchrun stop the other ranks.
@@ -125,8 +125,13 @@ def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dic
             torch.cuda.synchronize(device)
 
     model, harness, optimizer, vocab, pad_id, described = load_model(job, device)
+    # broadcast_buffers=False: a causal LM's buffers (rotary frequencies) are constants, and a
+    # broadcast at every forward would be a collective inside the one-process timings and a
+    # meeting point per micro-batch; with it off the ranks meet only at the gradient all-reduce
     ddp = DistributedDataParallel(
-        HarnessLoss(model, harness.compute_loss), device_ids=[local_rank] if cuda else None
+        HarnessLoss(model, harness.compute_loss),
+        device_ids=[local_rank] if cuda else None,
+        broadcast_buffers=False,
     )
     record = {"wait": 0.0, "collective": 0.0}
     hook = timed_allreduce_hook(record, world, sync)
@@ -199,6 +204,11 @@ def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dic
         "pid": os.getpid(),
         "device": str(device) if not cuda else f"{device} ({torch.cuda.get_device_name(device)})",
         "threads": torch.get_num_threads(),
+        "ddp": {
+            "broadcast_buffers": False,
+            "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
+            "comm_hook": "timed all-reduce",
+        },
         "slurm": slurm_environment(),
     }
     dist.barrier()
