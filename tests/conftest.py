@@ -21,6 +21,7 @@ STAGE_SCRIPTS = {
     "padding": "run_padding.py",
     "bucket": "run_bucket_sweep.py",
     "profile": "run_profile.py",
+    "data_parallel": "run_data_parallel.py",
     "report": "run_report.py",
 }
 # A 4-layer Gemma 3 text config (3 sliding, window 8 : 1 full) for the mask gate: config only.
