@@ -1,5 +1,6 @@
 # Training-throughput probes: where did a fine-tuning step's time go?
-# Chain: mask -> padding -> bucket_sweep -> profile, replay -> realize -> report (the default target).
+# Chain: mask -> padding -> bucket_sweep -> profile, replay -> realize, data_parallel
+# (world_size > 1) -> report (the default target).
 
 
 configfile: "config/config.yaml"
@@ -16,6 +17,7 @@ include: "workflow/rules/bucket.smk"
 include: "workflow/rules/profile.smk"
 include: "workflow/rules/replay.smk"
 include: "workflow/rules/realize.smk"
+include: "workflow/rules/data_parallel.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -41,7 +41,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from probes.batching import orders, ranks  # noqa: E402
+from probes.batching import orders  # noqa: E402
+from probes.dp import predict as dp_predict  # noqa: E402
+from probes.dp import shard  # noqa: E402
 
 
 def build_model(vocab: int, hidden: int, layers: int):
@@ -84,15 +86,10 @@ def make_batch(lengths: list[int], vocab: int, seed: int):
 def rank_plans(
     lengths: np.ndarray, order: np.ndarray, micro: int, grad_accum: int, world: int
 ) -> list[list[list[list[int]]]]:
-    """plan[rank][step] = that step's micro-batches (lists of example lengths) on that rank."""
-    fed = ranks.even_batches_order(order, micro, world)
-    batches = [fed[i : i + micro] for i in range(0, fed.size, micro)]
-    owner = ranks.rank_of_micro_batch(len(batches), world)
-    plan = []
-    for rank in range(world):
-        local = [lengths[b].tolist() for b, o in zip(batches, owner, strict=True) if o == rank]
-        plan.append([local[s : s + grad_accum] for s in range(0, len(local), grad_accum)])
-    return plan
+    """plan[rank][step] = that step's micro-batches (lists of example lengths) on that rank,
+    sharded as the data_parallel stage does (probes.dp.shard, accelerate's even_batches)."""
+    plan = shard.rank_plans(order.size, micro, grad_accum, world)
+    return shard.map_plan(plan, lengths[order])
 
 
 def recommended_bucket(lengths: np.ndarray, micro: int, grad_accum: int, world: int) -> int:
@@ -153,13 +150,10 @@ def one_process_times(model, optimizer, shapes, vocab: int) -> dict:
 
 
 def predict(plan: list, single: dict, collective_per_step: float) -> float:
-    """Σ over steps of (max over ranks of Σ one-process micro-batch times) + optimizer + comm."""
+    """Σ over steps of (max over ranks of Σ one-process micro-batch times) + optimizer + comm
+    (probes.dp.predict.predict_epoch)."""
     per_rank = [[sum(single["micro_batch"][tuple(b)] for b in step) for step in r] for r in plan]
-    n_steps = len(per_rank[0])
-    return sum(
-        max(r[s] for r in per_rank) + single["optimizer"] + collective_per_step
-        for s in range(n_steps)
-    )
+    return dp_predict.predict_epoch(per_rank, single["optimizer"], collective_per_step)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -179,21 +173,10 @@ def worker(args: argparse.Namespace) -> None:
     plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4)
     model = build_model(args.vocab, args.hidden, args.layers)
     ddp = DistributedDataParallel(model, bucket_cap_mb=1024)
+    from probes.dp.worker import timed_allreduce_hook
+
     record: dict[str, float] = {"wait": 0.0, "collective": 0.0}
-
-    def hook(_state, bucket):
-        start = time.perf_counter()
-        dist.barrier()  # until the slowest rank's gradients are ready: this rank's wait
-        ready = time.perf_counter()
-        buffer = bucket.buffer()
-        dist.all_reduce(buffer)
-        buffer.div_(world)
-        record["wait"] += ready - start
-        record["collective"] += time.perf_counter() - ready
-        future = torch.futures.Future()
-        future.set_result(buffer)
-        return future
-
+    hook = timed_allreduce_hook(record, world)
     ddp.register_comm_hook(None, hook)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     rounds = []

@@ -22,6 +22,7 @@ STAGE_SCRIPTS = {
     "bucket": "run_bucket_sweep.py",
     "profile": "run_profile.py",
     "realize": "run_realize.py",
+    "data_parallel": "run_data_parallel.py",
     "report": "run_report.py",
 }
 # A 4-layer Gemma 3 text config (3 sliding, window 8 : 1 full) for the mask gate: config only.

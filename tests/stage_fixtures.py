@@ -678,3 +678,72 @@ def write_results(root: Path, **kwargs) -> dict[str, Path]:
     for stage in STAGES:
         write_stage(stage, paths, **kwargs)
     return paths
+
+
+def write_data_parallel(root: Path) -> dict[str, Path]:
+    """The data_parallel stage's outputs (world_size 2, gloo, CPU), for the report's measured
+    data-parallel part: rank 1 is the straggler of random batching."""
+    from probes.contracts import optional_report_inputs
+
+    paths = {
+        k: Path(v) for k, v in optional_report_inputs({"training": {"world_size": 2}}, root).items()
+    }
+    rows = [
+        {
+            "strategy": strategy,
+            "round": 0,
+            "step": step,
+            "rank": rank,
+            "step_s": 1.0 if strategy == "random" else 0.6,
+            "wait_s": 0.3 if (strategy == "random" and rank == 0) else 0.0,
+            "collective_s": 0.05,
+            "optimizer_s": 0.01,
+            "single_s": 0.6 if (strategy == "random" and rank == 0) else 0.9,
+        }
+        for strategy in ("random", "length_grouped")
+        for step in (0, 3)
+        for rank in (0, 1)
+    ]
+    write_parquet(pd.DataFrame(rows), paths["data_parallel_steps"], {})
+
+    def strategy(real, predicted, wait):
+        return {
+            "steps_measured": 2,
+            "real_s": real,
+            "predicted_s": predicted,
+            "ratio": real / predicted,
+            "within_tolerance": abs(real / predicted - 1) <= 0.1,
+            "compute_s_per_step": 0.5,
+            "wait_s_per_step": wait,
+            "collective_s_per_step": 0.05,
+            "optimizer_s": 0.01,
+            "communication_share": 0.05,
+            "straggler_wait_share": wait,
+            "real_saving_vs_random_per_step": 1 - real / 2.0,
+            "predicted_saving_vs_random_per_step": 1 - predicted / 1.92,
+        }
+
+    summary = {
+        "world_size": 2,
+        "backend": "gloo",
+        "device_type": "cpu",
+        "cpu_only": True,
+        "max_seq_len_measured": 64,
+        "tolerance": 0.1,
+        "strategies": {
+            "random": strategy(2.0, 1.92, 0.15),
+            "length_grouped": strategy(1.2, 1.92, 0.0),
+        },
+        "ranks": [
+            {
+                "rank": r,
+                "local_rank": r,
+                "hostname": "node1",
+                "device": "cpu",
+                "slurm": {"job_id": "7"},
+            }
+            for r in (0, 1)
+        ],
+    }
+    write_json(summary, paths["data_parallel_summary"])
+    return paths

@@ -49,6 +49,17 @@ for name in gemma-3-270m:.device/model/config.json gemma-3-27b:config/models/gem
     "$EVIDENCE/mask-${name%%:*}/mask/gate.json" 2>&1
 done
 
+# 3) data parallel (issue 22). On this one-GPU machine the single-GPU path above is unchanged:
+# training.world_size stays 1 and the data_parallel stage does not run. A machine with N >= 2
+# GPUs would add, on the same carried plans (NCCL, one rank per GPU, the harness's loss in DDP):
+#   python3 scripts/run_data_parallel.py --results .device/results \
+#     --set training.world_size=N --set model.path=/tmp/gemma-3-270m-random \
+#     --output steps=$EVIDENCE/dp/steps.parquet --output summary=$EVIDENCE/dp/summary.json
+# giving, per strategy, the real DDP step against max over ranks + all-reduce, the all-reduce's
+# share of the step and each rank's straggler wait. Here W=2 on NCCL is refused with one message
+# (probes.distributed: 2 CUDA devices needed, 1 present); gloo on the 16 CPU cores is what
+# bench/ddp_step.py measures without a GPU.
+
 # files back are limited (8 files, 2 folders down): one archive holds everything
 tar -czf "$OUT/evidence.tar.gz" -C "$OUT" evidence && rm -rf "$EVIDENCE"
 ls -la "$OUT"

@@ -101,6 +101,11 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
         "summary": "realize/summary.json",
         "control": "realize/control.json",
     },
+    # real DDP steps under torchrun (probes.dp.stage); only with training.world_size > 1
+    "data_parallel": {
+        "steps": "data_parallel/steps.parquet",
+        "summary": "data_parallel/summary.json",
+    },
     "report": {
         "markdown": "report/playbook-evidence.md",
         "figures": "report/figures",
@@ -110,6 +115,16 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
 }
 # The probe stages in chain order; the report reads all of their outputs.
 STAGES = ("mask", "padding", "bucket", "profile", "replay", "realize")
+# Stages that run only under a config condition: stage -> (condition, the not-run reason). The
+# report reads their outputs only when they ran (`optional_report_inputs`).
+OPTIONAL_STAGES = {"data_parallel": ("training.world_size > 1", "world_size 1")}
+
+
+def stage_enabled(stage: str, config: Mapping) -> bool:
+    """Whether an optional stage runs under `config` (a default-filled workflow config)."""
+    if stage == "data_parallel":
+        return int(config["training"].get("world_size", 1)) > 1
+    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,6 +168,12 @@ STAGE_INPUTS: dict[str, dict[str, tuple[str, str] | str]] = {
         "model_config": MODEL_CONFIG,
         "tokenizer": MODEL_TOKENIZER,
     },
+    "data_parallel": {
+        "plans": ("bucket", "plans"),
+        "recommendation": ("bucket", "recommendation"),
+        "model_config": MODEL_CONFIG,
+        "tokenizer": MODEL_TOKENIZER,
+    },
 }
 
 
@@ -166,6 +187,18 @@ def report_inputs(results_dir: str | Path = RESULTS_DIR) -> dict[str, str]:
     return {
         f"{stage}_{key}": path
         for stage in STAGES
+        for key, path in stage_outputs(stage, results_dir).items()
+    }
+
+
+def optional_report_inputs(
+    config: Mapping, results_dir: str | Path = RESULTS_DIR
+) -> dict[str, str]:
+    """`<stage>_<key>` -> path of every optional stage's output that runs under `config`."""
+    return {
+        f"{stage}_{key}": path
+        for stage in OPTIONAL_STAGES
+        if stage_enabled(stage, config)
         for key, path in stage_outputs(stage, results_dir).items()
     }
 
@@ -532,6 +565,25 @@ TABLES: dict[str, TableSpec] = {
         ("strategy", "optimizer_step_index", "time_s", "status"),
         ("run_order", "micro_batches", "computed_tokens", "micro_batch_s", "optimizer_s", "rest_s"),
     ),
+    # one row per strategy x round x sampled optimizer step x rank (probes.dp.worker): the real
+    # DDP step split into compute / wait / collective, the optimizer step, and single_s, the
+    # rank's micro-batches timed in one process without communication (the prediction's input)
+    "data_parallel_steps": TableSpec(
+        "data_parallel",
+        "Data parallel",
+        (
+            "strategy",
+            "round",
+            "step",
+            "rank",
+            "step_s",
+            "wait_s",
+            "collective_s",
+            "optimizer_s",
+            "single_s",
+        ),
+        ("n_micro_batches", "padded_tokens", "real_tokens"),
+    ),
 }
 
 CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
@@ -556,6 +608,11 @@ JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "realize_summary": ("realize", ("status", "verdicts")),
     # the virtual-clock harness of known cost: epoch time and optimizer phase within 5%
     "realize_control": ("realize", CONTROL_KEYS),
+    # per strategy real vs predicted, communication share, straggler wait; where each rank ran
+    "data_parallel_summary": (
+        "data_parallel",
+        ("world_size", "backend", "strategies", "ranks", "tolerance"),
+    ),
 }
 
 

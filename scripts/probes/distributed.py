@@ -1,6 +1,6 @@
 """Can this machine host a W-rank data-parallel job? One clear message before anything starts.
 
-Used by ``bench/ddp_step.py`` (and meant for the GPU rules once they launch under torchrun):
+Used by the data_parallel stage (``probes.dp.stage``) and ``bench/ddp_step.py``:
 gloo runs one CPU process per rank and needs a core for each (one thread per rank); NCCL needs a
 CUDA device per rank; either backend must be compiled into the installed torch.
 """

@@ -206,6 +206,24 @@ class RealizeConfig:
 
 
 @dataclass(frozen=True)
+class DataParallelCpuConfig:
+    max_seq_len: int
+    threads_per_rank: int
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    backend: str
+    steps: int
+    rounds: int
+    warmup_rounds: int
+    tolerance: float
+    timeout_s: float
+    seed: int
+    cpu: DataParallelCpuConfig
+
+
+@dataclass(frozen=True)
 class ReportConfig:
     histogram_top_sources: int
     max_recommendations: int
@@ -223,6 +241,7 @@ class WorkflowConfig:
     profile: ProfileConfig
     replay: ReplayConfig
     realize: RealizeConfig
+    data_parallel: DataParallelConfig
     report: ReportConfig
     # The validated, default-filled dict: what the provenance hashes (not compared, not typed).
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)

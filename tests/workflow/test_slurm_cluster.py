@@ -3,8 +3,9 @@
 Starts the cluster with tools/slurm/start-cluster.sh (root, Debian, apt or SLURM installed),
 runs the workflow on a tiny config so that every rule is a SLURM job, and checks from the run's
 own records that only the GPU rules (`profile`, `replay`, `realize`) were submitted with a GPU
-request and that the profile ran on the GPU SLURM gave it. Skipped without root/apt/SLURM, unless
-PROBES_REQUIRE_SLURM=1 (then it fails).
+request and that the profile ran on the GPU SLURM gave it; and the data_parallel rule at
+world_size 2 on CPU as one job (2 cores, one task, no GPU) in which torchrun runs both ranks.
+Skipped without root/apt/SLURM, unless PROBES_REQUIRE_SLURM=1 (then it fails).
 PROBES_SLURM_KEEP=1 leaves the cluster running afterwards.
 """
 
@@ -192,3 +193,36 @@ def test_workflow_on_slurm_gpu_request_only_for_profile(
     # Only SLURM sets it (the submitting environment had none): the GPU reached the job.
     assert slurm["cuda_visible_devices"] == "0"
     assert (workdir / "results" / "report" / "playbook-evidence.md").is_file()
+
+
+def test_data_parallel_two_cpu_ranks_as_one_slurm_job(
+    slurm_cluster, tiny_model_dir, tmp_path, record_property
+):
+    """training.world_size 2 on CPU: the data_parallel rule is one SLURM job (no GPU, 2 cores,
+    one task) in which torchrun starts two gloo ranks; each rank records the job it ran in."""
+    workdir = copy_workflow(tmp_path / "workflow")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"files": [{"path": str(data)}]},
+        "training": {**TINY_CONFIG["training"], "world_size": 2},
+        "profile": {"device": "cpu"},
+        "data_parallel": {"steps": 2, "rounds": 1, "warmup_rounds": 1, "cpu": {"max_seq_len": 32}},
+    }
+    (workdir / "dp.yaml").write_text(yaml.safe_dump(config))
+
+    wall_s, log = run_under_slurm(workdir, "data_parallel", "--configfile", "dp.yaml")
+    record_property("slurm_data_parallel_wall_s", round(wall_s, 1))
+    print(f"data_parallel under SLURM: {wall_s:.1f} s")
+
+    cpu_rules = {"mask", "padding", "bucket_sweep", "data_parallel"}
+    jobs = assert_gpu_only_for(set(), cpu_rules, log)
+    options = sbatch_options(log)["data_parallel"]
+    assert "--cpus-per-task=2" in options and "--ntasks=1" in options, options
+    summary = json.loads((workdir / "results" / "data_parallel" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["backend"] == "gloo"
+    ranks = sorted(summary["ranks"], key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for rank in ranks:
+        assert rank["slurm"]["job_id"] == jobs["data_parallel"], "both ranks ran in its job"
+        assert rank["slurm"]["node"] and rank["hostname"] and rank["device"] == "cpu"

@@ -1,4 +1,5 @@
-"""The cluster profile asks for a GPU for the GPU rules (`profile`, `replay`, `realize`) only;
+"""The cluster profile asks for a GPU for the GPU rules (`profile`, `replay`, `realize`) only,
+and for W GPUs and W cores in one task for `data_parallel` when training.world_size = W > 1;
 locally `--resources gpu=1` keeps GPU jobs from overlapping on one card. No SLURM needed: see
 test_slurm_cluster.py for the real one."""
 
@@ -8,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -31,8 +33,10 @@ SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 def test_cluster_profile_uses_slurm_and_asks_for_a_gpu_for_gpu_rules_only():
     profile = yaml.safe_load(CLUSTER_PROFILE.read_text())
     assert profile["executor"] == "slurm"
-    assert set(profile["set-resources"]) == GPU_RULES, "only the GPU rules are set here"
+    assert set(profile["set-resources"]) == GPU_RULES | {"data_parallel"}
     assert all(profile["set-resources"][rule]["gpu"] == 1 for rule in GPU_RULES)
+    # its GPU count depends on training.world_size: the rule says it, a fixed one here would win
+    assert not GPU_KEYS & set(profile["set-resources"]["data_parallel"])
     assert not GPU_KEYS & set(profile["default-resources"]), "CPU stages must ask for no GPU"
     assert {"runtime", "mem_mb"} <= set(profile["default-resources"])
 
@@ -48,8 +52,8 @@ def test_workflow_profile_does_not_replace_the_cluster_resources(path):
     assert "default-resources" not in profile
 
 
-def dry_run_resources(args: list[str], cwd: Path) -> dict[str, str]:
-    """rule name -> its `resources:` line, from a dry run's job listing."""
+def dry_run_resources(args: list[str], cwd: Path, key: str = "resources") -> dict[str, str]:
+    """rule name -> its `resources:` (or `threads:`) line, from a dry run's job listing."""
     result = subprocess.run(
         [*SNAKEMAKE, "--dry-run", *args], cwd=cwd, capture_output=True, text=True, timeout=300
     )
@@ -58,7 +62,7 @@ def dry_run_resources(args: list[str], cwd: Path) -> dict[str, str]:
     for line in (result.stdout + result.stderr).splitlines():
         if match := re.match(r"(?:local)?rule (\w+):$", line):
             rule = match.group(1)
-        elif rule and (match := re.match(r"\s+resources: (.*)$", line)):
+        elif rule and (match := re.match(rf"\s+{key}: (.*)$", line)):
             resources[rule] = match.group(1)
     return resources
 
@@ -79,6 +83,66 @@ def test_dry_run_under_the_cluster_profile_requests_a_gpu_for_gpu_rules_only(tmp
             assert names.get("gpu") == "1", line
         else:
             assert not GPU_KEYS & set(names), f"rule {rule} asks for a GPU: {line}"
+
+
+class Resources(dict):
+    """A job's resources as the SLURM plugin reads them (`.get` and attributes)."""
+
+    __getattr__ = dict.get
+
+
+def sbatch_options(resources: dict, threads: int) -> str:
+    """The sbatch options snakemake-executor-plugin-slurm builds for a job with these resources
+    (its own get_submit_command and set_gres_string, no cluster needed)."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    job = types.SimpleNamespace(resources=Resources(resources), threads=threads)
+    params = {
+        "run_uuid": "u",
+        "slurm_logfile": "log",
+        "comment_str": "rule_data_parallel",
+        "account": "",
+        "partition": "",
+        "workdir": "",
+    }
+    return get_submit_command(job, params) + set_gres_string(job)
+
+
+@pytest.mark.parametrize(
+    ("device", "gpus"), [("auto", "2"), ("cpu", None)], ids=["gpu run", "cpu run"]
+)
+def test_data_parallel_asks_for_w_gpus_and_w_cores_in_one_task(tmp_path, device, gpus):
+    pytest.importorskip("snakemake_executor_plugin_slurm")
+    workdir = tmp_path / "repo"
+    copy_workflow(workdir)
+    (workdir / "dp.yaml").write_text(
+        yaml.safe_dump({"training": {"world_size": 2}, "profile": {"device": device}})
+    )
+    args = ["report", "--profile", "config/profiles/slurm", "--configfile", "dp.yaml"]
+    # the workflow profile's local `resources: gpu=1` caps every job's gpu (the cluster profile
+    # cannot lift it): a W-GPU job needs --resources gpu=W on the command line, last
+    capped = resource_names(dry_run_resources(args, workdir)["data_parallel"])
+    assert capped.get("gpu", "0") == ("1" if gpus else "0")
+    args += ["--resources", "gpu=2"]
+    resources = resource_names(dry_run_resources(args, workdir)["data_parallel"])
+    threads = int(dry_run_resources(args, workdir, key="threads")["data_parallel"])
+    assert threads == 2
+    assert resources.get("gpu", "0") == (gpus or "0")
+    options = sbatch_options({k: int(v) if v.isdigit() else v for k, v in resources.items()}, 2)
+    assert "--cpus-per-task=2" in options
+    assert "--ntasks-per-gpu" not in options, "W tasks would run the job W times"
+    if gpus:
+        assert f"--gpus={gpus}" in options
+    else:
+        assert "--gpus" not in options and "--ntasks=1" in options
+
+
+def test_world_size_1_submits_no_data_parallel_job(tmp_path):
+    workdir = tmp_path / "repo"
+    copy_workflow(workdir)
+    resources = dry_run_resources(["--profile", "config/profiles/slurm", "report"], workdir)
+    assert "report" in resources and "data_parallel" not in resources
 
 
 # Two GPU rules that are ready at the same time, on two cores. In "serial" mode each takes a

@@ -1,7 +1,12 @@
 from snakemake.utils import min_version, validate
 
 from probes.config import check_config_paths, stage_inputs
-from probes.contracts import report_inputs, stage_outputs
+from probes.contracts import (
+    optional_report_inputs,
+    report_inputs,
+    stage_enabled,
+    stage_outputs,
+)
 
 min_version("8.20")
 
@@ -18,3 +23,13 @@ def out(stage, key):
     the upstream rule even under `--allowed-rules`, which users rely on to rerun one stage.
     """
     return stage_outputs(stage)[key]
+
+
+def dp_ranks(config):
+    """training.world_size: the data_parallel job's ranks (one core each on CPU)."""
+    return int(config["training"]["world_size"])
+
+
+def dp_gpus(config):
+    """GPUs the data_parallel job asks for: one per rank, none when profile.device is cpu."""
+    return 0 if config["profile"]["device"] == "cpu" else dp_ranks(config)

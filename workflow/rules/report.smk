@@ -2,6 +2,8 @@ rule report:
     input:
         # every probe output, keyed <stage>_<key> (probes.contracts.report_inputs)
         **report_inputs(),
+        # data_parallel's outputs only when training.world_size > 1
+        **optional_report_inputs(config),
         # from the workflow source, not the working directory (--directory elsewhere)
         template=workflow.source_path("../templates/playbook-evidence.md.j2"),
     output:

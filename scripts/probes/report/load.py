@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from probes.contracts import JSONS, TABLES, report_inputs
+from probes.contracts import JSONS, OPTIONAL_STAGES, TABLES, report_inputs
 from probes.errors import ProbeError
 from probes.io import read_json, read_parquet, read_provenance
 
@@ -75,7 +75,16 @@ def load_inputs(paths: Mapping[str, str | Path]) -> dict[str, Any]:
     if missing:
         raise ReportInputError(f"report inputs missing: {sorted(missing)}")
     jsons: dict[str, Any] = {}
-    for name in JSONS:
+    # an optional stage that did not run under this config (e.g. data_parallel at world_size 1)
+    skipped = {
+        stage: reason
+        for stage, (_, reason) in OPTIONAL_STAGES.items()
+        if not any(key.startswith(f"{stage}_") for key in paths)
+    }
+    for name, (stage, _) in JSONS.items():
+        if stage in skipped:
+            jsons[name] = {"status": NOT_RUN, "reason": skipped[stage]}
+            continue
         path = Path(paths[name])
         try:
             jsons[name] = read_json(path)
@@ -93,6 +102,9 @@ def load_inputs(paths: Mapping[str, str | Path]) -> dict[str, Any]:
     tables: dict[str, pd.DataFrame] = {}
     provenance: dict[str, dict[str, Any]] = {}
     for name, spec in TABLES.items():
+        if spec.stage in skipped:
+            tables[name] = pd.DataFrame(columns=list(spec.required))
+            continue
         path = Path(paths[name])
         if not path.exists():
             raise ReportInputError(f"{path}: not found; run the {spec.stage} stage.")

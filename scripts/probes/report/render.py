@@ -33,6 +33,7 @@ from probes.report.sections.bucket import bucket_section
 from probes.report.sections.ce import ce_section
 from probes.report.sections.controls import controls_section
 from probes.report.sections.data_parallel import data_parallel_section
+from probes.report.sections.data_parallel_measured import data_parallel_measured_section
 from probes.report.sections.kernels import kernels_section
 from probes.report.sections.mask import mask_section
 from probes.report.sections.padding import padding_section
@@ -74,6 +75,7 @@ def build_context(
         "kernels": kernels_section(tables, not_run, jsons),
         "bucket": bucket_section(tables, not_run, jsons),
         "data_parallel": data_parallel_section(tables, not_run, jsons),
+        "data_parallel_measured": data_parallel_measured_section(tables, not_run, jsons),
         "apply": apply_section(recommendations_document, tables, not_run),
         "mask": mask,
         "controls": controls_section(jsons, not_run),

@@ -398,7 +398,9 @@ def test_many_sources_show_top_n_and_other(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(TABLES))
 def test_missing_column_fails_naming_file_and_column(tmp_path, name):
-    paths = write_results(tmp_path)
+    from stage_fixtures import write_data_parallel
+
+    paths = {**write_results(tmp_path), **write_data_parallel(tmp_path)}
     frame = pd.read_parquet(paths[name])
     dropped = TABLES[name].required[-1]
     write_parquet(frame.drop(columns=[dropped]), paths[name], {})
@@ -571,7 +573,8 @@ def test_script_help_and_standalone_render(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "results/report/figures/lengths.png").is_file()
-    assert "stages not run: ['profile', 'realize', 'replay']" in log.read_text()
+    # data_parallel: world_size 1 (the default)
+    assert "stages not run: ['data_parallel', 'profile', 'realize', 'replay']" in log.read_text()
     assert CANARY not in done.stdout + done.stderr + log.read_text()
 
 
@@ -839,3 +842,23 @@ def test_the_report_shows_the_disagreement_and_the_summary_says_not_confirmed(
     assert "**Disagreement:**" in text
     summary = section(rendered_disagreement, "Summary")
     assert "**Not confirmed:** real training steps of Pack" in summary
+
+
+def test_data_parallel_at_world_size_1_is_a_not_run_line(rendered):
+    bucketing = section(rendered[0], "Bucketing")
+    assert "### Data parallel, measured under torchrun" in bucketing
+    assert "**Not run.** world_size 1" in bucketing
+
+
+def test_data_parallel_measured_table_and_where_ranks_ran(tmp_path):
+    from stage_fixtures import write_data_parallel
+
+    paths = {**write_results(tmp_path / "results"), **write_data_parallel(tmp_path / "results")}
+    out = tmp_path / "results" / "report" / "playbook-evidence.md"
+    run_report(paths, out)
+    bucketing = section(out.read_text(), "Bucketing")
+    assert "W = 2 ranks\n(gloo, CPU, lengths capped at 64 tokens" in bucketing
+    rows = [line for line in bucketing.splitlines() if line.startswith(("| random", "| length_"))]
+    assert rows[-2].startswith("| random | 1 s | 960 ms | 1.042 | 500 ms | 150 ms | 50 ms |")
+    assert rows[-1].startswith("| length_grouped | 600 ms | 960 ms | 0.625 (outside) |")
+    assert "rank 1 (local 1) on node1, cpu, SLURM job 7" in bucketing

@@ -1,0 +1,261 @@
+"""The data_parallel stage: real DDP steps of random batching and the recommended strategy under
+``torchrun --nproc_per_node W``, against the prediction from one-process timings.
+
+Runs only when ``training.world_size > 1`` (the rule is left out of the DAG otherwise; the report
+says "world_size 1"). gloo on CPU (one thread per rank), NCCL on CUDA. Each rank runs its shard
+(``probes.dp.shard``, accelerate's sharding) of a sample of optimizer steps of the bucket stage's
+plans; ``probes.dp.worker`` measures, ``probes.dp.predict`` predicts and decomposes. A rank that
+dies, or a launch that fails, is one ProbeError naming the rank and its last error line; nothing
+is written then.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from probes.batching import plans as pl
+from probes.contracts import LENGTH_GROUPED, RANDOM, STAGE_OUTPUTS
+from probes.dp import predict, shard
+from probes.errors import ProbeError
+from probes.io import read_json, run_metadata
+from probes.settings import WorkflowConfig
+from probes.stage import all_or_nothing
+
+LOG = logging.getLogger("probes.dp")
+OUTPUT_KEYS = tuple(STAGE_OUTPUTS["data_parallel"])
+WORKER = Path(__file__).resolve().parent / "worker.py"
+SCRIPTS_DIR = Path(__file__).resolve().parents[2]
+
+
+class DataParallelError(ProbeError, RuntimeError):
+    """The data-parallel job cannot run or a rank failed; nothing was written."""
+
+
+def backend_for(requested: str, device_type: str) -> str:
+    """auto: NCCL on CUDA, gloo on CPU."""
+    if requested != "auto":
+        return requested
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def measured_strategies(plans: pd.DataFrame) -> list[str]:
+    """random and length grouping at the recommended bucket size (the plans' length_grouped):
+    padded micro-batches both, which the worker builds."""
+    return [s for s in (RANDOM, LENGTH_GROUPED) if s in set(plans["strategy"])]
+
+
+def strategy_units(plans: pd.DataFrame, strategy: str, cap: int | None) -> tuple[list, list]:
+    """The strategy's examples (lengths, loss tokens) in its single-process order, each length
+    capped at `cap` when given (a CPU run)."""
+    rows = plans[plans["strategy"] == strategy].sort_values("micro_batch_index")
+    lengths = [int(v) for row in rows["example_lengths"] for v in row]
+    loss = [int(v) for row in rows["example_loss_tokens"] for v in row]
+    if cap:
+        lengths = [min(v, cap) for v in lengths]
+        loss = [min(lo, max(v - 1, 0)) for lo, v in zip(loss, lengths, strict=True)]
+    return lengths, loss
+
+
+def job_strategies(
+    plans: pd.DataFrame,
+    strategies: list[str],
+    micro: int,
+    grad_accum: int,
+    world: int,
+    n_steps: int,
+    cap: int | None,
+) -> tuple[dict[str, Any], dict[str, list[int]], dict[str, int]]:
+    """Per strategy: job[rank][sampled step][k] = {"lengths", "loss"}; the sampled step indices;
+    the epoch's optimizer steps."""
+    job, indices, total = {}, {}, {}
+    for name in strategies:
+        lengths, loss = strategy_units(plans, name, cap)
+        plan = shard.rank_plans(len(lengths), micro, grad_accum, world)
+        total[name] = shard.common_steps(plan)
+        indices[name] = shard.sample_steps(total[name], n_steps)
+        by_length, by_loss = shard.map_plan(plan, lengths), shard.map_plan(plan, loss)
+        job[name] = [
+            [
+                [
+                    {"lengths": a, "loss": b}
+                    for a, b in zip(by_length[r][s], by_loss[r][s], strict=True)
+                ]
+                for s in indices[name]
+            ]
+            for r in range(world)
+        ]
+    return job, indices, total
+
+
+def launch(job: dict[str, Any], world: int, threads: int, timeout_s: float) -> list[dict]:
+    """torchrun the worker; every rank's result, or DataParallelError naming the failed rank."""
+    out = Path(job["out_dir"])
+    job_path = out / "job.json"
+    job_path.write_text(json.dumps(job))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={world}",
+        str(WORKER),
+        str(job_path),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(SCRIPTS_DIR), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    LOG.info("launching %s", " ".join(command[2:]))
+    try:
+        result = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired as error:
+        raise DataParallelError(
+            f"data_parallel: torchrun with {world} ranks did not finish within "
+            f"data_parallel.timeout_s={timeout_s:.0f} s; raise it or sample fewer steps "
+            "(data_parallel.steps). No output written."
+        ) from error
+    # in the order the ranks failed: the first is the cause
+    failed = sorted(out.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
+    errors = [(int(p.stem.removeprefix("rank")), p.read_text()) for p in failed]
+    results = [out / f"rank{r}.json" for r in range(world)]
+    if result.returncode != 0 or errors or not all(p.is_file() for p in results):
+        raise DataParallelError(
+            predict.failed_rank_message(errors, result.returncode, result.stderr[-4000:], world)
+        )
+    return [json.loads(p.read_text()) for p in results]
+
+
+def summarise(
+    records: pd.DataFrame, strategies: list[str], tolerance: float
+) -> dict[str, dict[str, Any]]:
+    out = {}
+    for name in strategies:
+        rows = records[records["strategy"] == name]
+        optimizer_s = float(statistics.median(rows["optimizer_s"]))
+        out[name] = predict.strategy_summary(rows.to_dict("records"), optimizer_s, tolerance)
+    if RANDOM in out:
+        for values in out.values():
+            # the same sampled steps' share: real and predicted savings against random
+            values["real_saving_vs_random_per_step"] = predict.saving(
+                out[RANDOM]["real_s"] / out[RANDOM]["steps_measured"],
+                values["real_s"] / values["steps_measured"],
+            )
+            values["predicted_saving_vs_random_per_step"] = predict.saving(
+                out[RANDOM]["predicted_s"] / out[RANDOM]["steps_measured"],
+                values["predicted_s"] / values["steps_measured"],
+            )
+    return out
+
+
+def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
+    """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
+    from probes.distributed import check_launch
+    from probes.step.dtype import resolve_dtype
+    from probes.step.runner import resolve_device
+
+    started = time.perf_counter()
+    raw = cfg.raw
+    dp_cfg, training, profile = raw["data_parallel"], raw["training"], raw["profile"]
+    world = int(training["world_size"])
+    if world < 2:
+        raise DataParallelError(
+            f"data_parallel: training.world_size is {world}; the stage measures data-parallel "
+            "steps and runs only with training.world_size > 1."
+        )
+    try:
+        device = resolve_device(profile["device"], profile["allow_cpu"])
+    except ProbeError as error:
+        raise DataParallelError(f"data_parallel: {error}") from error
+    cpu_only = device.type != "cuda"
+    backend = backend_for(dp_cfg["backend"], device.type)
+    check_launch(world, backend)
+    dtype, dtype_reason = resolve_dtype(profile["dtype"], device.type)
+    cap = int(dp_cfg["cpu"]["max_seq_len"]) if cpu_only else None
+    threads = int(dp_cfg["cpu"]["threads_per_rank"]) if cpu_only else 1
+    plans = pl.read_plans(inputs["plans"])
+    strategies = measured_strategies(plans)
+    bucket_size = pl.recommended_bucket_size(read_json(inputs["recommendation"]))
+    micro, grad_accum = int(training["micro_batch_size"]), int(training["grad_accum"])
+    job_plans, indices, total = job_strategies(
+        plans, strategies, micro, grad_accum, world, int(dp_cfg["steps"]), cap
+    )
+    LOG.info(
+        "data_parallel: W=%d %s on %s, strategies %s, sampled steps %s of %s",
+        world,
+        backend,
+        device.type,
+        strategies,
+        {k: len(v) for k, v in indices.items()},
+        total,
+    )
+    with tempfile.TemporaryDirectory(prefix="probes-dp-") as tmp:
+        job = {
+            "out_dir": tmp,
+            "model_path": str(Path(inputs["tokenizer"][0]).parent),
+            "profile": {
+                key: profile[key]
+                for key in ("harness", "harness_options", "attn_implementation", "ce_chunk_tokens")
+            },
+            "dtype": dtype,
+            "dtype_reason": dtype_reason,
+            "device_type": device.type,
+            "backend": backend,
+            "threads_per_rank": threads,
+            "timeout_s": float(dp_cfg["timeout_s"]),
+            "seed": int(dp_cfg["seed"]),
+            "rounds": int(dp_cfg["rounds"]),
+            "warmup_rounds": int(dp_cfg["warmup_rounds"]),
+            "strategies": job_plans,
+            "step_indices": indices,
+        }
+        results = launch(job, world, threads, float(dp_cfg["timeout_s"]))
+    records = pd.DataFrame([r for result in results for r in result["records"]])
+    tolerance = float(dp_cfg["tolerance"])
+    summary = {
+        "world_size": world,
+        "backend": backend,
+        "device_type": device.type,
+        "cpu_only": cpu_only,
+        "dtype": dtype,
+        "dtype_reason": dtype_reason,
+        "threads_per_rank": threads,
+        "max_seq_len_measured": cap or int(training["max_seq_len"]),
+        "tolerance": tolerance,
+        "rounds": int(dp_cfg["rounds"]),
+        "bucket_size_batches": bucket_size,
+        "epoch_steps": total,
+        "sampled_steps": indices,
+        "strategies": summarise(records, strategies, tolerance),
+        "ranks": [result["where"] for result in results],
+        "harness": results[0]["harness"],
+        "prediction": "max over ranks of one-process micro-batch time + optimizer + collective",
+        "wall_s": time.perf_counter() - started,
+    }
+    provenance = {**run_metadata(dict(raw)), "world_size": world, "backend": backend}
+    with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
+        out.parquet("steps", records, provenance)
+        out.json("summary", summary)
+    LOG.info(
+        "data_parallel: %s",
+        {
+            k: (round(v["real_s"], 3), round(v["predicted_s"], 3), round(v["ratio"], 3))
+            for k, v in summary["strategies"].items()
+        },
+    )

@@ -1,0 +1,33 @@
+# Data parallel (issue 22): real DDP steps under torchrun, W = training.world_size ranks, each its
+# shard of random's and the recommended strategy's micro-batches. Only when world_size > 1; the
+# report then reads its outputs (probes.contracts.optional_report_inputs), else says
+# "world_size 1". One job holds all W ranks: gpu=W on a GPU run (none when profile.device is
+# cpu: gloo ranks on CPU cores), threads W (one core per rank, the plugin's --cpus-per-task), one SLURM task running
+# torchrun --nproc_per_node W. The workflow profile's `resources: gpu=1` caps a job's gpu: a W-GPU
+# run passes --resources gpu=W (last on the command line).
+if stage_enabled("data_parallel", config):
+
+    rule data_parallel:
+        input:
+            **stage_inputs("data_parallel", config),
+        output:
+            steps=out("data_parallel", "steps"),
+            summary=out("data_parallel", "summary"),
+        log:
+            "logs/data_parallel.log",
+        benchmark:
+            "benchmarks/data_parallel.tsv"
+        conda:
+            "../envs/probes.yaml"
+        threads: dp_ranks(config)
+        resources:
+            # no `tasks`: on a GPU job the SLURM plugin turns it into --ntasks-per-gpu (W srun
+            # copies of the job); sbatch's default of one task is what torchrun needs
+            gpu=dp_gpus(config),
+        params:
+            # the config sections the stage reads: a change reruns it
+            data_parallel=config["data_parallel"],
+            profile=config["profile"],
+            training=config["training"],
+        script:
+            "../../scripts/run_data_parallel.py"
