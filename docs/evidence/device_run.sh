@@ -32,10 +32,10 @@ print("built", type(model).__name__, sum(p.numel() for p in model.parameters()),
 PY
 
 # 0) the CUDA-only tests (backend confirmation against what torch dispatched)
-python3 -m pytest -q -p no:cacheprovider tests/test_mask_backend.py 2>&1 | tail -5 \
+python3 -m pytest -q -p no:cacheprovider tests/unit/mask/test_backend.py 2>&1 | tail -5 \
   | tee "$EVIDENCE/pytest_mask_backend.txt"
 
-# 1) profile + replay + report, on the random-init model with the CPU run's lengths and plans
+# 1) profile + replay + realize + report, on the random-init model with the CPU run's lengths and plans
 OUT="$EVIDENCE/gpu-run" MODEL=/tmp/gemma-3-270m-random RESULTS=.device/results \
   bash docs/evidence/run_gpu_profile.sh 2>&1 | tee "$EVIDENCE/gpu_console.txt"
 
