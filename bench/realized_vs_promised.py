@@ -1,0 +1,483 @@
+"""Benchmark (the headline figure): the saving the replay promises against the saving whole epochs
+of the real ``transformers.Trainer`` realize, with exactly the settings recommendations.json emits.
+
+Data: a seeded subset (``--examples``) of the padding stage's real lengths (``--lengths``, with
+its loss-token counts), every length capped at ``--cap`` so a CPU epoch takes seconds. Model: a
+small random-init Llama (real architecture, ``build_model``), float32 on CPU, one thread.
+
+1. **Promised**: the replay stage itself (``probes.replay.stage.run_replay``: positive control,
+   scaling fit, instrument CV, sequential GREG design, coverage control) on the same model saved to
+   a temporary directory, the same subset's plans, the same device, with the harness
+   ``bench/trainer_harness.py`` (what a plain Trainer does: full fine-tuning, AdamW, the model's
+   own loss). Its estimates go through ``probes.apply`` (``recommendations_document`` and
+   ``order_changes``, as the report builds recommendations.json) to each change's promised saving
+   and 95% interval.
+2. **Realized**: for the baseline and every change whose settings paste into
+   ``transformers.Trainer`` (its ``training_arguments``; the drop-in
+   ``probes.sampler.length_grouped_trainer`` where the change names it; the data filter of
+   ``drop_no_loss_examples``), one whole epoch per run, timed by the Trainer's own
+   ``train_runtime``; ``--repeats`` rounds, the configurations in a new seeded order each round so
+   drift is shared. Realized saving = 1 − T_change / T_random, per round (the spread is the
+   standard deviation over rounds) and of the mean times.
+
+Prints the table (change | promised [95% CI] | realized mean ± sd | within ±5 pp | inside CI) and,
+to say why they differ, each configuration's replayed and realized epoch seconds and the Trainer's
+extra seconds per optimizer step. ``--out`` also writes the table as markdown. No timing is
+asserted.
+
+    python bench/realized_vs_promised.py --lengths results/padding/lengths.parquet \
+        --recommendation results/bucket/recommendation.json [--quick] [--out table.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from trainer_harness import LEARNING_RATE  # noqa: E402
+
+from probes.apply.document import order_changes, recommendations_document  # noqa: E402
+from probes.batching import plans as pl  # noqa: E402
+from probes.contracts import STAGE_OUTPUTS, TRAINING_STATUSES  # noqa: E402
+from probes.report.sections.replay import change_measurement  # noqa: E402
+
+IGNORE_INDEX = -100
+VOCAB = 512
+HARNESS = REPO / "bench" / "trainer_harness.py"
+TOLERANCE_PP = 5.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Data, model, settings
+# ---------------------------------------------------------------------------------------------
+
+
+def load_subset(path: Path, n: int, cap: int, seed: int) -> pl.PlanExamples:
+    """A seeded subset of the training examples, lengths (and loss tokens) capped at `cap`."""
+    frame = pd.read_parquet(path, columns=["example_id", "status", "n_tokens", "n_loss_tokens"])
+    used = frame.loc[frame["status"].astype(str).isin(TRAINING_STATUSES)].reset_index(drop=True)
+    rng = np.random.default_rng(seed)
+    picked = np.sort(rng.choice(len(used), size=min(n, len(used)), replace=False))
+    part = used.iloc[picked]
+    lengths = np.minimum(part["n_tokens"].to_numpy(np.int64), cap)
+    loss = pd.to_numeric(part["n_loss_tokens"], errors="coerce").fillna(0).to_numpy(np.int64)
+    return pl.PlanExamples(
+        part["example_id"].astype(str).to_numpy(object), lengths, np.clip(loss, 0, lengths)
+    )
+
+
+def build_model(max_len: int, hidden: int) -> Any:
+    """A small Llama, random init (seed 0): real architecture, seconds per CPU epoch."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(max_len, 64),
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.config.use_cache = False
+    return model
+
+
+def subset_recommendation(rec: dict[str, Any], examples: pl.PlanExamples) -> dict[str, Any]:
+    """The bucket stage's recommendation with its input counts those of the subset (the
+    recommended bucket size and sweep points are the full data's)."""
+    out = copy.deepcopy(rec)
+    out["input"] = {
+        **(out.get("input") or {}),
+        "examples_used": int(examples.lengths.size),
+        "real_tokens": int(examples.lengths.sum()),
+    }
+    out["batch_shapes"] = {
+        **(out.get("batch_shapes") or {}),
+        "padded_length_max": int(examples.lengths.max()),
+    }
+    return out
+
+
+def training_section(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "micro_batch_size": args.micro_batch_size,
+        "grad_accum": args.grad_accum,
+        "max_seq_len": args.cap,
+        "loss_on": "assistant",
+        "world_size": 1,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Promised: the replay stage on the same model, data and device
+# ---------------------------------------------------------------------------------------------
+
+
+def run_promised(
+    work: Path, examples: pl.PlanExamples, rec: dict[str, Any], args: argparse.Namespace
+) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
+    from probes.config import load_config
+    from probes.replay.stage import run_replay
+
+    model_dir = work / "model"
+    build_model(int(examples.lengths.max()), args.hidden).save_pretrained(model_dir)
+    plans = pl.build_plans(
+        examples,
+        args.micro_batch_size,
+        args.grad_accum,
+        args.cap,
+        pl.recommended_bucket_size(rec),
+        seed=args.seed,
+    )
+    plans.to_parquet(work / "plans.parquet")
+    # no packed scenario checked: the replay marks packing invalid and does not time it (the
+    # plain Trainer has no packing setting; TRL's is benchmarked only where trl is installed)
+    (work / "gate.json").write_text(json.dumps({"scenarios": []}))
+    inputs = {
+        "plans": work / "plans.parquet",
+        "lengths": args.lengths,
+        "recommendation": args.recommendation,
+        "gate": work / "gate.json",
+    }
+    outputs = {key: work / Path(rel).name for key, rel in STAGE_OUTPUTS["replay"].items()}
+    cfg = load_config()
+    cfg["training"] = training_section(args)
+    cfg["profile"].update(
+        harness=str(HARNESS), dtype="float32", device="cpu", allow_cpu=True, harness_options={}
+    )
+    cfg["replay"]["cpu"].update(max_seq_len=args.cap, threads=1, budget_s=args.budget_s)
+    summary = run_replay(inputs, outputs, cfg, model_dir, progress=False)
+    return pd.read_parquet(outputs["estimates"]), plans, summary
+
+
+def promised_changes(
+    rec: dict[str, Any], args: argparse.Namespace, examples: pl.PlanExamples, estimates
+) -> dict[str, Any]:
+    """recommendations.json for the subset, with the replay's measured saving per change."""
+    no_loss = int((examples.loss_tokens == 0).sum())
+    document = recommendations_document(rec, training_section(args), no_loss_examples=no_loss)
+    tables = {"replay_estimates": estimates}
+    measurements = {
+        i: change_measurement(change, tables, {})
+        for i, change in enumerate(document["changes"])
+        if change.get("applies")
+    }
+    return order_changes(document, measurements)
+
+
+# ---------------------------------------------------------------------------------------------
+# Realized: whole epochs of the real Trainer with the emitted settings
+# ---------------------------------------------------------------------------------------------
+
+
+class Examples:
+    """Tokenised examples: random ids, the real lengths; labels on the last `loss` tokens (the
+    assistant turn), -100 on the prompt."""
+
+    def __init__(self, rows: list[dict[str, list[int]]]) -> None:
+        self.rows = rows
+
+    @classmethod
+    def from_plan(cls, examples: pl.PlanExamples, seed: int) -> Examples:
+        rng = np.random.default_rng(seed)
+        rows = []
+        for n, loss in zip(examples.lengths, examples.loss_tokens, strict=True):
+            ids = rng.integers(1, VOCAB, size=int(n)).tolist()
+            labels = [IGNORE_INDEX] * (int(n) - int(loss)) + ids[int(n) - int(loss) :]
+            rows.append({"input_ids": ids, "labels": labels})
+        return cls(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.rows[index]
+
+    def filter(self, keep: Any) -> Examples:
+        return Examples([row for row in self.rows if keep(row)])
+
+
+def collate(features: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """Right padding to the micro-batch's longest row (as the replay's padded batches)."""
+    import torch
+
+    width = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros((len(features), width), dtype=torch.long)
+    labels = torch.full((len(features), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, f in enumerate(features):
+        n = len(f["input_ids"])
+        ids[row, :n] = torch.tensor(f["input_ids"])
+        labels[row, :n] = torch.tensor(f["labels"])
+        mask[row, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def keep_example(example: dict[str, list[int]]) -> bool:
+    """The filter recommendations.json's drop_no_loss_examples snippet pastes."""
+    return any(label != IGNORE_INDEX for label in example["labels"])
+
+
+def run_epoch(
+    name: str,
+    change: dict[str, Any] | None,
+    base_kwargs: dict[str, Any],
+    data: Examples,
+    args: argparse.Namespace,
+) -> dict[str, float]:
+    import transformers
+
+    from probes.sampler import length_grouped_trainer
+
+    kwargs = dict(change["training_arguments"]) if change else dict(base_kwargs)
+    dataset = data.filter(keep_example) if name == "drop_no_loss_examples" else data
+    with tempfile.TemporaryDirectory() as out:
+        training_args = transformers.TrainingArguments(
+            output_dir=out,
+            num_train_epochs=1,
+            learning_rate=LEARNING_RATE,
+            seed=args.seed,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            **kwargs,
+        )
+        common = {
+            "model": build_model(args.cap, args.hidden),
+            "args": training_args,
+            "train_dataset": dataset,
+            "data_collator": collate,
+        }
+        sampler = (change or {}).get("sampler")
+        if sampler:
+            trainer = length_grouped_trainer(transformers.Trainer)(
+                **common, bucket_size_batches=int(sampler["kwargs"]["bucket_size_batches"])
+            )
+        else:
+            trainer = transformers.Trainer(**common)
+        metrics = trainer.train().metrics
+        return {
+            "train_runtime": float(metrics["train_runtime"]),
+            "optimizer_steps": int(trainer.state.global_step),
+        }
+
+
+def trainer_changes(document: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Changes whose settings paste into transformers.Trainer, and why each other one is out."""
+    runnable, skipped = [], []
+    for change in document["changes"]:
+        if not change.get("applies"):
+            skipped.append(f"{change['id']}: does not apply ({change.get('reason')})")
+        elif change.get("training_arguments") is None:
+            skipped.append(f"{change['id']}: no TrainingArguments (TRL only)")
+        else:
+            runnable.append(change)
+    return runnable, skipped
+
+
+def run_realized(
+    document: dict[str, Any], data: Examples, args: argparse.Namespace
+) -> dict[str, list[dict[str, float]]]:
+    changes, _ = trainer_changes(document)
+    configs: list[tuple[str, dict[str, Any] | None]] = [(pl.BASELINE, None)]
+    configs += [(c["id"], c) for c in changes]
+    base_kwargs = document["baseline"]["training_arguments"]
+    # one untimed epoch first: the process's first Trainer pays one-time costs
+    run_epoch(pl.BASELINE, None, base_kwargs, Examples(data.rows[: max(len(data) // 4, 16)]), args)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in configs}
+    rng = np.random.default_rng(args.seed + 11)
+    for repeat in range(args.repeats):
+        for i in rng.permutation(len(configs)):
+            name, change = configs[i]
+            result = run_epoch(name, change, base_kwargs, data, args)
+            runs[name].append(result)
+            print(
+                f"  round {repeat + 1}/{args.repeats} {name:<26s} "
+                f"{result['train_runtime']:7.2f} s, {result['optimizer_steps']} steps",
+                flush=True,
+            )
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+
+def table_rows(
+    document: dict[str, Any], estimates: pd.DataFrame, runs: dict[str, list[dict[str, float]]]
+) -> list[dict[str, Any]]:
+    """One row per realized configuration: promised (replay) and realized (Trainer) savings."""
+    base_times = np.array([r["train_runtime"] for r in runs[pl.BASELINE]])
+    by_id = {c["id"]: c for c in document["changes"]}
+    replay_s = dict(zip(estimates["strategy"], estimates["estimated_time_s"], strict=True))
+    from probes.report.sections.replay import CHANGE_STRATEGY
+
+    rows = []
+    for name, results in runs.items():
+        times = np.array([r["train_runtime"] for r in results])
+        per_round = 1.0 - times / base_times
+        change = by_id.get(name, {})
+        strategy = pl.BASELINE if name == pl.BASELINE else CHANGE_STRATEGY.get(name)
+        promised = change.get("measured_saving") if name != pl.BASELINE else 0.0
+        low = change.get("saving_ci_low") if name != pl.BASELINE else None
+        high = change.get("saving_ci_high") if name != pl.BASELINE else None
+        realized = 1.0 - times.mean() / base_times.mean()
+        steps = results[0]["optimizer_steps"]
+        replayed = replay_s.get(strategy) if strategy else None
+        rows.append(
+            {
+                "change": name,
+                "promised": promised,
+                "ci_low": low,
+                "ci_high": high,
+                "realized": float(realized),
+                "realized_sd": float(per_round.std(ddof=1)) if len(per_round) > 1 else 0.0,
+                "within_5pp": None
+                if promised is None or name == pl.BASELINE
+                else bool(abs(realized - promised) * 100 <= TOLERANCE_PP),
+                "inside_ci": None if low is None or high is None else bool(low <= realized <= high),
+                "trainer_epoch_s": float(times.mean()),
+                "trainer_epoch_sd_s": float(times.std(ddof=1)) if len(times) > 1 else 0.0,
+                "replay_epoch_s": None if replayed is None else float(replayed),
+                "optimizer_steps": int(steps),
+                "decision": change.get("decision", "baseline"),
+            }
+        )
+    return rows
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:+.1f}%"
+
+
+def _yes(v: bool | None) -> str:
+    return "—" if v is None else ("yes" if v else "**no**")
+
+
+def markdown(rows: list[dict[str, Any]], header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| change | promised saving [95% CI] | realized saving (mean ± sd over rounds) "
+        "| within ±5 pp? | inside CI? | replayed epoch [s] | Trainer epoch [s] "
+        "| (Trainer − replay) per step [s] |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ci = (
+            f" [{_pct(r['ci_low'])}, {_pct(r['ci_high'])}]"
+            if r["ci_low"] is not None and r["ci_high"] is not None
+            else ""
+        )
+        promised = (
+            "0 (baseline)"
+            if r["change"] == pl.BASELINE
+            else ("not measured by the replay" if r["promised"] is None else _pct(r["promised"]))
+        )
+        extra = (
+            "—"
+            if r["replay_epoch_s"] is None
+            else f"{(r['trainer_epoch_s'] - r['replay_epoch_s']) / r['optimizer_steps']:.4f}"
+        )
+        replayed = "—" if r["replay_epoch_s"] is None else f"{r['replay_epoch_s']:.2f}"
+        lines.append(
+            f"| {r['change']} | {promised}{ci} | {_pct(r['realized'])} ± "
+            f"{100 * r['realized_sd']:.1f} pp | {_yes(r['within_5pp'])} | {_yes(r['inside_ci'])} "
+            f"| {replayed} | {r['trainer_epoch_s']:.2f} ± {r['trainer_epoch_sd_s']:.2f} "
+            f"| {extra} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=Path, default=Path("results/padding/lengths.parquet"))
+    parser.add_argument(
+        "--recommendation", type=Path, default=Path("results/bucket/recommendation.json")
+    )
+    parser.add_argument("--examples", type=int, default=400)
+    parser.add_argument("--cap", type=int, default=256, help="every length capped here (tokens)")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=60.0, help="the replay's time budget")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="200 examples, 2 rounds, 30 s replay")
+    parser.add_argument("--out", type=Path, help="also write the table as markdown here")
+    args = parser.parse_args()
+    if args.quick:
+        args.examples, args.repeats, args.budget_s = 200, 2, 30.0
+    for path in (args.lengths, args.recommendation):
+        if not path.is_file():
+            print(f"{path}: no such file; run `snakemake --cores 2 bucket_sweep` first, or pass it")
+            return 2
+
+    import torch
+    import transformers
+
+    torch.set_num_threads(1)
+    started = time.perf_counter()
+    load = os.getloadavg()
+    bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    examples = load_subset(args.lengths, args.examples, args.cap, args.seed)
+    rec = subset_recommendation(json.loads(args.recommendation.read_text()), examples)
+    print(
+        f"data: {examples.lengths.size} examples of {args.lengths} (seed {args.seed}), capped at "
+        f"{args.cap}: {int(examples.lengths.sum())} tokens, "
+        f"{int((examples.loss_tokens == 0).sum())} without a loss token; micro "
+        f"{args.micro_batch_size} × grad_accum {args.grad_accum}; model Llama hidden "
+        f"{args.hidden}, 4 layers, vocab {VOCAB}, float32 (CPU bf16 native: {bf16}), 1 thread; "
+        f"transformers {transformers.__version__}; load {load}",
+        flush=True,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        estimates, _, summary = run_promised(Path(tmp), examples, rec, args)
+    print(f"replay: {summary['wall_s']:.1f} s", flush=True)
+    document = promised_changes(rec, args, examples, estimates)
+    _, skipped = trainer_changes(document)
+    data = Examples.from_plan(examples, args.seed)
+    runs = run_realized(document, data, args)
+    rows = table_rows(document, estimates, runs)
+    header = (
+        f"Small random-init Llama (hidden {args.hidden}, 4 layers), CPU float32, 1 thread; "
+        f"{examples.lengths.size} real chitchat lengths capped at {args.cap}; micro "
+        f"{args.micro_batch_size} × grad_accum {args.grad_accum}; {args.repeats} rounds of one "
+        f"epoch each (transformers.Trainer train_runtime); load "
+        f"{load[0]:.2f} → {os.getloadavg()[0]:.2f}; total {time.perf_counter() - started:.0f} s."
+    )
+    text = markdown(rows, header)
+    if skipped:
+        text += "\nNot run: " + "; ".join(skipped) + "\n"
+    print("\n" + text)
+    if args.out:
+        args.out.write_text(text)
+        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
