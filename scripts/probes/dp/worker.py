@@ -75,28 +75,16 @@ def timed_allreduce_hook(record: dict[str, float], world: int, sync=lambda: None
 def load_model(job: dict[str, Any], device: torch.device):
     """The real model, the user's harness, its adapters and optimizer (probes.step)."""
     from probes.step import runner as ts
-    from probes.step.harness import load_harness
 
-    profile = job["profile"]
-    settings = ts.Settings(
-        device=device,
-        cpu_only=device.type != "cuda",
-        dtype=DTYPES[job["dtype"]],
-        dtype_reason=job["dtype_reason"],
-        lengths=[],
-        warmup=0,
-        repeats=1,
-        kernel_steps=0,
-        probe_length=None,
-        micro_batch=1,
-        max_seq_len=1,
+    # the same seed on every rank: the same adapters (DDP broadcasts them too)
+    model, harness, optimizer, targets, _ = ts.load_for_steps(
+        job["model_path"],
+        job["profile"],
+        device,
+        DTYPES[job["dtype"]],
+        job["dtype_reason"],
         seed=int(job["seed"]),
     )
-    harness = load_harness(profile["harness"])
-    model = ts.load_model(job["model_path"], settings, profile["attn_implementation"])
-    options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}
-    torch.manual_seed(int(job["seed"]))  # the same adapters on every rank (DDP broadcasts too)
-    model, optimizer, targets = ts.prepare_harness(model, harness, options)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
     pad_id = int(getattr(config or model.config, "pad_token_id", None) or 0)
     vocab = int(model.get_input_embeddings().num_embeddings)

@@ -14,7 +14,7 @@ import torch
 from probes.step import batches as bt
 from probes.step.ce import full_logits_cross_entropy, loss_positions_cross_entropy
 from probes.step.harness import Harness, qualified_name
-from probes.step.runner import Settings, _text_config
+from probes.step.runner import Settings, model_text_config
 from probes.step.timing import OK, SKIPPED, Timing, release_memory, time_repeats
 
 LOG = logging.getLogger("probes.profile")
@@ -76,7 +76,7 @@ def head_variants(
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = base.get_output_embeddings()
-    softcap = _text_config(model).get("final_logit_softcapping")
+    softcap = model_text_config(model).get("final_logit_softcapping")
     n_loss = bt.loss_position_count(labels)
     chunked_fn = harness.hook("loss_from_hidden")
     if chunked_fn is not None:

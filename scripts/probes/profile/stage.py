@@ -39,13 +39,13 @@ from probes.step.cluster import slurm_environment
 from probes.step.dtype import resolve_dtype
 from probes.step.fit import fit_control, fit_step_time
 from probes.step.harness import load_harness
-from probes.step.idle import IdleLimits, probe_card, wait_for_idle_card
+from probes.step.idle import check_idle_card, probe_card
 from probes.step.runner import (
     ProfileError,
     Settings,
     StepRunner,
-    _text_config,
     load_model,
+    model_text_config,
     prepare_harness,
     resolve_device,
 )
@@ -151,30 +151,14 @@ def run_profile(
         )
     harness = load_harness(profile["harness"])
 
-    idle: dict[str, Any] = {"checked": False, "reason": "CPU run: no card to check"}
-    if settings.device.type == "cuda":
-        idle_cfg = profile["idle"]
-        limits = IdleLimits(
-            idle_cfg["max_memory_used_mib"],
-            idle_cfg["max_utilization_pct"],
-            idle_cfg["allow_other_processes"],
-        )
-        state, polls = wait_for_idle_card(
-            lambda: card_probe(settings.device.index or 0),
-            limits,
-            idle_cfg["timeout_s"],
-            idle_cfg["initial_backoff_s"],
-            idle_cfg["max_backoff_s"],
-            sleep=sleep,
-        )
-        idle = {"checked": True, "polls": polls, "state": state.as_dict(), "limits": vars(limits)}
+    idle = check_idle_card(profile, settings.device, card_probe, sleep)
 
     if settings.cpu_only:
         torch.set_num_threads(int(profile["cpu"]["threads"]))
     torch.manual_seed(settings.seed)
     model = load_model(model_path, settings, profile["attn_implementation"])
     params = fl.model_active_parameters(model)
-    text_config = _text_config(model)
+    text_config = model_text_config(model)
     vocab_size = int(text_config["vocab_size"])
     pad_id = int(text_config.get("pad_token_id") or 0)
     options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}

@@ -160,27 +160,11 @@ def load_runner(
 ) -> tuple[Any, int, int, dict[str, Any]]:
     """The real model through the profile stage's own loader and the user's harness."""
     from probes.step import runner as ts
-    from probes.step.harness import load_harness
 
-    settings = ts.Settings(
-        device=device,
-        cpu_only=device.type != "cuda",
-        dtype=dtype,
-        dtype_reason="",
-        lengths=[],
-        warmup=0,
-        repeats=1,
-        kernel_steps=0,
-        probe_length=None,
-        micro_batch=1,
-        max_seq_len=1,
-        seed=0,
+    model, harness, optimizer, targets, options = ts.load_for_steps(
+        model_path, profile, device, dtype
     )
-    harness = load_harness(profile["harness"])
-    model = ts.load_model(model_path, settings, profile["attn_implementation"])
-    text = ts._text_config(model)
-    options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}
-    model, optimizer, targets = ts.prepare_harness(model, harness, options)
+    text = ts.model_text_config(model)
     runner = ts.StepRunner(model, harness, optimizer, device)
     described = {**harness.describe(), "target_modules": len(targets), "options": options}
     return runner, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), described
@@ -234,26 +218,7 @@ def run_replay(
     )
 
     # the positive control first: cheap, and a broken estimator must not cost a GPU run
-    control_cfg = replay_cfg["control"]
-    control = run_synthetic_control(
-        plans,
-        control_settings(replay_cfg, grad_accum),
-        fit_lengths,
-        micro,
-        fit_repeats=int(control_cfg["fit_repeats"]),
-        saving_tolerance=float(control_cfg["saving_tolerance"]),
-        fit_tolerance=float(control_cfg["fit_tolerance"]),
-        repeats=int(control_cfg["repeats"]),
-    )
-    LOG.info(
-        "control %s (%.1f s)",
-        "passed" if control["passed"] else "FAILED",
-        control["observed"]["wall_s"],
-    )
-    if not control["passed"]:
-        raise ControlFailedError(
-            f"replay: positive control failed, no output written: {control['observed']}"
-        )
+    control = synthetic_control_first(plans, replay_cfg, grad_accum, fit_lengths, micro)
 
     invalid = {}
     reason = packing_validity(read_json(inputs["gate"]), str(inputs["gate"]))
@@ -335,77 +300,19 @@ def run_replay(
     )
 
     # the coverage control: the same design and estimator on simulated timings of known cost
-    coverage_cfg = replay_cfg["coverage"]
-    coverage = run_coverage_control(
-        design,
-        sequential.takes,
-        max(cv, float(coverage_cfg["min_cv"])),
-        len(optimizer_times),
-        int(coverage_cfg["replications"]),
-        settings.seed + 3,
-        float(coverage_cfg["threshold"]),
+    coverage = coverage_control(
+        design, sequential, cv, len(optimizer_times), replay_cfg, settings.seed
     )
-    LOG.info(
-        "coverage control %s: min coverage %.3f",
-        "passed" if coverage["passed"] else "FAILED",
-        coverage["observed"]["min_coverage"],
-    )
-    if not coverage["passed"]:
-        raise ControlFailedError(
-            f"replay: coverage control failed (95% intervals cover the exact saving in fewer "
-            f"than {coverage_cfg['threshold']} of simulated runs), no output written: "
-            f"{coverage['observed']['coverage']}"
-        )
     control["coverage"] = coverage
     control["instrument"] = instrument
     control["stopping"] = sequential.record
-    # the report's Controls table lists each check on its own row
-    errors = [v["time_ratio_rel_error"] for v in control["observed"]["strategies"].values()]
-    control["checks"] = [
-        {
-            "name": control["name"],
-            "expected": {
-                "time_ratio_rel_error_max": control["expected"]["time_ratio_rel_error_max"]
-            },
-            "observed": {"time_ratio_rel_error_max": max(errors) if errors else None},
-            "passed": bool(control["passed"]),
-        },
-        {
-            "name": coverage["name"],
-            "expected": {"coverage_min": coverage["expected"]["coverage_min"]},
-            "observed": {"coverage_min": coverage["observed"]["min_coverage"]},
-            "passed": bool(coverage["passed"]),
-        },
-    ]
+    control["checks"] = control_checks(control, coverage)
     if cpu_only:
         note = CPU_NOTE.format(cap=max_len, max_seq_len=training["max_seq_len"])
         table["note"] = [f"{note}; {n}" if n else note for n in table["note"]]
 
-    optimizer_rows = pd.DataFrame(
-        {"kind": OPTIMIZER_STEP, "time_s": optimizer_times, "status": "OK"}
-    )
-    all_steps = pd.concat([steps, optimizer_rows, fit_points], ignore_index=True)
-    all_steps["example_ids"] = all_steps["example_ids"].map(
-        lambda v: list(v) if isinstance(v, (list, np.ndarray)) else []
-    )
-    for column in ("example_lengths", "example_loss_tokens", "documents_per_row", "times_s"):
-        all_steps[column] = all_steps[column].map(
-            lambda v: list(v) if isinstance(v, (list, np.ndarray)) else []
-        )
-    fit_row = fit.as_row()
-    fit_row.update(
-        rows=micro,
-        loss_share=loss_share,
-        cpu_only=cpu_only,
-        max_seq_len=max_len,
-        lengths_source=(
-            "configured"
-            if replay_cfg["fit"]["cpu_lengths" if cpu_only else "lengths"]
-            else f"quantiles {replay_cfg['fit']['low_quantile']}..1 of random's padded micro-batch "
-            f"length, up to max_seq_len {max_len}"
-        ),
-        time_basis="forward + backward of one micro-batch (optimizer step excluded)",
-    )
+    all_steps = steps_table(steps, optimizer_times, fit_points)
+    fit_row = fit_table_row(fit, micro, loss_share, cpu_only, max_len, replay_cfg)
     run_info = run_metadata(dict(cfg))
     provenance = {
         **run_info,
@@ -446,3 +353,129 @@ def run_replay(
             ]
         ].to_dict("records"),
     }
+
+
+def control_checks(control: dict[str, Any], coverage: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's Controls table lists each check on its own row: the busy-wait harness of
+    known cost, and the intervals' coverage control."""
+    errors = [v["time_ratio_rel_error"] for v in control["observed"]["strategies"].values()]
+    return [
+        {
+            "name": control["name"],
+            "expected": {
+                "time_ratio_rel_error_max": control["expected"]["time_ratio_rel_error_max"]
+            },
+            "observed": {"time_ratio_rel_error_max": max(errors) if errors else None},
+            "passed": bool(control["passed"]),
+        },
+        {
+            "name": coverage["name"],
+            "expected": {"coverage_min": coverage["expected"]["coverage_min"]},
+            "observed": {"coverage_min": coverage["observed"]["min_coverage"]},
+            "passed": bool(coverage["passed"]),
+        },
+    ]
+
+
+def steps_table(
+    steps: pd.DataFrame, optimizer_times: np.ndarray, fit_points: pd.DataFrame
+) -> pd.DataFrame:
+    """replay_steps.parquet: the timed micro-batches, the optimizer steps and the fit's points,
+    list columns as plain lists (Parquet)."""
+    optimizer_rows = pd.DataFrame(
+        {"kind": OPTIMIZER_STEP, "time_s": optimizer_times, "status": "OK"}
+    )
+    all_steps = pd.concat([steps, optimizer_rows, fit_points], ignore_index=True)
+    for column in (
+        "example_ids", "example_lengths", "example_loss_tokens", "documents_per_row", "times_s",
+    ):  # fmt: skip
+        all_steps[column] = all_steps[column].map(
+            lambda v: list(v) if isinstance(v, (list, np.ndarray)) else []
+        )
+    return all_steps
+
+
+def fit_table_row(
+    fit: Any, micro: int, loss_share: float, cpu_only: bool, max_len: int, replay_cfg: Mapping
+) -> dict[str, Any]:
+    """replay_fit.parquet's one row: the fit with its intervals, and what it was measured on."""
+    fit_row = fit.as_row()
+    fit_row.update(
+        rows=micro,
+        loss_share=loss_share,
+        cpu_only=cpu_only,
+        max_seq_len=max_len,
+        lengths_source=(
+            "configured"
+            if replay_cfg["fit"]["cpu_lengths" if cpu_only else "lengths"]
+            else f"quantiles {replay_cfg['fit']['low_quantile']}..1 of random's padded micro-batch "
+            f"length, up to max_seq_len {max_len}"
+        ),
+        time_basis="forward + backward of one micro-batch (optimizer step excluded)",
+    )
+    return fit_row
+
+
+def synthetic_control_first(
+    plans: pd.DataFrame,
+    replay_cfg: Mapping[str, Any],
+    grad_accum: int,
+    fit_lengths: list[int],
+    micro: int,
+) -> dict[str, Any]:
+    """The busy-wait harness of known cost through the whole estimator; raises when it fails."""
+    control_cfg = replay_cfg["control"]
+    control = run_synthetic_control(
+        plans,
+        control_settings(replay_cfg, grad_accum),
+        fit_lengths,
+        micro,
+        fit_repeats=int(control_cfg["fit_repeats"]),
+        saving_tolerance=float(control_cfg["saving_tolerance"]),
+        fit_tolerance=float(control_cfg["fit_tolerance"]),
+        repeats=int(control_cfg["repeats"]),
+    )
+    LOG.info(
+        "control %s (%.1f s)",
+        "passed" if control["passed"] else "FAILED",
+        control["observed"]["wall_s"],
+    )
+    if not control["passed"]:
+        raise ControlFailedError(
+            f"replay: positive control failed, no output written: {control['observed']}"
+        )
+    return control
+
+
+def coverage_control(
+    design: Any,
+    sequential: Any,
+    cv: float,
+    n_optimizer_steps: int,
+    replay_cfg: Mapping[str, Any],
+    seed: int,
+) -> dict[str, Any]:
+    """The same design and estimator on simulated timings of known cost at the measured CV;
+    raises when fewer than `replay.coverage.threshold` of the 95% intervals cover."""
+    coverage_cfg = replay_cfg["coverage"]
+    coverage = run_coverage_control(
+        design,
+        sequential.takes,
+        max(cv, float(coverage_cfg["min_cv"])),
+        n_optimizer_steps,
+        int(coverage_cfg["replications"]),
+        seed + 3,
+        float(coverage_cfg["threshold"]),
+    )
+    LOG.info(
+        "coverage control %s: min coverage %.3f",
+        "passed" if coverage["passed"] else "FAILED",
+        coverage["observed"]["min_coverage"],
+    )
+    if not coverage["passed"]:
+        raise ControlFailedError(
+            f"replay: coverage control failed (95% intervals cover the exact saving in fewer "
+            f"than {coverage_cfg['threshold']} of simulated runs), no output written: "
+            f"{coverage['observed']['coverage']}"
+        )
+    return coverage

@@ -202,7 +202,7 @@ def check_idle_card(
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, Any]:
     """The idle-card check of a GPU stage (profile section's `idle` limits), as a provenance
-    record; on CPU nothing to check. Used by the replay and the realize stages."""
+    record; on CPU nothing to check. Used by the profile, replay and realize stages."""
     if device.type != "cuda":
         return {"checked": False, "reason": "CPU run: no card to check"}
     idle = profile["idle"]

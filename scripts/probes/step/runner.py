@@ -134,7 +134,45 @@ def prepare_harness(
     return model, build_optimizer(model), targets
 
 
-def _text_config(model: torch.nn.Module) -> dict[str, Any]:
+def load_for_steps(
+    model_path: str | Path,
+    profile: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    dtype_reason: str = "",
+    seed: int | None = None,
+) -> tuple[torch.nn.Module, Harness, Any, list[str], dict[str, Any]]:
+    """The real model in `dtype` with the user's harness, its adapters and optimizer: what every
+    stage that runs training steps outside the profile loads (replay, realize, data_parallel).
+    `profile`: the profile section (harness, attn_implementation, ce_chunk_tokens,
+    harness_options). `seed` seeds the adapters' init (every DDP rank the same).
+    Returns (model, harness, optimizer, target modules, harness options)."""
+    from probes.step.harness import load_harness
+
+    settings = Settings(
+        device=device,
+        cpu_only=device.type != "cuda",
+        dtype=dtype,
+        dtype_reason=dtype_reason,
+        lengths=[],
+        warmup=0,
+        repeats=1,
+        kernel_steps=0,
+        probe_length=None,
+        micro_batch=1,
+        max_seq_len=1,
+        seed=seed or 0,
+    )
+    harness = load_harness(profile["harness"])
+    model = load_model(model_path, settings, profile["attn_implementation"])
+    options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}
+    if seed is not None:
+        torch.manual_seed(seed)
+    model, optimizer, targets = prepare_harness(model, harness, options)
+    return model, harness, optimizer, targets, options
+
+
+def model_text_config(model: torch.nn.Module) -> dict[str, Any]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = base.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
