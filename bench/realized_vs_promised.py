@@ -150,7 +150,7 @@ def run_promised(
     )
     plans.to_parquet(work / "plans.parquet")
     # no packed scenario checked: the replay marks packing invalid and does not time it (the
-    # plain Trainer has no packing setting; TRL's is benchmarked only where trl is installed)
+    # plain Trainer has no packing setting; TRL's SFTTrainer packing is not driven by this bench)
     (work / "gate.json").write_text(json.dumps({"scenarios": []}))
     inputs = {
         "plans": work / "plans.parquet",

@@ -35,7 +35,7 @@ def _cpu_suffix(frame: pd.DataFrame) -> str:
 
 
 def epoch_time_by_strategy(replay: pd.DataFrame, path: str | Path, dpi: int = DPI) -> list[str]:
-    """Horizontal bars: estimated epoch time per strategy with its 95% bootstrap interval, best
+    """Horizontal bars: estimated epoch time per strategy with its 95% interval, best
     measured saving at the top; invalid strategies hatched and marked. Returns the bar labels."""
     frame = replay.copy()
     frame["_order"] = frame["saving_vs_random"].fillna(-np.inf)
@@ -71,7 +71,7 @@ def epoch_time_by_strategy(replay: pd.DataFrame, path: str | Path, dpi: int = DP
                 fontsize=8,
             )
     ax.set_yticks(y, labels, fontsize=8)
-    ax.set_xlabel("estimated epoch time, s (95% bootstrap interval); saving vs random")
+    ax.set_xlabel("estimated epoch time, s (95% interval, model-assisted); saving vs random")
     ax.set_title("Measured epoch time per batching strategy" + _cpu_suffix(frame), fontsize=9)
     ax.set_xlim(0, float(np.nanmax(frame["ci_high_s"])) * 1.45)
     _save(fig, path, dpi, left=0.27)

@@ -2,11 +2,11 @@
 
 ``results/profile/replay.parquet`` (``probes.replay.stage``) holds, per batching strategy, the
 epoch time measured on a stratified sample of its real micro-batches, the saving against random
-batches with a 95% bootstrap interval, the stage's rank and tie group (overlapping intervals), the
-scaling fit's prediction beside it and whether they agree. This module turns those rows into the
-changes the Summary lists; it derives nothing the stage did not measure except the inversion of
-``pad_to_max_seq_len`` (a saving *against* padding to max_seq_len, exact for percentile intervals
-because 1 − 1/(1 − s) is monotonic).
+batches with a 95% interval (model-assisted, probes.replay.estimate), the stage's rank and tie
+group (overlapping intervals), the scaling fit's prediction beside it and whether they agree.
+This module turns those rows into the changes the Summary lists; it derives nothing the stage did
+not measure except the inversion of ``pad_to_max_seq_len`` (a saving *against* padding to
+max_seq_len, exact for the interval's ends because 1 − 1/(1 − s) is monotonic).
 """
 
 from __future__ import annotations
