@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from probes.apply.libraries import HF_BATCH_REBALANCE, HF_GROUP_BY_LENGTH, sampling_kwargs
-from probes.apply.snippets import _config_snippets, _snippet, call_text
+from probes.apply.snippets import call_text, config_snippets, snippet
 from probes.batching import orders
 from probes.contracts import BATCH_REBALANCE
 
@@ -157,7 +157,7 @@ def length_grouped_changes(
     if expressible:
         ta = {**base.training_arguments(), **builtin}
         sft = {**base.sft_config(), **builtin}
-        snippets = _config_snippets(
+        snippets = config_snippets(
             ta,
             sft,
             {
@@ -171,7 +171,7 @@ def length_grouped_changes(
     else:
         ta = base.training_arguments()
         sft = base.sft_config()
-        snippets = _config_snippets(
+        snippets = config_snippets(
             ta,
             sft,
             {
@@ -231,7 +231,7 @@ def length_grouped_changes(
                 "training_arguments": {**base.training_arguments(), **builtin},
                 "sft_config": {**base.sft_config(), **builtin},
                 "sampler": None,
-                "snippets": _config_snippets(
+                "snippets": config_snippets(
                     {**base.training_arguments(), **builtin},
                     {**base.sft_config(), **builtin},
                     {
@@ -288,7 +288,7 @@ def batch_rebalance_change(
         "training_arguments": ta,
         "sft_config": sft,
         "sampler": None,
-        "snippets": _config_snippets(
+        "snippets": config_snippets(
             ta,
             sft,
             {
@@ -391,7 +391,7 @@ def packing_change(
         "training_arguments": None,
         "sft_config": sft,
         "sampler": None,
-        "snippets": _config_snippets(
+        "snippets": config_snippets(
             None,
             sft,
             {
@@ -445,7 +445,7 @@ def drop_no_loss_change(no_loss_examples: int | None, base: Baseline) -> dict[st
         "sft_config": base.sft_config(),
         "sampler": None,
         "snippets": {
-            "transformers": _snippet(
+            "transformers": snippet(
                 ["from transformers import Trainer, TrainingArguments"],
                 "args = " + call_text("TrainingArguments", base.training_arguments()),
                 [
@@ -454,7 +454,7 @@ def drop_no_loss_change(no_loss_examples: int | None, base: Baseline) -> dict[st
                     "data_collator=data_collator)",
                 ],
             ),
-            "trl": _snippet(
+            "trl": snippet(
                 ["from trl import SFTConfig, SFTTrainer"],
                 "args = " + call_text("SFTConfig", base.sft_config()),
                 [

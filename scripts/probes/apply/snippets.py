@@ -11,7 +11,7 @@ def call_text(name: str, kwargs: Mapping[str, Any]) -> str:
     return f"{name}(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")"
 
 
-def _snippet(imports: list[str], args_line: str | None, trainer_lines: list[str]) -> dict[str, Any]:
+def snippet(imports: list[str], args_line: str | None, trainer_lines: list[str]) -> dict[str, Any]:
     lines = [*imports, ""]
     if args_line:
         lines.append(args_line)
@@ -19,7 +19,7 @@ def _snippet(imports: list[str], args_line: str | None, trainer_lines: list[str]
     return {"imports": imports, "args": args_line, "text": "\n".join(lines).strip() + "\n"}
 
 
-def _config_snippets(
+def config_snippets(
     training_arguments: Mapping[str, Any] | None,
     sft_config: Mapping[str, Any] | None,
     trainer_expr: Mapping[str, str],
@@ -31,13 +31,13 @@ def _config_snippets(
     extra = extra_imports or []
     data = data_lines or []
     if training_arguments is not None:
-        out["transformers"] = _snippet(
+        out["transformers"] = snippet(
             ["from transformers import Trainer, TrainingArguments", *extra],
             "args = " + call_text("TrainingArguments", training_arguments),
             [*data, trainer_expr["transformers"]],
         )
     if sft_config is not None:
-        out["trl"] = _snippet(
+        out["trl"] = snippet(
             ["from trl import SFTConfig, SFTTrainer", *extra],
             "args = " + call_text("SFTConfig", sft_config),
             [*data, trainer_expr["trl"]],

@@ -55,7 +55,7 @@ def device_description(device: torch.device) -> dict[str, Any]:
     }
 
 
-def _read_recommendation(path: str | Path | None) -> dict[str, Any] | None:
+def read_recommendation(path: str | Path | None) -> dict[str, Any] | None:
     if not path or not Path(path).is_file():
         return None
     try:

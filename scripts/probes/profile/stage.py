@@ -22,7 +22,7 @@ from probes.io import run_metadata
 from probes.lengths import LengthsError, read_training_lengths
 from probes.profile import flops as fl
 from probes.profile.ce_timing import run_ce
-from probes.profile.evidence import _read_recommendation, device_description, evidence_text
+from probes.profile.evidence import device_description, evidence_text, read_recommendation
 from probes.profile.penalty import run_padding_penalty, skipped_penalty
 from probes.profile.scaling import (
     FlopModel,
@@ -287,7 +287,7 @@ def run_profile(
         "harness": {**harness.describe(), "target_modules": targets, "options": options},
         "idle_check": idle,
         "slurm": slurm_environment(),
-        "bucket_recommendation": _read_recommendation(recommendation_path),
+        "bucket_recommendation": read_recommendation(recommendation_path),
         "versions": run["versions"],
         "run": run,
     }
