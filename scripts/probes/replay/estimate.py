@@ -375,12 +375,16 @@ def strategy_table(
 # timing), which a census stratum (f_h = 1) still carries. The saving 1 − T_s/T_base is
 # linearised with the optimizer mean shared by both; Student t with Satterthwaite's df.
 
-FEATURES = ("intercept", "shape_tokens", "shape_tokens_x_length", "loss_tokens")
+FEATURES = ("intercept", "shape_tokens", "shape_tokens_x_length", "loss_tokens", "has_loss")
 
 
 def auxiliaries(frame: pd.DataFrame) -> np.ndarray:
     """The working model's columns for plan rows: 1, rows·T, rows·T² (T the tensor's length: the
-    padded length, or a packed micro-batch's one flattened row) and loss tokens."""
+    padded length, or a packed micro-batch's one flattened row), loss tokens, and whether the
+    micro-batch has any loss token: a harness that runs its LM head and loss on the loss positions
+    only (the reference one does) pays a fixed cost per micro-batch that trains at all, and skips
+    it for one that does not. On the default run on CPU this column took the working model's
+    relative residual from 7.3% to 2.1%, near the instrument's own 2.9% CV."""
     packed = (frame["layout"] == pl.PACKED).to_numpy()
     rows = np.where(packed, 1.0, frame["rows"].to_numpy(dtype=np.float64))
     length = np.where(
@@ -389,7 +393,8 @@ def auxiliaries(frame: pd.DataFrame) -> np.ndarray:
         frame["padded_length"].to_numpy(dtype=np.float64),
     )
     loss = frame["loss_tokens"].to_numpy(dtype=np.float64)
-    return np.column_stack([np.ones(len(frame)), rows * length, rows * length**2, loss])
+    has_loss = (loss > 0).astype(np.float64)
+    return np.column_stack([np.ones(len(frame)), rows * length, rows * length**2, loss, has_loss])
 
 
 @dataclass(frozen=True)

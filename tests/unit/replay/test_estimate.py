@@ -73,6 +73,7 @@ def test_auxiliaries_are_the_tensor_shape_and_loss_tokens(plans):
     assert np.allclose(x[~packed, 2], plans["rows"][~packed] * plans["padded_length"][~packed] ** 2)
     assert np.allclose(x[packed, 2], plans["computed_tokens"][packed] ** 2)
     assert np.allclose(x[:, 3], plans["loss_tokens"]) and (x[:, 0] == 1).all()
+    assert np.array_equal(x[:, 4], (plans["loss_tokens"] > 0).astype(float))  # trains at all
 
 
 def test_census_is_exact_whatever_the_model(design):
