@@ -842,6 +842,10 @@ def test_the_report_shows_the_disagreement_and_the_summary_says_not_confirmed(
     assert "**Disagreement:**" in text
     summary = section(rendered_disagreement, "Summary")
     assert "**Not confirmed:** real training steps of Pack" in summary
+    # and where the change is listed in the Summary's table, whether or not it is the best
+    rows = [line for line in summary.splitlines() if line.startswith("| ")]
+    listed = next(line for line in rows if "**Pack" in line)
+    assert "(**not confirmed** by real training steps)" in listed
 
 
 def test_data_parallel_at_world_size_1_is_a_not_run_line(rendered):
