@@ -170,15 +170,21 @@ TINY_CONFIG = {
 }
 
 
-def test_workflow_on_slurm_gpu_request_only_for_profile(
+def test_workflow_on_slurm_gpu_request_only_for_gpu_rules_and_two_ranks_in_one_job(
     slurm_cluster, tiny_model_dir, tmp_path, record_property
 ):
+    """The whole workflow as SLURM jobs: only the GPU rules ask for (and get) a GPU, and the
+    profile ran on the GPU SLURM gave it. With training.world_size 2 (and profile.device cpu) the
+    data_parallel rule is one job too (no GPU, 2 cores, one task) in which torchrun starts two
+    gloo ranks; each rank records the job it ran in. One run for both keeps the suite short."""
     workdir = copy_workflow(tmp_path / "workflow")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40))
     config = {
         "model": {"path": str(tiny_model_dir)},
         "data": {"files": [{"path": str(data)}]},
         **TINY_CONFIG,
+        "training": {**TINY_CONFIG["training"], "world_size": 2},
+        "data_parallel": {"steps": 2, "rounds": 1, "warmup_rounds": 1, "cpu": {"max_seq_len": 32}},
     }
     (workdir / "tiny.yaml").write_text(yaml.safe_dump(config))
 
@@ -186,7 +192,7 @@ def test_workflow_on_slurm_gpu_request_only_for_profile(
     record_property("slurm_workflow_wall_s", round(wall_s, 1))
     print(f"workflow under SLURM: {wall_s:.1f} s")
 
-    jobs = assert_gpu_only_for(GPU_RULES, CPU_RULES, log)
+    jobs = assert_gpu_only_for(GPU_RULES, CPU_RULES | {"data_parallel"}, log)
     provenance = json.loads((workdir / "results" / "profile" / "provenance.json").read_text())
     slurm = provenance["slurm"]
     assert slurm["job_id"] == jobs["profile"], "the profile ran in the job submitted for it"
@@ -194,39 +200,6 @@ def test_workflow_on_slurm_gpu_request_only_for_profile(
     assert slurm["cuda_visible_devices"] == "0"
     assert (workdir / "results" / "report" / "playbook-evidence.md").is_file()
 
-
-def test_data_parallel_two_cpu_ranks_as_one_slurm_job(
-    slurm_cluster, tiny_model_dir, tmp_path, record_property
-):
-    """training.world_size 2 on CPU: the data_parallel rule is one SLURM job (no GPU, 2 cores,
-    one task) in which torchrun starts two gloo ranks; each rank records the job it ran in."""
-    workdir = copy_workflow(tmp_path / "workflow")
-    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
-    config = {
-        "model": {"path": str(tiny_model_dir)},
-        "data": {"files": [{"path": str(data)}]},
-        "training": {**TINY_CONFIG["training"], "world_size": 2},
-        "profile": {"device": "cpu"},
-        "data_parallel": {"steps": 2, "rounds": 1, "warmup_rounds": 1, "cpu": {"max_seq_len": 32}},
-    }
-    (workdir / "dp.yaml").write_text(yaml.safe_dump(config))
-    # the CPU stages it reads run locally first (the SLURM test above covers them as jobs), so
-    # this test submits the one job it is about
-    local = subprocess.run(
-        [sys.executable, "-m", "snakemake", "bucket_sweep", "--cores", "2", "--configfile",
-         "dp.yaml"],
-        cwd=workdir, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert local.returncode == 0, local.stderr[-3000:]
-
-    wall_s, log = run_under_slurm(
-        workdir, "data_parallel", "--configfile", "dp.yaml", "--allowed-rules", "data_parallel"
-    )
-    record_property("slurm_data_parallel_wall_s", round(wall_s, 1))
-    print(f"data_parallel under SLURM: {wall_s:.1f} s")
-
-    cpu_rules = {"data_parallel"}
-    jobs = assert_gpu_only_for(set(), cpu_rules, log)
     options = sbatch_options(log)["data_parallel"]
     assert "--cpus-per-task=2" in options and "--ntasks=1" in options, options
     summary = json.loads((workdir / "results" / "data_parallel" / "summary.json").read_text())
