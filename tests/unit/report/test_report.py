@@ -846,6 +846,9 @@ def test_the_report_shows_the_disagreement_and_the_summary_says_not_confirmed(
     rows = [line for line in summary.splitlines() if line.startswith("| ")]
     listed = next(line for line in rows if "**Pack" in line)
     assert "(**not confirmed** by real training steps)" in listed
+    # a change realize did not run is said to be unchecked, never passed off as confirmed
+    unchecked = [r for r in rows if "**Group batches" in r or "**Sort the whole" in r]
+    assert unchecked and all("(not checked by real training steps)" in r for r in unchecked)
 
 
 def test_data_parallel_at_world_size_1_is_a_not_run_line(rendered):

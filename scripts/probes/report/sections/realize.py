@@ -55,6 +55,8 @@ def realize_section(
         "unconfirmed": [r["title"] for r in changes if r["verdict"] == DISAGREES],
         "unconfirmed_strategies": [r["strategy"] for r in changes if r["verdict"] == DISAGREES],
         "checked": len(changes),
+        # the Summary marks every other change it lists as not checked by real training steps
+        "checked_titles": [r["title"] for r in changes],
         "cpu_only": bool(frame["cpu_only"].fillna(False).astype(bool).any()),
         "sample_steps": summary.get("sample_steps"),
         "agree_within_pp": (
