@@ -153,6 +153,7 @@ class ReplayCpuConfig:
     warmup: int
     budget_s: float
     round_size: int
+    fit_repeats: int
     threads: int
 
 
@@ -196,6 +197,7 @@ class ReplayConfig:
 class RealizeConfig:
     enabled: bool
     max_changes: int
+    cpu_max_changes: int
     sample_steps: int
     cpu_sample_steps: int
     warmup: int

@@ -2,11 +2,12 @@
 realized saving beside the promised one.
 
 Order of work: the replay's per-strategy table -> the changes to check (the best measured
-savings, recommended ones first, at most ``realize.max_changes``) -> the replay's own plans
-(capped on CPU exactly as the replay capped them) -> idle-card check -> weights and the user's
-harness (the replay's loader) -> a simple random sample of each strategy's optimizer steps, each
-run whole (probes.realize.steps), interleaved across strategies -> epoch estimates with
-intervals (probes.realize.sample) -> verdicts (probes.realize.verdict) -> outputs, all or nothing.
+savings, recommended ones first, at most ``realize.max_changes``; ``cpu_max_changes`` on CPU)
+-> the replay's own plans (capped on CPU exactly as the replay capped them) -> idle-card check
+-> weights and the user's harness (the replay's loader) -> a simple random sample of each
+strategy's optimizer steps, each run whole (probes.realize.steps), interleaved across strategies
+-> epoch estimates with intervals (probes.realize.sample) -> verdicts (probes.realize.verdict)
+-> outputs, all or nothing.
 
 ``realize.enabled: false``, or a replay without a baseline, writes a not-run note instead.
 """
@@ -320,10 +321,12 @@ def run_realize(
         write_not_run(outputs, reason, raw)
         return {"status": NOT_RUN, "reason": reason}
     started = time.perf_counter()
-    changes = select_changes(estimates, settings.max_changes)
     profile, replay_cfg = raw["profile"], raw["replay"]
     device = resolve_device(profile["device"], profile["allow_cpu"])
     cpu_only = device.type != "cuda"
+    changes = select_changes(
+        estimates, settings.cpu_max_changes if cpu_only else settings.max_changes
+    )
     plans, max_len = plans_for_device(
         inputs, raw["training"], cpu_only, int(replay_cfg["cpu"]["max_seq_len"])
     )

@@ -91,6 +91,35 @@ def exact_epoch_s(plans: pd.DataFrame, cost: SyntheticCost, grad_accum: int) -> 
     return pd.Series(totals)
 
 
+def timing_overhead(
+    steps: pd.DataFrame, optimizer_times: np.ndarray, cost: SyntheticCost
+) -> dict[str, float]:
+    """What the timing path adds to the known cost, measured: the mean of (timed − known) over
+    the timed micro-batches, and over the optimizer steps. The busy-wait's true cost is the known
+    one plus this constant (Python calls, the timer); on the default CPU run ~60 µs per
+    micro-batch, which moves packing's exact saving (fewer micro-batches) by ~0.2 pp."""
+    known = np.array([cost.micro_batch_s(*batch_shape(r)) for r in steps.itertuples()])
+    timed = steps["time_s"].to_numpy(dtype=np.float64)
+    optimizer = np.asarray(optimizer_times, dtype=np.float64)
+    return {
+        "micro_batch": float(np.mean(timed - known)) if timed.size else 0.0,
+        "optimizer_step": float(np.mean(optimizer - cost.optimizer_s)) if optimizer.size else 0.0,
+    }
+
+
+def exact_with_overhead(
+    plans: pd.DataFrame, exact: pd.Series, overhead: Mapping[str, float], grad_accum: int
+) -> pd.Series:
+    """The exact epoch times plus the measured timing overhead of every micro-batch and step."""
+    counts = plans.groupby("strategy", sort=False).size()
+    steps = -(-counts // grad_accum)
+    return (
+        exact
+        + counts.reindex(exact.index) * overhead["micro_batch"]
+        + steps.reindex(exact.index) * overhead["optimizer_step"]
+    )
+
+
 class _SyntheticLoss:
     """What the synthetic compute_loss returns: its backward() ends at the micro-batch's known
     deadline (no autograd graph: the engine's own ~0.3 ms per call on a loaded machine would be
@@ -182,10 +211,13 @@ def run_synthetic_control(
     table = strategy_table(plans, steps, optimizer_times, settings, greg=greg)
     table = table.set_index("strategy")
     exact = exact_epoch_s(plans, cost, settings.grad_accum)
+    overhead = timing_overhead(steps, optimizer_times, cost)
+    with_overhead = exact_with_overhead(plans, exact, overhead, settings.grad_accum)
     per_strategy = {}
     passed = True
+    base = pl.BASELINE
     for name in exact.index:
-        exact_ratio = float(exact[name] / exact[pl.BASELINE])
+        exact_ratio = float(exact[name] / exact[base])
         ratio = 1.0 - float(table.loc[name, "saving_vs_random"])
         error = abs(ratio / exact_ratio - 1.0)
         ok = error <= saving_tolerance
@@ -207,6 +239,12 @@ def run_synthetic_control(
                 <= 1.0 - exact_ratio
                 <= table.loc[name, "saving_ci_high"] + 1e-9
             ),
+            "exact_saving_with_overhead": 1.0 - float(with_overhead[name] / with_overhead[base]),
+            "exact_saving_with_overhead_inside_interval": bool(
+                table.loc[name, "saving_ci_low"] - 1e-9
+                <= 1.0 - float(with_overhead[name] / with_overhead[base])
+                <= table.loc[name, "saving_ci_high"] + 1e-9
+            ),
             "passed": ok,
         }
     fit, points = measure_fit(
@@ -214,7 +252,8 @@ def run_synthetic_control(
     )
     truth = {"a": cost.a * fit_rows, "b": cost.b * fit_rows, "c": cost.c}
     got = {"a": fit.fit.a, "b": fit.fit.b, "c": fit.fit.c}
-    fit_errors = {k: abs(got[k] / truth[k] - 1.0) for k in truth}
+    # relative error; a term the known cost lacks (a = 0: C + K·rows·T) must come out ~0 s
+    fit_errors = {k: abs(got[k] / truth[k] - 1.0) if truth[k] else abs(got[k]) for k in truth}
     fit_ok = fit.fit.usable and all(e <= fit_tolerance for e in fit_errors.values())
     passed &= fit_ok
     return {
@@ -234,6 +273,7 @@ def run_synthetic_control(
         },
         "observed": {
             "strategies": per_strategy,
+            "timing_overhead_s": overhead,
             "sampled_micro_batches": int(len(steps)),
             "fit": {
                 **got,
@@ -309,6 +349,57 @@ class SimulatedCost:
         )
 
 
+# Preempted timings in the coverage control's simulated runs: this share of timings comes out
+# 10-40% slow (the default CPU run's largest residual was +28%).
+SPIKE_SHARE = 0.03
+
+
+def timing_noise(rng: np.random.Generator, size: int, cv: float, spike_share: float) -> np.ndarray:
+    """Multiplicative timing noise: normal at `cv`, and a `spike_share` of timings 10-40% slow."""
+    noise = np.maximum(1.0 + cv * rng.standard_normal(size), 0.05)
+    spikes = rng.random(size) < spike_share
+    return noise * np.where(spikes, 1.0 + rng.uniform(0.1, 0.4, size), 1.0)
+
+
+def retime_simulated(
+    designs: Mapping[str, Any],
+    truth: Mapping[str, np.ndarray],
+    cv: float,
+    spike_share: float,
+    rng: np.random.Generator,
+) -> dict[str, Any]:
+    """The replay's outlier rule on simulated timings: the units estimate.outlier_units flags get
+    OUTLIER_TIMINGS timings in all (new noise on their exact cost) and their median."""
+    import dataclasses
+
+    from probes.replay.estimate import OUTLIER_TIMINGS, outlier_units, unit_residuals
+
+    names = list(designs)
+    residuals = unit_residuals(designs)
+    flagged = outlier_units(
+        np.concatenate([residuals[n] for n in names]),
+        np.concatenate([designs[n].timings for n in names]),
+        cv,
+    )
+    out, start = {}, 0
+    for name in names:
+        d = designs[name]
+        mine = flagged[start : start + d.y.size]
+        start += d.y.size
+        if not mine.any():
+            out[name] = d
+            continue
+        again = [
+            truth[name][mine] * timing_noise(rng, int(mine.sum()), cv, spike_share)
+            for _ in range(OUTLIER_TIMINGS - 1)
+        ]
+        y, timings = d.y.copy(), d.timings.copy()
+        y[mine] = np.median(np.column_stack([d.y[mine], *again]), axis=1)
+        timings[mine] = OUTLIER_TIMINGS
+        out[name] = dataclasses.replace(d, y=y, timings=timings)
+    return out
+
+
 def run_coverage_control(
     design: Any,
     takes: Mapping[tuple[str, int], int],
@@ -318,11 +409,13 @@ def run_coverage_control(
     seed: int,
     threshold: float = 0.9,
     cost: SimulatedCost | None = None,
+    spike_share: float = SPIKE_SHARE,
 ) -> dict[str, Any]:
     """The real plans and the real run's allocation (`takes`), timings simulated from a known
-    cost with noise at the measured `cv`, through the same estimator `replications` times:
-    the share of 95% saving intervals that cover the exact saving, per strategy, must be at
-    least `threshold`. Cheap: no model runs."""
+    cost with noise at the measured `cv` and a `spike_share` of preempted timings, through the
+    replay's outlier rule and the same estimator `replications` times: the share of 95% saving
+    intervals that cover the exact saving, per strategy, must be at least `threshold`. Cheap:
+    no model runs."""
     from probes.replay.estimate import StrategyDesign, auxiliaries, greg_estimate_all
 
     started = time.perf_counter()
@@ -339,7 +432,7 @@ def run_coverage_control(
     widths: dict[str, list[float]] = {n: [] for n in exact}
     cv_df = 4.0
     for _ in range(replications):
-        designs = {}
+        designs, truth = {}, {}
         for name in design.plans:
             units, strata = [], []
             for h, members in enumerate(design.orders[name]):
@@ -348,16 +441,17 @@ def run_coverage_control(
                 units.append(picked)
                 strata.append(np.full(picked.size, h))
             idx = np.concatenate(units)
-            noise = 1.0 + cv * rng.standard_normal(idx.size)
             designs[name] = StrategyDesign(
                 plan_x=x[name],
                 plan_stratum=design.stratum[name],
                 optimizer_steps=steps[name],
                 stratum=np.concatenate(strata),
                 x=x[name][idx],
-                y=mu[name][idx] * np.maximum(noise, 0.05),
+                y=mu[name][idx] * timing_noise(rng, idx.size, cv, spike_share),
                 timings=np.ones(idx.size),
             )
+            truth[name] = mu[name][idx]
+        designs = retime_simulated(designs, truth, cv, spike_share, rng)
         opt = cost.optimizer_s * np.maximum(
             1.0 + cv * rng.standard_normal(max(optimizer_timings, 2)), 0.05
         )
@@ -372,7 +466,8 @@ def run_coverage_control(
         "name": "replay_intervals_cover_the_exact_saving",
         "description": (
             "timings simulated from a known cost (rows*T, rows*T^2, loss tokens, loss tokens x "
-            "length, documents: terms the working model lacks) with noise at the measured CV, "
+            "length, documents: terms the working model lacks) with noise at the measured CV and "
+            "a share of preempted timings (10-40% slow) through the replay's outlier rule, "
             "sampled with the real run's allocation and priced by the same model-assisted "
             "estimator; the share of 95% saving intervals covering the exact saving, per strategy"
         ),
@@ -380,6 +475,7 @@ def run_coverage_control(
             "coverage_min": threshold,
             "nominal": 0.95,
             "cv": cv,
+            "spike_share": spike_share,
             "replications": replications,
             "exact_saving": exact_saving,
         },

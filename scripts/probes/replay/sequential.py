@@ -23,11 +23,15 @@ import pandas as pd
 
 from probes.batching import plans as pl
 from probes.replay.estimate import (
+    OUTLIER_SPREADS,
+    OUTLIER_TIMINGS,
     GregEstimate,
     StrategyDesign,
     auxiliaries,
     decided,
     greg_estimate_all,
+    outlier_units,
+    unit_residuals,
 )
 from probes.replay.strata import grow_allocation, proxy_cost, proxy_spread, stratum_orders
 from probes.replay.timing import MICRO_BATCH, ReplaySettings, run_sample
@@ -176,6 +180,48 @@ def spreads_from(
     return out
 
 
+def outlier_index(design: Design, steps: pd.DataFrame, cv: float) -> pd.Index:
+    """Index labels (in `steps`) of the timed units estimate.outlier_units flags."""
+    ok = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == OK)]
+    designs = strategy_designs(design, steps)
+    if not designs:
+        return pd.Index([])
+    residuals = unit_residuals(designs)
+    names = list(designs)
+    labels = [ok.index[ok["strategy"] == n] for n in names]
+    relative = np.concatenate([residuals[n] for n in names])
+    timings = np.concatenate([designs[n].timings for n in names])
+    flagged = outlier_units(relative, timings, cv)
+    return pd.Index(np.concatenate(labels)[flagged])
+
+
+def retime(
+    runner: Any, steps: pd.DataFrame, labels: pd.Index, settings: ReplaySettings
+) -> tuple[pd.DataFrame, list[float]]:
+    """Time the flagged units until each has OUTLIER_TIMINGS timings (one pass at a time, so
+    their repeats are not back to back) and price each at the median of its timings."""
+    steps = steps.copy()
+    optimizer: list[float] = []
+    quiet = dataclasses.replace(settings, warmup=0)
+    while len(labels):
+        again, opt = run_sample(runner, steps.loc[labels], quiet)
+        optimizer.extend(opt.tolist())
+        for label in labels:
+            steps.at[label, "times_s"] = list(steps.at[label, "times_s"]) + list(
+                again.at[label, "times_s"]
+            )
+            if again.at[label, "status"] != OK:
+                steps.at[label, "status"] = again.at[label, "status"]
+        counts = steps.loc[labels, "times_s"].map(len)
+        labels = counts.index[counts < OUTLIER_TIMINGS]
+    steps["timings"] = steps["times_s"].map(len)
+    steps["time_s"] = [
+        float(np.median(t)) if s == OK and len(t) else float("nan")
+        for t, s in zip(steps["times_s"], steps["status"], strict=True)
+    ]
+    return steps, optimizer
+
+
 @dataclass(frozen=True)
 class SequentialResult:
     steps: pd.DataFrame
@@ -204,7 +250,8 @@ def run_sequential(
     started = clock()
     takes = initial_takes(design, valid, initial_extra, per_strategy)
     done: dict[Key, int] = {}
-    parts, optimizer, rounds = [], [], 0
+    all_steps, optimizer, rounds = pd.DataFrame(), [], 0
+    retimed: list[int] = []
     stopped_by = "census"
     estimates: dict[str, GregEstimate] = {}
     while True:
@@ -216,11 +263,15 @@ def run_sequential(
         steps, opt = run_sample(runner, units, round_settings, progress=progress)
         steps["round"] = rounds
         steps["timings"] = steps["times_s"].map(len)
-        parts.append(steps)
         optimizer.extend(opt.tolist())
         rounds += 1
         done = dict(takes)
-        all_steps = pd.concat(parts, ignore_index=True)
+        all_steps = steps if all_steps.empty else pd.concat([all_steps, steps], ignore_index=True)
+        flagged = outlier_index(design, all_steps, cv)
+        if len(flagged):
+            all_steps, opt = retime(runner, all_steps, flagged, settings)
+            optimizer.extend(opt)
+            retimed.extend(int(v) for v in flagged)
         estimates, _ = greg_estimate_all(
             strategy_designs(design, all_steps), np.asarray(optimizer), cv, cv_df
         )
@@ -237,7 +288,7 @@ def run_sequential(
         spreads = spreads_from(design, estimates, all_steps, cv)
         costs = unit_costs(design, all_steps)
         takes = grow_allocation(done, design.sizes, spreads, weights, round_size, costs)
-    all_steps = pd.concat(parts, ignore_index=True)
+    all_steps = all_steps.reset_index(drop=True)
     all_steps["run_order"] = np.arange(len(all_steps))
     record = {
         "stopped_by": stopped_by,
@@ -248,6 +299,12 @@ def run_sequential(
         "round_size": int(round_size),
         "initial_extra": int(initial_extra),
         "initial_per_strategy": int(per_strategy),
+        "retimed_micro_batches": len(set(retimed)),
+        "retimed_rule": (
+            f"a unit whose relative residual lies over {OUTLIER_SPREADS} robust spreads "
+            f"(1.4826 x MAD) from the others, and over 3 x the instrument's CV, is timed until "
+            f"it has {OUTLIER_TIMINGS} timings and priced at their median"
+        ),
         "takes": {f"{n}/{h}": int(v) for (n, h), v in sorted(done.items())},
         "rule": (
             "stop when the best valid strategy's saving interval lies entirely above the next "

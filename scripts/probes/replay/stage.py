@@ -205,7 +205,9 @@ def run_replay(
     micro = int(training["micro_batch_size"])
     settings = settings_for(replay_cfg, grad_accum, cpu_only)
     fit_lengths = fit_lengths_for(plans, replay_cfg, max_len, cpu_only)
-    fit_repeats = int(replay_cfg["fit"]["repeats"])
+    fit_repeats = int(
+        replay_cfg["cpu"]["fit_repeats"] if cpu_only else replay_cfg["fit"]["repeats"]
+    )
     LOG.info(
         "replay on %s%s: %d strategies, %d micro-batches; fit lengths %s",
         device,
@@ -250,12 +252,14 @@ def run_replay(
     )
     LOG.info("fit %s: a=%.3g b=%.3g c=%.3g", fit.fit.method, fit.fit.a, fit.fit.b, fit.fit.c)
 
-    # the instrument's own spread, on random's median micro-batch (the model is warm from the fit)
+    # the instrument's own spread, on random's median micro-batch. The model is warm from the
+    # fit; on CPU a new shape is not slower (its first run measured 0.99x the next), so no
+    # warm-up there; on a GPU the allocator and kernel choice may be, so the configured one
     instrument = measure_instrument(
         runner,
         median_row(plans, pl.BASELINE),
         int(replay_cfg["instrument_repeats"]),
-        max(settings.warmup, 1),
+        0 if cpu_only else max(settings.warmup, 1),
     )
     cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
     cv_df = max(instrument["repeats"] - 1.0, 1.0)

@@ -345,14 +345,17 @@ def measure_fit(
     resamples: int,
 ) -> tuple[ft.BootstrapFit, pd.DataFrame]:
     """Time rows × T uniform micro-batches (forward + backward) at each length, fit with
-    intervals. The lengths are visited in a new seeded order each round (one warm-up in the
-    first), so a burst of load or drift spreads over lengths instead of bending the curve.
+    intervals. The lengths are visited in a new seeded order each round (one warm-up before the
+    first point: on the default CPU run a micro-batch timed right after another of the same shape
+    took 0.99× as long as its first run, so a warm-up per shape buys nothing), so a burst of load
+    or drift spreads over lengths instead of bending the curve.
     Returns the fit and the timed points (one row per repeat)."""
     rng = np.random.default_rng(seed)
     points = []
     for repeat in range(repeats):
         for length in rng.permutation(np.asarray(lengths, dtype=np.int64)):
-            seconds = runner.time_uniform(rows, int(length), loss_share, 1 if repeat == 0 else 0)
+            first = repeat == 0 and not points  # one warm-up: a new shape is not slower here
+            seconds = runner.time_uniform(rows, int(length), loss_share, 1 if first else 0)
             points.append(
                 {
                     "kind": FIT_POINT,

@@ -72,7 +72,7 @@ def run_stage(tmp_path, plans, promise, runner, clock=None, **realize):
         training={"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": MAX_LEN},
         profile={"device": "cpu", "allow_cpu": True},
         replay={"cpu": {"max_seq_len": MAX_LEN}},  # the plans as they are (no CPU cap)
-        realize={"cpu_sample_steps": SAMPLE, "warmup": 1, **realize},
+        realize={"cpu_sample_steps": SAMPLE, "warmup": 1, "cpu_max_changes": 2, **realize},
     )
 
     def load(model_path, raw, device):
@@ -160,3 +160,12 @@ def test_a_change_that_runs_out_of_memory_disagrees_and_says_so(tmp_path, plans,
     _, table, _ = run_stage(tmp_path, plans, exact_promise(plans, cost), runner, clock, warmup=0)
     packing = table.set_index("strategy").loc[PACKING]
     assert packing["verdict"] == DISAGREES and "out of memory" in packing["differed"]
+
+
+def test_on_cpu_checks_only_cpu_max_changes(tmp_path, plans, cost):
+    clock = VirtualClock()
+    promise = exact_promise(plans, cost)
+    summary, table, _ = run_stage(
+        tmp_path, plans, promise, virtual_runner(cost, clock), clock, cpu_max_changes=1
+    )
+    assert list(table["strategy"]) == [RANDOM, PACKING] and summary["changes"] == [PACKING]

@@ -106,3 +106,57 @@ def test_stops_on_the_decision_when_the_timings_are_exact(plans):
     result = _run(plans, cv=0.0, budget_s=1e6)
     assert result.record["stopped_by"] == "decision", result.record["rounds"]
     assert result.record["rounds"] <= 4
+
+
+class SpikyRunner(KnownCostRunner):
+    """A known-cost runner whose `spiked` micro-batches come out 30% slow the first time only:
+    a preempted timing."""
+
+    def __init__(self, cost, clock, spiked):
+        super().__init__(cost, 0.0, clock)
+        self.spiked, self.seen = set(spiked), set()
+
+    def time_micro_batch(self, row, busy=False):
+        result = super().time_micro_batch(row, busy)
+        key = (row.strategy, int(row.micro_batch_index))
+        if key in self.spiked and key not in self.seen:
+            self.seen.add(key)
+            result["time_s"] *= 1.3
+            result["times_s"] = [result["time_s"]]
+        return result
+
+
+def test_a_preempted_unit_is_timed_again_and_priced_at_the_median(plans):
+    design = build_design(plans, 3, seed=0)
+    first = new_units(
+        design, {k: min(v, 2) for k, v in design.sizes.items()}, {}, np.random.default_rng(11)
+    )
+    spiked = (first.iloc[3]["strategy"], int(first.iloc[3]["micro_batch_index"]))
+    clock = [0.0]
+    cost = SimulatedCost.scaled_to(plans)
+    runner = SpikyRunner(cost, clock, [spiked])
+    settings = ReplaySettings(3, 2, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    result = run_sequential(
+        runner, design, settings, list(design.strategies), 0.01, 4.0, 1e6, 0, 12,
+        clock=lambda: clock[0],
+    )  # fmt: skip
+    steps = result.steps.set_index(["strategy", "micro_batch_index"])
+    unit = steps.loc[spiked]
+    exact = float(cost.micro_batch_s(pd.DataFrame([unit.to_dict() | {"strategy": spiked[0]}]))[0])
+    assert unit["timings"] == 3 and len(unit["times_s"]) == 3
+    assert unit["time_s"] == pytest.approx(exact)  # the median drops the preempted timing
+    assert result.record["retimed_micro_batches"] >= 1
+    # every other unit keeps its exact (noise-free) time, however often it was timed
+    frame = result.steps
+    assert np.allclose(frame["time_s"], cost.micro_batch_s(frame))
+
+
+def test_outlier_units_flags_only_a_far_residual_with_few_timings():
+    from probes.replay.estimate import outlier_units
+
+    relative = np.array([0.01, -0.02, 0.015, 0.0, -0.01, 0.02, -0.015, 0.005, 0.3])
+    flagged = outlier_units(relative, np.ones(relative.size), cv=0.01)
+    assert flagged.tolist() == [False] * 8 + [True]
+    timed_thrice = np.r_[np.ones(8), 3]
+    assert not outlier_units(relative, timed_thrice, cv=0.01).any()
+    assert not outlier_units(relative, np.ones(relative.size), cv=0.2).any()  # within 3 × CV
