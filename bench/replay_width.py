@@ -93,7 +93,30 @@ def real(results: Path) -> bool:
     optimizer = steps.loc[steps["kind"] == "optimizer_step", "time_s"].to_numpy(np.float64)
     print(f"real: {len(micro)} timed micro-batches, instrument CV {cv:.3f}")
     table(stratified_widths(design, micro, optimizer), greg_widths(design, micro, optimizer, cv))
+    wall_time(results)
     return True
+
+
+# the replay rule's wall time on this 2-core CPU when the issue was filed (stratified estimator,
+# 72 micro-batches): what the new design must not exceed
+BEFORE_WALL_S = 100.0
+
+
+def wall_time(results: Path) -> None:
+    """The replay rule's wall time (Snakemake's benchmark file beside `results`, else the
+    replay's own provenance) against BEFORE_WALL_S."""
+    tsv = results.parent / "benchmarks" / "replay.tsv"
+    if tsv.exists():
+        seconds, source = float(pd.read_csv(tsv, sep="\t")["s"].iloc[-1]), str(tsv)
+    else:
+        from probes.io import read_provenance
+
+        seconds = float(read_provenance(results / "profile" / "replay.parquet")["wall_s"])
+        source = "replay.parquet provenance wall_s"
+    print(
+        f"replay wall time: {seconds:.0f} s ({source}); before: ~{BEFORE_WALL_S:.0f} s; "
+        f"ratio {seconds / BEFORE_WALL_S:.2f}"
+    )
 
 
 def simulated(cv: float, units: int, reps: int, seed: int = 0) -> None:

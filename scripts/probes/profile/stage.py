@@ -8,6 +8,7 @@ written only once everything succeeded). MFU follows probes.profile.flops.MFU_CO
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -31,6 +32,7 @@ from probes.profile.scaling import (
     run_flop_control,
     run_kernel_profile,
     run_scaling,
+    warmup_for,
 )
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
@@ -191,6 +193,8 @@ def run_profile(
     )
 
     scaling = run_scaling(runner, settings, loss_share, vocab_size, flop_model, peak)
+    configured_warmup = settings.warmup
+    settings = dataclasses.replace(settings, warmup=warmup_for(settings, first=False))
     ok = scaling[scaling["status"] == OK]
     fit = fit_step_time(ok["seq_len"].tolist(), ok["time_s"].tolist())
     LOG.info("fit: %s (%s)", fit.method, fit.message)
@@ -267,7 +271,8 @@ def run_profile(
         "attn_implementation": profile["attn_implementation"],
         "lengths": settings.lengths,
         "lengths_note": beyond_note,
-        "warmup": settings.warmup,
+        "warmup": configured_warmup,
+        "warmup_scope": "first timing only (CPU)" if settings.cpu_only else "every timing",
         "repeats": settings.repeats,
         "kernel_steps": settings.kernel_steps,
         "probe_length": probe_length,
