@@ -226,6 +226,20 @@ def test_no_loss_filter_keeps_examples_with_a_loss_token(document):
     assert changes_by_id(empty)["drop_no_loss_examples"]["applies"] is False
 
 
+def test_grouped_changes_say_what_no_loss_micro_batches_do_to_the_logged_loss(document):
+    grouped = [c for c in document["changes"] if c["id"] in apply.GROUPED and c.get("applies")]
+    assert grouped
+    for change in grouped:
+        assert "12 examples that carry no loss token" in change["caveat"]
+        assert "drop_no_loss_examples" in change["caveat"]
+    others = [c for c in document["changes"] if c["id"] not in apply.GROUPED and c.get("caveat")]
+    assert all("NaN" not in c["caveat"] for c in others)
+    none = apply.recommendations_document(
+        bucket_recommendation(), TRAINING, apply_libraries.installed_libraries(), 0, verify=False
+    )
+    assert all("NaN" not in (c.get("caveat") or "") for c in none["changes"])
+
+
 def test_count_no_loss_examples_counts_training_rows_only():
     frame = bucket_controls.synthetic_lengths_frame(400, seed=3)
     frame.loc[:9, "n_loss_tokens"] = 0
