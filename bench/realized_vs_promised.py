@@ -3,7 +3,10 @@ of the real ``transformers.Trainer`` realize, with exactly the settings recommen
 
 Data: a seeded subset (``--examples``) of the padding stage's real lengths (``--lengths``, with
 its loss-token counts), every length capped at ``--cap`` so a CPU epoch takes seconds. Model: a
-small random-init Llama (real architecture, ``build_model``), float32 on CPU, one thread.
+small random-init Llama (real architecture, ``build_model``), float32 on CPU, one thread; or
+with ``--device cuda --architecture DIR`` that directory's architecture (the default Gemma),
+random init in bfloat16 on the GPU (step time follows shapes, not weight values). Both trainers
+run the model's own dtype without autocast, as the replay does.
 
 1. **Promised**: the replay stage itself (``probes.replay.stage.run_replay``: positive control,
    scaling fit, instrument CV, sequential GREG design, coverage control) on the same model saved to
@@ -27,7 +30,8 @@ extra seconds per optimizer step. ``--out`` also writes the table as markdown. N
 asserted.
 
     python bench/realized_vs_promised.py --lengths results/padding/lengths.parquet \
-        --recommendation results/bucket/recommendation.json [--quick] [--out table.md]
+        --recommendation results/bucket/recommendation.json [--quick] [--out table.md] \
+        [--device cuda --architecture resources/model/gemma-3-270m]
 """
 
 from __future__ import annotations
@@ -81,11 +85,21 @@ def load_subset(path: Path, n: int, cap: int, seed: int) -> pl.PlanExamples:
     )
 
 
-def build_model(max_len: int, hidden: int) -> Any:
-    """A small Llama, random init (seed 0): real architecture, seconds per CPU epoch."""
+def build_model(
+    max_len: int, hidden: int, architecture: Path | None = None, dtype: Any = None
+) -> Any:
+    """A small Llama, random init (seed 0): real architecture, seconds per CPU epoch. With
+    `architecture` (a model directory's config.json, e.g. the default Gemma on a GPU) that
+    architecture instead, random init too: step time depends on shapes, not weight values."""
     import torch
     import transformers
 
+    torch.manual_seed(0)
+    if architecture is not None:
+        config = transformers.AutoConfig.from_pretrained(architecture)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+        model.config.use_cache = False
+        return model
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=hidden,
@@ -96,10 +110,38 @@ def build_model(max_len: int, hidden: int) -> Any:
         max_position_embeddings=max(max_len, 64),
         attn_implementation="sdpa",
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config).to(dtype or torch.float32)
     model.config.use_cache = False
     return model
+
+
+def model_words(args: argparse.Namespace) -> str:
+    if args.architecture is None:
+        return f"small random-init Llama (hidden {args.hidden}, 4 layers, vocab {VOCAB})"
+    return f"random-init {args.architecture.name} architecture"
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    """Token ids are drawn below this: the small Llama's VOCAB, or the architecture's own."""
+    if args.architecture is None:
+        return VOCAB
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(args.architecture)
+    return int(getattr(config, "get_text_config", lambda: config)().vocab_size)
+
+
+def precision(args: argparse.Namespace) -> dict[str, Any]:
+    """The trainers' device and precision: the model's own dtype, no autocast (build_model puts
+    it in float32 on CPU, where bf16 is emulated without bf16 units, and in bfloat16 on CUDA),
+    so the trainers run the step the replay runs (profile.dtype the same)."""
+    return {"use_cpu": args.device != "cuda", "bf16": False}
+
+
+def model_dtype(args: argparse.Namespace) -> Any:
+    import torch
+
+    return torch.bfloat16 if args.device == "cuda" else torch.float32
 
 
 def subset_recommendation(rec: dict[str, Any], examples: pl.PlanExamples) -> dict[str, Any]:
@@ -140,7 +182,9 @@ def run_promised(
     from probes.replay.stage import run_replay
 
     model_dir = work / "model"
-    build_model(int(examples.lengths.max()), args.hidden).save_pretrained(model_dir)
+    longest = int(examples.lengths.max())
+    model = build_model(longest, args.hidden, args.architecture, model_dtype(args))
+    model.save_pretrained(model_dir)
     plans = pl.build_plans(
         examples,
         args.micro_batch_size,
@@ -167,7 +211,11 @@ def run_promised(
     cfg = load_config()
     cfg["training"] = training_section(args)
     cfg["profile"].update(
-        harness=str(HARNESS), dtype="float32", device="cpu", allow_cpu=True, harness_options={}
+        harness=str(HARNESS),
+        dtype="bfloat16" if args.device == "cuda" else "float32",
+        device=args.device,
+        allow_cpu=args.device == "cpu",
+        harness_options={},
     )
     cfg["replay"]["cpu"].update(max_seq_len=args.cap, threads=1, budget_s=args.budget_s)
     summary = run_replay(inputs, outputs, cfg, model_dir, progress=False)
@@ -202,11 +250,11 @@ class Examples:
         self.rows = rows
 
     @classmethod
-    def from_plan(cls, examples: pl.PlanExamples, seed: int) -> Examples:
+    def from_plan(cls, examples: pl.PlanExamples, seed: int, vocab: int = VOCAB) -> Examples:
         rng = np.random.default_rng(seed)
         rows = []
         for n, loss in zip(examples.lengths, examples.loss_tokens, strict=True):
-            ids = rng.integers(1, VOCAB, size=int(n)).tolist()
+            ids = rng.integers(1, vocab, size=int(n)).tolist()
             labels = [IGNORE_INDEX] * (int(n) - int(loss)) + ids[int(n) - int(loss) :]
             rows.append({"input_ids": ids, "labels": labels})
         return cls(rows)
@@ -263,16 +311,16 @@ def run_epoch(
             num_train_epochs=1,
             learning_rate=LEARNING_RATE,
             seed=args.seed,
-            use_cpu=True,
             report_to="none",
             save_strategy="no",
             logging_strategy="no",
             disable_tqdm=True,
             dataloader_num_workers=0,
+            **precision(args),
             **kwargs,
         )
         common = {
-            "model": build_model(args.cap, args.hidden),
+            "model": build_model(args.cap, args.hidden, args.architecture, model_dtype(args)),
             "args": training_args,
             "train_dataset": dataset,
             "data_collator": collate,
@@ -291,13 +339,13 @@ def run_epoch(
         }
 
 
-def tiny_tokenizer() -> Any:
+def tiny_tokenizer(vocab_ids: int = VOCAB) -> Any:
     """What SFTTrainer needs of a tokenizer for already-tokenised data: a pad token, over the
     bench model's VOCAB ids (one word per id; nothing is ever encoded)."""
     import transformers
     from tokenizers import Tokenizer, models
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
+    vocab = {f"t{i}": i for i in range(vocab_ids)}
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t1")),
         pad_token="t0",
@@ -325,24 +373,26 @@ def run_sft_epoch(change: dict[str, Any], data: Examples, args: argparse.Namespa
             num_train_epochs=1,
             learning_rate=LEARNING_RATE,
             seed=args.seed,
-            use_cpu=True,
             report_to="none",
             save_strategy="no",
             logging_strategy="no",
             disable_tqdm=True,
             dataloader_num_workers=0,
             completion_only_loss=True,
-            # SFTConfig defaults bf16=True (TRL 1.16), the Trainer runs float32: on a CPU
-            # without bf16 units that alone made packing's epoch 6x slower (realized -512%
-            # against +12% promised, measured here); the bench compares like with like
-            bf16=False,
+            # SFTConfig's defaults are not TrainingArguments' (TRL 1.16: bf16=True,
+            # gradient_checkpointing=True). Measured here with them: packing realized -512%
+            # (bf16 emulated on this CPU) and, with bf16 off, -29.5% (activation
+            # recomputation) against +12.7% promised. The bench compares like with like: the
+            # Trainer's values, as the packing change's caveat tells a user to set
+            gradient_checkpointing=False,
+            **precision(args),
             **change["sft_config"],
         )
         trainer = trl.SFTTrainer(
-            model=build_model(args.cap, args.hidden),
+            model=build_model(args.cap, args.hidden, args.architecture, model_dtype(args)),
             args=config,
             train_dataset=datasets.Dataset.from_list(rows),
-            processing_class=tiny_tokenizer(),
+            processing_class=tiny_tokenizer(vocab_size(args)),
         )
         metrics = trainer.train().metrics
         return {
@@ -354,12 +404,17 @@ def run_sft_epoch(change: dict[str, Any], data: Examples, args: argparse.Namespa
 def trainer_changes(document: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
     """Changes whose settings paste into transformers.Trainer or trl.SFTTrainer, and why each
     other one is out."""
+    import importlib.util
+
+    has_trl = all(importlib.util.find_spec(m) for m in ("trl", "datasets"))
     runnable, skipped = [], []
     for change in document["changes"]:
         if not change.get("applies"):
             skipped.append(f"{change['id']}: does not apply ({change.get('reason')})")
         elif change.get("training_arguments") is None and change.get("sft_config") is None:
             skipped.append(f"{change['id']}: neither TrainingArguments nor an SFTConfig")
+        elif change.get("training_arguments") is None and not has_trl:
+            skipped.append(f"{change['id']}: SFTConfig only, and trl/datasets are not installed")
         else:
             runnable.append(change)
     return runnable, skipped
@@ -502,6 +557,13 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="200 examples, 2 rounds, 30 s replay")
     parser.add_argument("--out", type=Path, help="also write the table as markdown here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--architecture",
+        type=Path,
+        help="a model directory whose config.json to train (random init), e.g. the default "
+        "Gemma on a GPU; default: the small Llama",
+    )
     args = parser.parse_args()
     if args.quick:
         args.examples, args.repeats, args.budget_s = 200, 2, 30.0
@@ -513,7 +575,11 @@ def main() -> int:
     import torch
     import transformers
 
-    torch.set_num_threads(1)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here")
+        return 2
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     started = time.perf_counter()
     load = os.getloadavg()
     bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -523,8 +589,8 @@ def main() -> int:
         f"data: {examples.lengths.size} examples of {args.lengths} (seed {args.seed}), capped at "
         f"{args.cap}: {int(examples.lengths.sum())} tokens, "
         f"{int((examples.loss_tokens == 0).sum())} without a loss token; micro "
-        f"{args.micro_batch_size} × grad_accum {args.grad_accum}; model Llama hidden "
-        f"{args.hidden}, 4 layers, vocab {VOCAB}, float32 (CPU bf16 native: {bf16}), 1 thread; "
+        f"{args.micro_batch_size} × grad_accum {args.grad_accum}; model {model_words(args)}, "
+        f"{model_dtype(args)} on {args.device} (CPU bf16 native: {bf16}); "
         f"transformers {transformers.__version__}; load {load}",
         flush=True,
     )
@@ -533,11 +599,12 @@ def main() -> int:
     print(f"replay: {summary['wall_s']:.1f} s", flush=True)
     document = promised_changes(rec, args, examples, estimates)
     _, skipped = trainer_changes(document)
-    data = Examples.from_plan(examples, args.seed)
+    data = Examples.from_plan(examples, args.seed, vocab_size(args))
     runs = run_realized(document, data, args)
     rows = table_rows(document, estimates, runs)
     header = (
-        f"Small random-init Llama (hidden {args.hidden}, 4 layers), CPU float32, 1 thread; "
+        f"{model_words(args)}, {str(model_dtype(args)).replace('torch.', '')} on "
+        f"{args.device}{', 1 thread' if args.device == 'cpu' else ''}; "
         f"{examples.lengths.size} real chitchat lengths capped at {args.cap}; micro "
         f"{args.micro_batch_size} × grad_accum {args.grad_accum}; {args.repeats} rounds of one "
         f"epoch each (transformers.Trainer train_runtime); load "

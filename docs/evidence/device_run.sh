@@ -60,6 +60,17 @@ done
 # (probes.distributed: 2 CUDA devices needed, 1 present); gloo on the 16 CPU cores is what
 # bench/ddp_step.py measures without a GPU.
 
+# 4) the headline (issue 20): whole epochs of the real Trainer with the settings recommendations.json
+# emits, against the replay's promise, on the default Gemma architecture (random init, bf16) on
+# the GPU. Last, and bounded: it must not cost the steps above. TRL packing runs only where trl
+# and datasets are installed (the device image has neither: the table then says so).
+timeout 240 python3 bench/realized_vs_promised.py --device cuda --architecture .device/model \
+  --lengths .device/results/padding/lengths.parquet \
+  --recommendation .device/results/bucket/recommendation.json \
+  --examples 300 --cap 2048 --repeats 2 --budget-s 45 --out "$EVIDENCE/realized_vs_promised.md" \
+  > "$EVIDENCE/realized_vs_promised.log" 2>&1
+echo "realized_vs_promised: exit $?"; cat "$EVIDENCE/realized_vs_promised.md" 2>/dev/null
+
 # files back are limited (8 files, 2 folders down): one archive holds everything
 tar -czf "$OUT/evidence.tar.gz" -C "$OUT" evidence && rm -rf "$EVIDENCE"
 ls -la "$OUT"

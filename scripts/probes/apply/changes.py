@@ -343,6 +343,17 @@ def packing_plan(base: Baseline, n_bins: int) -> dict[str, Any]:
     }
 
 
+# SFTConfig's defaults are not TrainingArguments' (TRL 1.16: gradient_checkpointing=True,
+# bf16=True). Pasted over a Trainer run they change more than the batching: measured with
+# bench/realized_vs_promised.py on CPU, packing realized -29.5% with the checkpointing default
+# (-512% with bf16 too, on a CPU without bf16 units) against +12.7% promised.
+SFT_DEFAULTS_CAVEAT = (
+    "SFTConfig defaults to gradient_checkpointing=True and bf16=True (TRL 1.16), unlike "
+    "TrainingArguments: set both to your run's values, or the step pays activation recomputation "
+    "(measured: -29.5% realized against +12.7% promised on CPU) besides the packing"
+)
+
+
 def packing_change(
     recommendation: Mapping[str, Any], base: Baseline, trl_info: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -419,7 +430,7 @@ def packing_change(
             "needs attention that keeps the packed documents apart: flash-attention varlen kernels "
             "read position_ids; SDPA/eager get a block-diagonal mask from transformers (dense "
             "cost, no is_causal fast path; see the mask gate's packed scenario); examples per "
-            "step now vary"
+            "step now vary; " + SFT_DEFAULTS_CAVEAT
         ),
     }
 
