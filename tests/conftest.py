@@ -160,3 +160,16 @@ def workflow_config(**sections: dict) -> WorkflowConfig:
     for section, values in sections.items():
         raw[section] = {**raw.get(section, {}), **values}
     return WorkflowConfig.from_dict(raw)
+
+
+# For the workflow tests (e2e, SLURM), which check the wiring and the leaks on a 40-example tiny
+# run: a smaller busy-wait control, and a coverage threshold the tiny design (a few micro-batches
+# per strategy, 0.92 measured) cannot miss by chance; tests/unit/replay checks both controls at
+# their defaults.
+WIRING_TRIMS = {
+    "replay": {
+        "control": {"n_strata": 4, "samples_per_stratum": 2, "fit_repeats": 3},
+        "coverage": {"threshold": 0.8},
+    },
+    "report": {"figure_dpi": 40},
+}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import CANARY, REPO, chat_rows, write_jsonl
+from conftest import CANARY, REPO, WIRING_TRIMS, chat_rows, write_jsonl
 from probes.report.render import SECTION_TITLES
 
 
@@ -23,6 +23,7 @@ def tiny_config(tmp_path: Path, model_dir: Path) -> Path:
         "data": {"files": [{"path": str(data)}]},
         "training": {"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 96},
         "profile": {"device": "cpu", "cpu": {"lengths": [16, 32, 64], "warmup": 1, "repeats": 2}},
+        **WIRING_TRIMS,
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))

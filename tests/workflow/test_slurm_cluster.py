@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, chat_rows, copy_workflow, write_jsonl
+from conftest import REPO, WIRING_TRIMS, chat_rows, copy_workflow, write_jsonl
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -167,6 +167,7 @@ def assert_gpu_only_for(rules_with_gpu: set[str], cpu_rules: set[str], log: str)
 TINY_CONFIG = {
     "training": {"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 96},
     "profile": {"device": "cpu", "cpu": {"lengths": [16, 32, 64], "warmup": 1, "repeats": 2}},
+    **WIRING_TRIMS,
 }
 
 

@@ -239,7 +239,7 @@ def test_fit_with_intervals_recovers_known_coefficients():
 
 
 def test_synthetic_control_recovers_known_savings_and_coefficients(plans):
-    settings = ReplaySettings(16, 6, 500, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    settings = ReplaySettings(8, 4, 500, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
     cost = SyntheticCost.scaled_to(plans, 0.002, 0.0015, 0.0015, 0.001)
     control = run_synthetic_control(plans, settings, [32, 64, 128, 256, MAX_LEN], MICRO, cost=cost)
     assert set(control) >= {"name", "description", "expected", "observed", "passed"}
