@@ -138,6 +138,23 @@ def precision(args: argparse.Namespace) -> dict[str, Any]:
     return {"use_cpu": args.device != "cuda", "bf16": False}
 
 
+def epoch_arguments(out: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What every timed epoch sets, in TrainingArguments and SFTConfig alike: one epoch, no
+    logging, saving or progress bar in the timing, the data in the main process."""
+    return {
+        "output_dir": out,
+        "num_train_epochs": 1,
+        "learning_rate": LEARNING_RATE,
+        "seed": args.seed,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        **precision(args),
+    }
+
+
 def model_dtype(args: argparse.Namespace) -> Any:
     import torch
 
@@ -306,19 +323,7 @@ def run_epoch(
     kwargs = dict(change["training_arguments"]) if change else dict(base_kwargs)
     dataset = data.filter(keep_example) if name == "drop_no_loss_examples" else data
     with tempfile.TemporaryDirectory() as out:
-        training_args = transformers.TrainingArguments(
-            output_dir=out,
-            num_train_epochs=1,
-            learning_rate=LEARNING_RATE,
-            seed=args.seed,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
-            **precision(args),
-            **kwargs,
-        )
+        training_args = transformers.TrainingArguments(**epoch_arguments(out, args), **kwargs)
         common = {
             "model": build_model(args.cap, args.hidden, args.architecture, model_dtype(args)),
             "args": training_args,
@@ -369,15 +374,7 @@ def run_sft_epoch(change: dict[str, Any], data: Examples, args: argparse.Namespa
     ]
     with tempfile.TemporaryDirectory() as out:
         config = trl.SFTConfig(
-            output_dir=out,
-            num_train_epochs=1,
-            learning_rate=LEARNING_RATE,
-            seed=args.seed,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            dataloader_num_workers=0,
+            **epoch_arguments(out, args),
             completion_only_loss=True,
             # SFTConfig's defaults are not TrainingArguments' (TRL 1.16: bf16=True,
             # gradient_checkpointing=True). Measured here with them: packing realized -512%
@@ -385,7 +382,6 @@ def run_sft_epoch(change: dict[str, Any], data: Examples, args: argparse.Namespa
             # recomputation) against +12.7% promised. The bench compares like with like: the
             # Trainer's values, as the packing change's caveat tells a user to set
             gradient_checkpointing=False,
-            **precision(args),
             **change["sft_config"],
         )
         trainer = trl.SFTTrainer(
