@@ -19,7 +19,7 @@ from probes.step import batches as bt
 from probes.step import kernels as kn
 from probes.step.fit import QuadraticFit, term_shares
 from probes.step.runner import Settings, StepRunner
-from probes.step.timing import OK, release_memory, synchronize
+from probes.step.timing import OK, release_memory, synchronize, warmup_runs
 
 LOG = logging.getLogger("probes.profile")
 
@@ -49,13 +49,6 @@ class FlopModel:
         return fl.training_step_flops(self.active_params, n_tokens, attention_flops)
 
 
-def warmup_for(settings: Any, first: bool) -> int:
-    """Untimed runs before a timing: the configured warm-up; on CPU only before the stage's first
-    timing (there a new shape is not slower once the model ran: its first run measured 0.99x the
-    next on the default CPU run, so a warm-up per shape cost ~15 s of the profile for nothing)."""
-    return settings.warmup if first or not settings.cpu_only else 0
-
-
 def run_scaling(
     runner: StepRunner,
     settings: Settings,
@@ -73,7 +66,8 @@ def run_scaling(
             settings.device,
         )
         flops = flop_model.step_flops(batch)
-        timing = runner.timed([batch], warmup_for(settings, first=i == 0), settings.repeats)
+        warmup = warmup_runs(settings.warmup, settings.device, first=i == 0)
+        timing = runner.timed([batch], warmup, settings.repeats)
         del batch
         release_memory(settings.device)
         tokens = settings.micro_batch * length

@@ -32,7 +32,6 @@ from probes.profile.scaling import (
     run_flop_control,
     run_kernel_profile,
     run_scaling,
-    warmup_for,
 )
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
@@ -51,7 +50,7 @@ from probes.step.runner import (
     prepare_harness,
     resolve_device,
 )
-from probes.step.timing import OK
+from probes.step.timing import OK, warmup_runs
 
 LOG = logging.getLogger("probes.profile")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["profile"])
@@ -194,7 +193,10 @@ def run_profile(
 
     scaling = run_scaling(runner, settings, loss_share, vocab_size, flop_model, peak)
     configured_warmup = settings.warmup
-    settings = dataclasses.replace(settings, warmup=warmup_for(settings, first=False))
+    # every later timing (padding penalty, CE, kernels) follows the first: see warmup_runs
+    settings = dataclasses.replace(
+        settings, warmup=warmup_runs(settings.warmup, settings.device, first=False)
+    )
     ok = scaling[scaling["status"] == OK]
     fit = fit_step_time(ok["seq_len"].tolist(), ok["time_s"].tolist())
     LOG.info("fit: %s (%s)", fit.method, fit.message)

@@ -42,6 +42,7 @@ from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step import fit as ft
 from probes.step.idle import check_idle_card
+from probes.step.timing import warmup_runs
 
 LOG = logging.getLogger("probes.replay")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["replay"])
@@ -252,14 +253,12 @@ def run_replay(
     )
     LOG.info("fit %s: a=%.3g b=%.3g c=%.3g", fit.fit.method, fit.fit.a, fit.fit.b, fit.fit.c)
 
-    # the instrument's own spread, on random's median micro-batch. The model is warm from the
-    # fit; on CPU a new shape is not slower (its first run measured 0.99x the next), so no
-    # warm-up there; on a GPU the allocator and kernel choice may be, so the configured one
+    # the instrument's own spread, on random's median micro-batch (the model is warm from the fit)
     instrument = measure_instrument(
         runner,
         median_row(plans, pl.BASELINE),
         int(replay_cfg["instrument_repeats"]),
-        0 if cpu_only else max(settings.warmup, 1),
+        warmup_runs(max(settings.warmup, 1), device, first=False),
     )
     cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
     cv_df = max(instrument["repeats"] - 1.0, 1.0)

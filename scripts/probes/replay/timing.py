@@ -25,7 +25,15 @@ from probes.config import schema_default
 from probes.replay.strata import stratified_sample
 from probes.step import batches as bt
 from probes.step import fit as ft
-from probes.step.timing import OK, OOM, is_out_of_memory, release_memory, synchronize, wall_time
+from probes.step.timing import (
+    OK,
+    OOM,
+    is_out_of_memory,
+    release_memory,
+    synchronize,
+    wall_time,
+    warmup_runs,
+)
 
 MICRO_BATCH, OPTIMIZER_STEP, FIT_POINT = "micro_batch", "optimizer_step", "fit_point"
 TIMER = "host wall between device synchronisations (probes.step.timing.wall_time)"
@@ -345,17 +353,16 @@ def measure_fit(
     resamples: int,
 ) -> tuple[ft.BootstrapFit, pd.DataFrame]:
     """Time rows × T uniform micro-batches (forward + backward) at each length, fit with
-    intervals. The lengths are visited in a new seeded order each round (one warm-up before the
-    first point: on the default CPU run a micro-batch timed right after another of the same shape
-    took 0.99× as long as its first run, so a warm-up per shape buys nothing), so a burst of load
-    or drift spreads over lengths instead of bending the curve.
+    intervals. The lengths are visited in a new seeded order each round (warm-ups in the first:
+    probes.step.timing.warmup_runs), so a burst of load or drift spreads over lengths instead of
+    bending the curve.
     Returns the fit and the timed points (one row per repeat)."""
     rng = np.random.default_rng(seed)
     points = []
     for repeat in range(repeats):
         for length in rng.permutation(np.asarray(lengths, dtype=np.int64)):
-            first = repeat == 0 and not points  # one warm-up: a new shape is not slower here
-            seconds = runner.time_uniform(rows, int(length), loss_share, 1 if first else 0)
+            warmup = warmup_runs(1, runner.device, first=not points) if repeat == 0 else 0
+            seconds = runner.time_uniform(rows, int(length), loss_share, warmup)
             points.append(
                 {
                     "kind": FIT_POINT,

@@ -2,7 +2,7 @@
 
 import pandas as pd
 
-from probes.profile.scaling import add_fit_columns, fit_frame, warmup_for
+from probes.profile.scaling import add_fit_columns, fit_frame
 from probes.step.fit import fit_step_time
 from probes.step.timing import OK
 
@@ -27,11 +27,3 @@ def test_shares_sum_to_one_on_fitted_points_and_failed_points_are_said():
     assert ((shares - 1.0).abs() < 1e-9).all()
     row = fit_frame(fit, scaling).iloc[0]
     assert row["dropped_points"] == ["512:OOM"] and "not fitted: 512:OOM" in row["message"]
-
-
-def test_warmup_on_cpu_only_before_the_first_timing_and_always_on_a_gpu():
-    from types import SimpleNamespace
-
-    cpu, gpu = SimpleNamespace(warmup=2, cpu_only=True), SimpleNamespace(warmup=2, cpu_only=False)
-    assert [warmup_for(cpu, first=f) for f in (True, False)] == [2, 0]
-    assert [warmup_for(gpu, first=f) for f in (True, False)] == [2, 2]

@@ -2,7 +2,7 @@
 
 import torch
 
-from probes.step.timing import OK, OOM, Timing, time_repeats
+from probes.step.timing import OK, OOM, Timing, time_repeats, warmup_runs
 
 CPU = torch.device("cpu")
 
@@ -36,3 +36,9 @@ def test_out_of_memory_is_a_status_other_errors_propagate():
         assert "a bug" in str(error)
     else:
         raise AssertionError("a non-OOM error must propagate")
+
+
+def test_warmup_on_cpu_only_before_the_first_timing_and_always_on_a_gpu():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert [warmup_runs(2, cpu, first=f) for f in (True, False)] == [2, 0]
+    assert [warmup_runs(2, cuda, first=f) for f in (True, False)] == [2, 2]
