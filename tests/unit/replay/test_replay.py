@@ -256,7 +256,17 @@ def test_known_cost_c_plus_k_rows_t_recovers_a_zero_quadratic_term(plans):
     cost = dataclasses.replace(SyntheticCost.scaled_to(plans, 0.002, 0.003, 0.0, 0.001), a=0.0)
     control = run_synthetic_control(plans, settings, [32, 64, 128, 256, MAX_LEN], MICRO, cost=cost)
     assert control["passed"], control["observed"]
-    assert control["observed"]["fit"]["rel_error"]["a"] < 1e-6  # ~0 s, not a ratio to 0
+    assert control["observed"]["fit"]["rel_error"]["a"] < 0.1  # share of the step at T_max
+
+
+def test_a_spurious_term_is_judged_by_its_share_of_the_step():
+    from probes.replay.control import fit_relative_errors
+
+    truth = {"a": 0.0, "b": 1e-3, "c": 0.1}  # 0.1 + 0.001·T: 0.2 s at T = 100
+    right = fit_relative_errors({"a": 1e-9, "b": 1e-3, "c": 0.1}, truth, 100)
+    wrong = fit_relative_errors({"a": 3e-6, "b": 1e-3, "c": 0.1}, truth, 100)
+    assert right["a"] < 1e-4 and right["b"] == right["c"] == 0
+    assert wrong["a"] == pytest.approx(0.15)  # 3e-6 · 100² = 0.03 s of 0.2 s: over a 10% limit
 
 
 def test_packing_validity_reads_the_mask_gate():
