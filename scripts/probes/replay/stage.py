@@ -438,16 +438,20 @@ def synthetic_control_first(
         fit_tolerance=float(control_cfg["fit_tolerance"]),
         repeats=int(control_cfg["repeats"]),
     )
-    LOG.info(
-        "control %s (%.1f s)",
-        "passed" if control["passed"] else "FAILED",
-        control["observed"]["wall_s"],
+    return passed_or_raise(
+        control,
+        f"control %s ({control['observed']['wall_s']:.1f} s)",
+        f"positive control failed: {control['observed']}",
     )
-    if not control["passed"]:
-        raise ControlFailedError(
-            f"replay: positive control failed, no output written: {control['observed']}"
-        )
-    return control
+
+
+def passed_or_raise(result: dict[str, Any], line: str, failure: str) -> dict[str, Any]:
+    """Log a control's outcome (`line` with %s for passed/FAILED) and raise when it failed,
+    before any output is written."""
+    LOG.info(line, "passed" if result["passed"] else "FAILED")
+    if not result["passed"]:
+        raise ControlFailedError(f"replay: {failure}, no output written")
+    return result
 
 
 def coverage_control(
@@ -470,15 +474,9 @@ def coverage_control(
         seed + 3,
         float(coverage_cfg["threshold"]),
     )
-    LOG.info(
-        "coverage control %s: min coverage %.3f",
-        "passed" if coverage["passed"] else "FAILED",
-        coverage["observed"]["min_coverage"],
+    return passed_or_raise(
+        coverage,
+        f"coverage control %s: min coverage {coverage['observed']['min_coverage']:.3f}",
+        f"coverage control failed (95% intervals cover the exact saving in fewer than "
+        f"{coverage_cfg['threshold']} of simulated runs): {coverage['observed']['coverage']}",
     )
-    if not coverage["passed"]:
-        raise ControlFailedError(
-            f"replay: coverage control failed (95% intervals cover the exact saving in fewer "
-            f"than {coverage_cfg['threshold']} of simulated runs), no output written: "
-            f"{coverage['observed']['coverage']}"
-        )
-    return coverage

@@ -422,3 +422,15 @@ def test_failed_control_writes_nothing(tmp_path, tiny_model_dir, monkeypatch):
     with pytest.raises(ControlFailedError, match="positive control failed"):
         rs.run_replay(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)
     assert not any(path.exists() for path in outputs.values())
+
+
+def test_failed_coverage_control_writes_nothing(tmp_path, tiny_model_dir, monkeypatch):
+    inputs, outputs = _stage_inputs(tmp_path)
+    failed = {
+        "passed": False,
+        "observed": {"min_coverage": 0.5, "coverage": {pl.GLOBAL_SORT: 0.5}},
+    }
+    monkeypatch.setattr(rs, "run_coverage_control", lambda *a, **k: failed)
+    with pytest.raises(ControlFailedError, match="coverage control failed"):
+        rs.run_replay(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)
+    assert not any(path.exists() for path in outputs.values())
