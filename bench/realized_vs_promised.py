@@ -377,10 +377,10 @@ def run_sft_epoch(change: dict[str, Any], data: Examples, args: argparse.Namespa
             **epoch_arguments(out, args),
             completion_only_loss=True,
             # SFTConfig's defaults are not TrainingArguments' (TRL 1.16: bf16=True,
-            # gradient_checkpointing=True). Measured here with them: packing realized -512%
-            # (bf16 emulated on this CPU) and, with bf16 off, -29.5% (activation
-            # recomputation) against +12.7% promised. The bench compares like with like: the
-            # Trainer's values, as the packing change's caveat tells a user to set
+            # gradient_checkpointing=True). With the checkpointing default (float32) packing
+            # realized -29.5% against +12.7% promised here: activation recomputation. bf16 comes
+            # from precision() (off on CPU: emulated without bf16 units, no valid timing). The
+            # bench compares like with like, as the packing caveat tells a user to set them
             gradient_checkpointing=False,
             **change["sft_config"],
         )

@@ -345,8 +345,8 @@ def packing_plan(base: Baseline, n_bins: int) -> dict[str, Any]:
 
 # SFTConfig's defaults are not TrainingArguments' (TRL 1.16: gradient_checkpointing=True,
 # bf16=True). Pasted over a Trainer run they change more than the batching: measured with
-# bench/realized_vs_promised.py on CPU, packing realized -29.5% with the checkpointing default
-# (-512% with bf16 too, on a CPU without bf16 units) against +12.7% promised.
+# bench/realized_vs_promised.py on CPU (float32), packing realized -29.5% with the checkpointing
+# default against +12.7% promised.
 SFT_DEFAULTS_CAVEAT = (
     "SFTConfig defaults to gradient_checkpointing=True and bf16=True (TRL 1.16), unlike "
     "TrainingArguments: set both to your run's values, or the step pays activation recomputation "
