@@ -199,7 +199,8 @@ def retime(
     runner: Any, steps: pd.DataFrame, labels: pd.Index, settings: ReplaySettings
 ) -> tuple[pd.DataFrame, list[float]]:
     """Time the flagged units until each has OUTLIER_TIMINGS timings (one pass at a time, so
-    their repeats are not back to back) and price each at the median of its timings."""
+    their repeats are not back to back) and price each at the runner's statistic of them (the
+    median); a unit whose timing fails (out of memory) keeps that status and is not retried."""
     steps = steps.copy()
     optimizer: list[float] = []
     quiet = dataclasses.replace(settings, warmup=0)
@@ -213,10 +214,11 @@ def retime(
             if again.at[label, "status"] != OK:
                 steps.at[label, "status"] = again.at[label, "status"]
         counts = steps.loc[labels, "times_s"].map(len)
-        labels = counts.index[counts < OUTLIER_TIMINGS]
+        ok = steps.loc[labels, "status"] == OK  # a unit that failed again is not retried
+        labels = counts.index[(counts < OUTLIER_TIMINGS) & ok]
     steps["timings"] = steps["times_s"].map(len)
     steps["time_s"] = [
-        float(np.median(t)) if s == OK and len(t) else float("nan")
+        float(runner.reduce(t)) if s == OK and len(t) else float("nan")
         for t, s in zip(steps["times_s"], steps["status"], strict=True)
     ]
     return steps, optimizer

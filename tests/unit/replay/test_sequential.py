@@ -160,3 +160,30 @@ def test_outlier_units_flags_only_a_far_residual_with_few_timings():
     timed_thrice = np.r_[np.ones(8), 3]
     assert not outlier_units(relative, timed_thrice, cv=0.01).any()
     assert not outlier_units(relative, np.ones(relative.size), cv=0.2).any()  # within 3 × CV
+
+
+class FailsOnRetimeRunner(SpikyRunner):
+    """The spiked micro-batch runs out of memory when it is timed again."""
+
+    def time_micro_batch(self, row, busy=False):
+        key = (row.strategy, int(row.micro_batch_index))
+        if key in self.spiked and key in self.seen:
+            return {"status": "OOM", "time_s": np.nan, "times_s": [], "gpu_busy_share": np.nan}
+        return super().time_micro_batch(row, busy)
+
+
+def test_a_unit_that_fails_when_timed_again_ends_the_retiming_with_its_status(plans):
+    design = build_design(plans, 3, seed=0)
+    first = new_units(
+        design, {k: min(v, 2) for k, v in design.sizes.items()}, {}, np.random.default_rng(11)
+    )
+    spiked = (first.iloc[3]["strategy"], int(first.iloc[3]["micro_batch_index"]))
+    clock = [0.0]
+    runner = FailsOnRetimeRunner(SimulatedCost.scaled_to(plans), clock, [spiked])
+    settings = ReplaySettings(3, 2, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    result = run_sequential(
+        runner, design, settings, list(design.strategies), 0.01, 4.0, 60.0, 0, 12,
+        clock=lambda: clock[0],
+    )  # fmt: skip
+    unit = result.steps.set_index(["strategy", "micro_batch_index"]).loc[spiked]
+    assert unit["status"] == "OOM" and np.isnan(unit["time_s"])
