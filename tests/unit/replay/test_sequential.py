@@ -126,20 +126,26 @@ class SpikyRunner(KnownCostRunner):
         return result
 
 
-def test_a_preempted_unit_is_timed_again_and_priced_at_the_median(plans):
+def run_with_one_spiked_unit(plans, runner_class, budget_s):
+    """run_sequential on a known-cost runner whose 4th first-round unit is `spiked`: the
+    result, the spiked unit's key and the cost."""
     design = build_design(plans, 3, seed=0)
     first = new_units(
         design, {k: min(v, 2) for k, v in design.sizes.items()}, {}, np.random.default_rng(11)
     )
     spiked = (first.iloc[3]["strategy"], int(first.iloc[3]["micro_batch_index"]))
-    clock = [0.0]
-    cost = SimulatedCost.scaled_to(plans)
-    runner = SpikyRunner(cost, clock, [spiked])
+    clock, cost = [0.0], SimulatedCost.scaled_to(plans)
+    runner = runner_class(cost, clock, [spiked])
     settings = ReplaySettings(3, 2, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
     result = run_sequential(
-        runner, design, settings, list(design.strategies), 0.01, 4.0, 1e6, 0, 12,
+        runner, design, settings, list(design.strategies), 0.01, 4.0, budget_s, 0, 12,
         clock=lambda: clock[0],
     )  # fmt: skip
+    return result, spiked, cost
+
+
+def test_a_preempted_unit_is_timed_again_and_priced_at_the_median(plans):
+    result, spiked, cost = run_with_one_spiked_unit(plans, SpikyRunner, 1e6)
     steps = result.steps.set_index(["strategy", "micro_batch_index"])
     unit = steps.loc[spiked]
     exact = float(cost.micro_batch_s(pd.DataFrame([unit.to_dict() | {"strategy": spiked[0]}]))[0])
@@ -173,17 +179,6 @@ class FailsOnRetimeRunner(SpikyRunner):
 
 
 def test_a_unit_that_fails_when_timed_again_ends_the_retiming_with_its_status(plans):
-    design = build_design(plans, 3, seed=0)
-    first = new_units(
-        design, {k: min(v, 2) for k, v in design.sizes.items()}, {}, np.random.default_rng(11)
-    )
-    spiked = (first.iloc[3]["strategy"], int(first.iloc[3]["micro_batch_index"]))
-    clock = [0.0]
-    runner = FailsOnRetimeRunner(SimulatedCost.scaled_to(plans), clock, [spiked])
-    settings = ReplaySettings(3, 2, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
-    result = run_sequential(
-        runner, design, settings, list(design.strategies), 0.01, 4.0, 60.0, 0, 12,
-        clock=lambda: clock[0],
-    )  # fmt: skip
+    result, spiked, _ = run_with_one_spiked_unit(plans, FailsOnRetimeRunner, 60.0)
     unit = result.steps.set_index(["strategy", "micro_batch_index"]).loc[spiked]
     assert unit["status"] == "OOM" and np.isnan(unit["time_s"])
