@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import WIRING_TRIMS
 from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.config import fill_defaults, schema
@@ -306,7 +307,10 @@ def _config(model_dir) -> dict:
                     "warmup": 0,
                     "budget_s": 2.0,
                 },
-                "coverage": {"replications": 100},
+                # 100 replications estimate a 0.93 coverage below 0.9 one run in five (the
+                # simulation rests on this machine's timings): the threshold the wiring tests
+                # use; the coverage control's own tests keep 0.9
+                "coverage": WIRING_TRIMS["replay"]["coverage"],
                 "fit": {"repeats": 3},
                 "control": {"n_strata": 6, "samples_per_stratum": 3},
             },
