@@ -511,8 +511,8 @@ def realize_tables(
     estimates: pd.DataFrame, cpu_only: bool = False, disagree: bool = False
 ) -> tuple[dict[str, pd.DataFrame], dict]:
     """probes.realize.stage's tables and summary, made by its own functions: the fixture plans'
-    steps 'timed' at the replay fixture's known cost (no clock), scaled to what the replay
-    measured; `disagree` makes the realized optimizer step 10× slower, so the change is not
+    steps 'timed' at the replay fixture's known cost (no clock) with 1% noise, scaled to what the
+    replay measured; `disagree` makes the realized optimizer step 10× slower, so the change is not
     confirmed."""
     from probes.realize import stage as rz
     from probes.realize.sample import sample_steps
@@ -526,12 +526,16 @@ def realize_tables(
     optimizer_s = cost.optimizer_s * (10 if disagree else 1)
     changes = rz.select_changes(estimates, 1)
     rng = np.random.default_rng(0)
-    records = []
+    records, promises = [], {}
     for name in (RANDOM, *changes):
         steps = rz.step_rows(plans[plans["strategy"] == name])
+        optimizer_total = len(steps) * cost.optimizer_s
+        scale = (measured[name] - optimizer_total) / (exact[name] - optimizer_total)
+        for i, rows in enumerate(steps):  # the replay promised the known cost
+            promises[(name, i)] = sum(cost.micro_batch_s(*batch_shape(r)) for r in rows)
         for i in sample_steps(len(steps), 4, rng):
             micro = sum(cost.micro_batch_s(*batch_shape(r)) for r in steps[i])
-            micro *= measured[name] / exact[name]
+            micro *= scale * (1 + 0.01 * rng.standard_normal())  # noise
             records.append(
                 {
                     "strategy": name,
@@ -545,7 +549,10 @@ def realize_tables(
                 }
             )
     steps = pd.DataFrame(records)
-    table = rz.realized_table(steps, estimates, plans, changes, 0.05, cpu_only, REPLAY_MAX_LEN)
+    promised = pd.Series(promises).rename_axis(["strategy", "optimizer_step_index"])
+    table = rz.realized_table(
+        steps, estimates, plans, changes, 0.05, cpu_only, REPLAY_MAX_LEN, promised
+    )
     verdicts = {r.strategy: r.verdict for r in table.itertuples() if r.role == "change"}
     summary = {"status": "ran", "verdicts": verdicts, "changes": changes, "cpu_only": cpu_only}
     return {"realized": table, "steps": steps}, summary

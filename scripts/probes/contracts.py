@@ -162,6 +162,7 @@ STAGE_INPUTS: dict[str, dict[str, tuple[str, str] | str]] = {
     },
     "realize": {
         "estimates": ("replay", "estimates"),
+        "units": ("replay", "steps"),  # the replay's timed units: the per-step promise
         "plans": ("bucket", "plans"),
         "lengths": ("padding", "lengths"),
         "recommendation": ("bucket", "recommendation"),
@@ -474,12 +475,22 @@ TABLES: dict[str, TableSpec] = {
             "instrument_cv",
         ),
     ),
-    # raw timings: sampled micro-batches, optimizer steps and fit points (kind), one row each
+    # raw timings: sampled micro-batches, optimizer steps and fit points (kind), one row each;
+    # the shape columns are the working model's (realize refits it: probes.realize.promise)
     "replay_steps": TableSpec(
         "replay",
         "Scaling",
-        ("kind", "time_s", "status"),
-        ("strategy", "layout", "rows", "padded_length", "computed_tokens", "gpu_busy_share"),
+        (
+            "kind",
+            "time_s",
+            "status",
+            "layout",
+            "rows",
+            "padded_length",
+            "computed_tokens",
+            "loss_tokens",
+        ),
+        ("strategy", "gpu_busy_share"),
     ),
     # the scaling fit over the data's own lengths, with bootstrap intervals and its range
     "replay_fit": TableSpec(

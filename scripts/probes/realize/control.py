@@ -77,8 +77,11 @@ def run_control(
     seed: int,
     grad_accum: int,
     tolerance: float = 0.05,
+    promises: pd.Series | None = None,
 ) -> dict[str, Any]:
-    """The stage's sample, timing and estimator on the virtual-clock harness (see module)."""
+    """The stage's sample, timing and estimator on the virtual-clock harness (see module), with
+    the stage's auxiliary `promises` (the replay's, not this cost's: a ratio estimator stays
+    unbiased on any auxiliary; a poor one only widens it)."""
     from probes.realize import stage as rz
     from probes.realize.steps import StepTimer
 
@@ -88,11 +91,12 @@ def run_control(
     timer = StepTimer(virtual_runner(cost, clock), 64, 0, seed, clock)
     steps = rz.measure(timer, plans, strategies, sample_size, 0, seed)
     exact = exact_epoch_s(plans[plans["strategy"].isin(strategies)], cost, grad_accum)
+    aux = rz.step_auxiliaries(plans[plans["strategy"].isin(strategies)], promises)
+    realized = rz.epoch_estimates(steps, aux)
     per_strategy, passed = {}, True
     for name in strategies:
-        sizes = rz.step_sizes(plans[plans["strategy"] == name])
-        estimate, phases = rz.realized_phases(steps[steps["strategy"] == name], sizes)
-        optimizer_exact = len(sizes) * cost.optimizer_s
+        estimate, phases = realized[name]
+        optimizer_exact = len(aux[name]) * cost.optimizer_s
         errors = {
             "epoch": abs(estimate.total_s / float(exact[name]) - 1.0),
             "optimizer": abs(phases.optimizer / optimizer_exact - 1.0),

@@ -2,19 +2,31 @@
 timed whole, scaled to the epoch.
 
 What is estimated: the epoch time T = Σ over all N optimizer steps of the step's wall time, from
-n steps drawn by simple random sampling without replacement. Every step's size (the tokens its
-micro-batches compute over) is known exactly from the plan, so the estimate regresses the
-sampled times on it (the regression estimator; the ratio estimator below 4 steps; N × the mean
-without sizes): a length-sorted strategy's steps differ by 10× in cost, and the plain mean of a
-few of them is off by tens of percent.
+n steps drawn by simple random sampling without replacement. Every step carries an auxiliary
+known exactly for the whole epoch: what the replay promised for its micro-batches
+(probes.realize.promise), or without a replay its size (the tokens they compute over). A
+length-sorted strategy's steps differ by 10× in cost, and the plain mean of a few of them is
+off by tens of percent, while realized / promised barely moves.
 
-What the interval means: a 95% interval from the sampling variance of the residuals with the
-finite-population correction, N² (1 − n/N) s_e² / n, and Student's t: the spread an estimate
-from this many steps has. All N steps sampled: the epoch's measured time (zero width). Like
-the replay's, it does not cover an error shared by every step (another process's load).
+The step's micro-batches (forward and backward, 99% of a CPU step) are estimated by the ratio
+estimator X ȳ / x̄ on their promise; the rest of the step (optimizer, zero_grad, building
+batches: the same every step) by its mean (the ratio to 1); the two are added (`phase_sum`).
+One ratio on the whole step would tilt wherever the realized constant differs from the
+promised one: an optimizer 20 ms slower than promised, on steps of 10 to 100 ms, moved it 16 pp.
+
+What the interval means: a 95% interval from the sampling variance of the residuals
+e = y − R x with the finite-population correction, N² (1 − n/N) S_e² / n, and Student's t: the
+spread an estimate from this many steps has. With two or three steps a strategy's own residuals
+leave one or two degrees of freedom (t = 12.7, 4.3). So the residual is taken relative to the
+auxiliary (e / (R x): one noise scale, the machine's and the instrument's) and pooled over
+every strategy's sampled steps (`pooled_residual`, n − k degrees of freedom):
+S_e² = R² σ² mean(x²) over the epoch's steps. σ² is the larger of the pooled one and the
+strategy's own, so a strategy the promise follows less well keeps its wider spread. All N steps
+sampled: the epoch's measured time (zero width). Like the replay's, it does not cover an error
+shared by every step (another process's load).
 
 The saving against the baseline, 1 − T_change / T_baseline, takes its interval from the delta
-method on the ratio of two independent estimates (t with the smaller sample's degrees of freedom).
+method on the ratio of two independent estimates (t with the smaller df).
 """
 
 from __future__ import annotations
@@ -72,19 +84,45 @@ def _interval(total: float, se: float, df: int, n: int, n_total: int, method: st
     return EpochEstimate(total, se, max(total - half, 0.0), total + half, n, n_total, df, method)
 
 
+@dataclass(frozen=True)
+class PooledResidual:
+    """The relative residual variance σ² of every strategy's sampled steps about its own ratio,
+    pooled, with its degrees of freedom (steps − strategies)."""
+
+    variance: float
+    df: int
+
+
+def pooled_residual(
+    samples: Sequence[tuple[Sequence[float], Sequence[float]]],
+) -> PooledResidual | None:
+    """σ² from (times, auxiliaries) of each strategy's sampled steps: Σ (y / (R x) − 1)² / (n − k),
+    R = ȳ / x̄ per strategy; None without a degree of freedom."""
+    squares, steps, groups = 0.0, 0, 0
+    for times, aux in samples:
+        y, x = np.asarray(times, dtype=np.float64), np.asarray(aux, dtype=np.float64)
+        if y.size == 0 or float(x.mean()) <= 0:
+            continue
+        ratio = float(y.mean() / x.mean())
+        squares += float(np.sum((y / (ratio * x) - 1.0) ** 2))
+        steps, groups = steps + int(y.size), groups + 1
+    df = steps - groups
+    return PooledResidual(squares / df, df) if df >= 1 else None
+
+
 def epoch_estimate(
     times: Sequence[float],
     n_total: int,
-    sizes: Sequence[float] | None = None,
-    size_total: float | None = None,
+    aux: Sequence[float] | None = None,
+    epoch_aux: Sequence[float] | None = None,
+    pooled: PooledResidual | None = None,
 ) -> EpochEstimate:
     """The epoch time from the wall times of n steps drawn by SRS out of `n_total`.
 
-    Without `sizes`: N × the sample mean. With each sampled step's size (its computed tokens)
-    and the epoch's total size, known exactly for every step: the regression estimator
-    N (ȳ + b (X̄ − x̄)) (n ≥ 4, t with n − 2 df) or, with fewer steps, the ratio estimator
-    X ȳ / x̄ (t with n − 1 df); either has the finite-population-corrected variance of its
-    residuals, and cuts the variance wherever step time follows the step's size."""
+    Without auxiliaries: N × the sample mean (t with n − 1 df). With each sampled step's
+    auxiliary `aux` and every step's, `epoch_aux` (known exactly for the epoch): the ratio
+    estimator X ȳ / x̄, its residual variance from `pooled` (relative, shared by every strategy)
+    or else its own residuals (n − 1 df); either is finite-population corrected."""
     y = np.asarray(times, dtype=np.float64)
     n = int(y.size)
     if n == 0 or n > n_total:
@@ -93,25 +131,50 @@ def epoch_estimate(
     if n == n_total:
         total = float(y.sum())
         return EpochEstimate(total, 0.0, total, total, n, n_total, None, "every step")
+    if aux is not None and epoch_aux is not None:
+        x, population = np.asarray(aux, dtype=np.float64), np.asarray(epoch_aux, dtype=np.float64)
+        if float(x.mean()) > 0:
+            ratio = float(y.mean() / x.mean())
+            total = ratio * float(population.sum())
+            if pooled is not None:
+                # the pooled variance is a floor: a strategy noisier than the rest keeps its own
+                own = float(np.sum((y / (ratio * x) - 1.0) ** 2)) / (n - 1) if n > 1 else 0.0
+                variance = max(own, pooled.variance)
+                s2 = ratio**2 * variance * float(np.mean(population**2))
+                se = n_total * math.sqrt(fpc * s2 / n)
+                return _interval(
+                    total, se, pooled.df, n, n_total, "ratio estimator, pooled residual"
+                )
+            if n < 2:
+                return EpochEstimate(
+                    total, math.inf, -math.inf, math.inf, n, n_total, None, "one step"
+                )
+            e = y - ratio * x
+            se = n_total * math.sqrt(fpc * float(e @ e) / (n - 1) / n)
+            return _interval(total, se, n - 1, n, n_total, "ratio estimator")
     if n < 2:
         total = n_total * float(y.mean())
         return EpochEstimate(total, math.inf, -math.inf, math.inf, n, n_total, None, "one step")
-    if sizes is not None and size_total is not None:
-        x = np.asarray(sizes, dtype=np.float64)
-        mean_x = size_total / n_total
-        if n >= 4 and float(x.var()) > 0:
-            b = float(np.cov(x, y, ddof=1)[0, 1] / x.var(ddof=1))
-            total = n_total * (float(y.mean()) + b * (mean_x - float(x.mean())))
-            e = y - y.mean() - b * (x - x.mean())
-            se = n_total * math.sqrt(fpc * float(e @ e) / (n - 2) / n)
-            return _interval(total, se, n - 2, n, n_total, "regression on step size")
-        if float(x.mean()) > 0:
-            ratio = float(y.mean() / x.mean())
-            e = y - ratio * x
-            se = n_total * math.sqrt(fpc * float(e @ e) / (n - 1) / n)
-            return _interval(ratio * size_total, se, n - 1, n, n_total, "ratio to step size")
     se = n_total * math.sqrt(fpc * float(y.var(ddof=1)) / n)
     return _interval(n_total * float(y.mean()), se, n - 1, n, n_total, "sample mean")
+
+
+def phase_sum(micro: EpochEstimate, rest: EpochEstimate) -> EpochEstimate:
+    """The epoch time as the micro-batch phase's estimate plus the rest of the step's (the
+    optimizer and what lies between), each against an auxiliary of its own; their sampling
+    errors added in quadrature (t with the smaller df)."""
+    total = micro.total_s + rest.total_s
+    if micro.df is None and rest.df is None:  # every step timed
+        return EpochEstimate(
+            total, 0.0, total, total, micro.sampled, micro.steps, None, micro.method
+        )
+    se = math.hypot(micro.se_s, rest.se_s)
+    if not math.isfinite(se):
+        return EpochEstimate(
+            total, math.inf, -math.inf, math.inf, micro.sampled, micro.steps, None, "one step"
+        )
+    df = min(d for d in (micro.df, rest.df) if d is not None)
+    return _interval(total, se, df, micro.sampled, micro.steps, micro.method)
 
 
 def saving_estimate(change: EpochEstimate, baseline: EpochEstimate) -> tuple[float, float, float]:
@@ -121,6 +184,7 @@ def saving_estimate(change: EpochEstimate, baseline: EpochEstimate) -> tuple[flo
     dfs = [d for d in (change.df, baseline.df) if d is not None]
     if not dfs:
         return 1.0 - ratio, 1.0 - ratio, 1.0 - ratio
+    # pooled estimates share one df (the same σ²); otherwise the smaller sample's
     half = t_quantile(max(min(dfs), 1)) * ratio * rel
     # the time ratio is not negative, so no saving exceeds 100%
     return 1.0 - ratio, 1.0 - (ratio + half), 1.0 - max(ratio - half, 0.0)

@@ -38,6 +38,7 @@ from probes.io import read_parquet, run_metadata
 from probes.realize import sample as sm
 from probes.realize import verdict as vd
 from probes.realize.control import CONTROL_NAME, run_control
+from probes.realize.promise import step_promises
 from probes.realize.steps import StepTimer
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
@@ -46,11 +47,10 @@ from probes.step.timing import OK
 
 LOG = logging.getLogger("probes.realize")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["realize"])
-INPUT_KEYS = ("estimates", "plans", "lengths", "recommendation")
+INPUT_KEYS = ("estimates", "units", "plans", "lengths", "recommendation")
 REALIZED_COLUMNS = table_columns("realize_realized")
 STEP_COLUMNS = table_columns("realize_steps")
 NOT_RUN, RAN = "not_run", "ran"
-PHASE_COLUMNS = ("micro_batch_s", "optimizer_s")
 
 
 class RealizeError(ProbeError, RuntimeError):
@@ -147,24 +147,59 @@ def step_sizes(plan: pd.DataFrame) -> pd.Series:
     return plan.groupby("optimizer_step_index")["computed_tokens"].sum()
 
 
-def realized_phases(steps: pd.DataFrame, sizes: pd.Series) -> tuple[sm.EpochEstimate, vd.Phases]:
-    """The epoch estimate of one strategy's timed steps (regressed on the steps' sizes, known
-    for the whole epoch) and its phases, each estimated the same way (the estimator is linear
-    in the times, so the phases add up to the total)."""
+def step_auxiliaries(plans: pd.DataFrame, promises: pd.Series | None) -> dict[str, pd.Series]:
+    """Per strategy, every optimizer step's auxiliary, indexed by step: the replay's promise for
+    its micro-batches (probes.realize.promise), or without one the step's size."""
+    if promises is None:
+        return {name: step_sizes(plan) for name, plan in plans.groupby("strategy")}
+    return {name: promises.xs(name, level="strategy") for name in plans["strategy"].unique()}
+
+
+def rest_of_step(ok: pd.DataFrame) -> pd.Series:
+    """Each step's wall time beyond its micro-batches: the optimizer and what lies between."""
+    return ok["time_s"] - ok["micro_batch_s"]
+
+
+def epoch_estimates(
+    steps: pd.DataFrame, aux: Mapping[str, pd.Series]
+) -> dict[str, tuple[sm.EpochEstimate, vd.Phases]]:
+    """Each timed strategy's epoch estimate and phases (probes.realize.sample): the relative
+    residual of each phase pooled over every strategy's steps."""
     ok = steps[steps["status"] == OK]
+    timed = {name: ok[ok["strategy"] == name] for name in aux}
+    pooled = (
+        sm.pooled_residual(
+            (own["micro_batch_s"], aux[name].loc[own["optimizer_step_index"]])
+            for name, own in timed.items()
+        ),
+        sm.pooled_residual((rest_of_step(own), np.ones(len(own))) for own in timed.values()),
+    )
+    return {name: realized_phases(own, aux[name], pooled) for name, own in timed.items()}
+
+
+def realized_phases(
+    ok: pd.DataFrame,
+    aux: pd.Series,
+    pooled: tuple[sm.PooledResidual | None, sm.PooledResidual | None] = (None, None),
+) -> tuple[sm.EpochEstimate, vd.Phases]:
+    """The epoch estimate of one strategy's timed OK steps and its phases: the micro-batches
+    by the ratio to their promise (`aux`, every step's), the rest of the step (the same each
+    step) by its mean, the total their sum (probes.realize.sample.phase_sum); the optimizer
+    phase by its mean."""
     if ok.empty:  # every sampled step ran out of memory: nothing realized
         nan = math.nan
-        return sm.EpochEstimate(nan, nan, nan, nan, 0, len(sizes), None, "none"), vd.Phases(
+        return sm.EpochEstimate(nan, nan, nan, nan, 0, len(aux), None, "none"), vd.Phases(
             nan, nan, nan
         )
-    x = sizes.loc[ok["optimizer_step_index"]].to_numpy(dtype=np.float64)
-
-    def estimate_of(column: str) -> sm.EpochEstimate:
-        return sm.epoch_estimate(ok[column].to_numpy(), len(sizes), x, float(sizes.sum()))
-
-    estimate = estimate_of("time_s")
-    micro, optimizer = (estimate_of(c).total_s for c in PHASE_COLUMNS)
-    return estimate, vd.Phases(micro, optimizer, estimate.total_s - micro - optimizer)
+    steps = len(aux)
+    sampled = aux.loc[ok["optimizer_step_index"]]
+    micro = sm.epoch_estimate(ok["micro_batch_s"], steps, sampled, aux, pooled[0])
+    other = sm.epoch_estimate(rest_of_step(ok), steps, np.ones(len(ok)), np.ones(steps), pooled[1])
+    estimate = sm.phase_sum(micro, other)
+    optimizer = sm.epoch_estimate(ok["optimizer_s"], steps).total_s
+    return estimate, vd.Phases(
+        micro.total_s, optimizer, estimate.total_s - micro.total_s - optimizer
+    )
 
 
 def _num(row: Mapping[str, Any], key: str) -> float:
@@ -186,24 +221,27 @@ def realized_table(
     agree_within: float,
     cpu_only: bool,
     max_seq_len: int,
+    promises: pd.Series | None = None,
 ) -> pd.DataFrame:
-    """Promised vs realized per strategy, baseline first (REALIZED_COLUMNS)."""
+    """Promised vs realized per strategy, baseline first (REALIZED_COLUMNS); `promises`: the
+    replay's per-step promise (probes.realize.promise), the estimator's auxiliary."""
     promised = estimates.set_index("strategy")
-    sizes = {name: step_sizes(plan) for name, plan in plans.groupby("strategy")}
-    base_estimate, base_phases = realized_phases(steps[steps["strategy"] == RANDOM], sizes[RANDOM])
+    aux = step_auxiliaries(plans[plans["strategy"].isin([RANDOM, *changes])], promises)
+    realized = epoch_estimates(steps, aux)
+    base_estimate, base_phases = realized[RANDOM]
     base_promise = promise_of(promised.loc[RANDOM].to_dict())
     rows = []
     for name in (RANDOM, *changes):
         own = steps[steps["strategy"] == name]
         failed = int((own["status"] != OK).sum())
-        estimate, phases = realized_phases(own, sizes[name])
+        estimate, phases = realized[name]
         prow = promised.loc[name].to_dict()
         promise = promise_of(prow)
         baseline = name == RANDOM
         row = {
             "strategy": name,
             "role": vd.BASELINE_ROLE if baseline else vd.CHANGE_ROLE,
-            "optimizer_steps": len(sizes[name]),
+            "optimizer_steps": len(aux[name]),
             "sampled_steps": estimate.sampled,
             "realized_time_s": estimate.total_s,
             "realized_ci_low_s": estimate.low_s,
@@ -273,6 +311,13 @@ def read_estimates(path: str | Path) -> pd.DataFrame:
     return frame
 
 
+def read_units(path: str | Path) -> pd.DataFrame:
+    """The replay's timed units (its micro-batches, optimizer steps and fit points)."""
+    frame = read_parquet(path)
+    check_table_columns(frame.columns, "replay_steps", path)
+    return frame
+
+
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
     """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
     summary = run_realize(inputs, outputs, cfg, Path(inputs["tokenizer"][0]).parent)
@@ -336,6 +381,7 @@ def run_realize(
             f"{inputs['plans']}: no plan for {unknown} that {inputs['estimates']} ranks; rerun "
             "bucket_sweep and replay together"
         )
+    promises = step_promises(plans, read_units(inputs["units"]))
     sample_size = settings.cpu_sample_steps if cpu_only else settings.sample_steps
     LOG.info(
         "realize on %s: baseline + %s, %d sampled optimizer steps each",
@@ -352,6 +398,7 @@ def run_realize(
         settings.seed,
         int(raw["training"]["grad_accum"]),
         settings.control_tolerance,
+        promises,
     )
     LOG.info("control %s", "passed" if control["passed"] else "FAILED")
     if not control["passed"]:
@@ -366,7 +413,7 @@ def run_realize(
     timer = StepTimer(runner, vocab, pad_id, settings.seed, *clock)
     steps = measure(timer, plans, strategies, sample_size, settings.warmup, settings.seed)
     table = realized_table(
-        steps, estimates, plans, changes, settings.agree_within, cpu_only, max_len
+        steps, estimates, plans, changes, settings.agree_within, cpu_only, max_len, promises
     )
     provenance = {
         **run_metadata(dict(raw)),

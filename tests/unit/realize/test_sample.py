@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from probes.realize.sample import epoch_estimate, sample_steps, saving_estimate, t_quantile
+from probes.realize.sample import (
+    epoch_estimate,
+    pooled_residual,
+    sample_steps,
+    saving_estimate,
+    t_quantile,
+)
 
 
 def test_sample_is_without_replacement_in_epoch_order_and_all_when_small():
@@ -52,3 +58,61 @@ def test_intervals_stay_inside_what_a_time_and_a_saving_can_be():
     assert wild.low_s == 0.0 < wild.total_s < wild.high_s
     _, _, high = saving_estimate(wild, epoch_estimate([5.0, 5.1], 100))
     assert high <= 1.0
+
+
+def promised_epochs(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Per strategy, every step's promise: a random order (sizes alike), a sorted one (tiny to
+    full, 10x apart), a packed one (all full)."""
+    return {
+        "random": rng.uniform(4.0, 7.0, 120),
+        "sorted": np.linspace(0.7, 7.0, 120),
+        "packed": np.full(70, 6.5) + rng.uniform(-0.2, 0.2, 70),
+    }
+
+
+def coverage_of_pooled_ratio(steps: int, noise: dict[str, float], seed: int = 0):
+    """Share of 95% intervals (epoch time per strategy; saving of `sorted`) that cover the
+    truth, and the saving interval's median width, when each step's time is its promise × a
+    realization factor (0.9: the promise 10% slow) × (1 + noise·z)."""
+    rng = np.random.default_rng(seed)
+    promise = promised_epochs(rng)
+    hits = dict.fromkeys([*promise, "saving"], 0)
+    widths, replications = [], 400
+    for _ in range(replications):
+        times = {
+            k: 0.9 * p * (1 + noise[k] * rng.standard_normal(p.size)) for k, p in promise.items()
+        }
+        picked = {k: sample_steps(p.size, steps, rng) for k, p in promise.items()}
+        samples = {k: (times[k][picked[k]], promise[k][picked[k]]) for k in promise}
+        pooled = pooled_residual(samples.values())
+        est = {
+            k: epoch_estimate(samples[k][0], promise[k].size, samples[k][1], promise[k], pooled)
+            for k in promise
+        }
+        for k in promise:
+            hits[k] += est[k].low_s <= times[k].sum() <= est[k].high_s
+        _, low, high = saving_estimate(est["sorted"], est["random"])
+        hits["saving"] += low <= 1 - times["sorted"].sum() / times["random"].sum() <= high
+        widths.append(high - low)
+    return {k: v / replications for k, v in hits.items()}, float(np.median(widths))
+
+
+def test_two_steps_against_the_promise_give_a_narrow_interval_that_covers():
+    # 2% per-step noise, the default CPU run's realized/promised spread
+    coverage, width = coverage_of_pooled_ratio(
+        2, dict.fromkeys(["random", "sorted", "packed"], 0.02)
+    )
+    assert all(0.9 <= c <= 0.995 for c in coverage.values()), coverage
+    assert width < 0.15  # the step-size ratio with its own 1 df: ~0.6 (64 pp on the default run)
+
+
+def test_a_strategy_noisier_than_the_pool_keeps_its_own_spread():
+    noise = {"random": 0.01, "sorted": 0.06, "packed": 0.01}
+    coverage, _ = coverage_of_pooled_ratio(6, noise)
+    assert coverage["sorted"] >= 0.9, coverage
+
+
+def test_the_pooled_residual_needs_a_degree_of_freedom():
+    assert pooled_residual([([1.0], [1.0]), ([2.0], [2.0])]) is None
+    pooled = pooled_residual([([1.0, 1.1], [1.0, 1.0]), ([2.0, 2.0], [2.0, 2.0])])
+    assert pooled.df == 2 and pooled.variance > 0

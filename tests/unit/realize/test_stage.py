@@ -17,7 +17,8 @@ from probes.io import read_json, write_parquet
 from probes.realize import stage as rz
 from probes.realize.control import VirtualClock, run_control, virtual_runner
 from probes.realize.verdict import AGREES, DISAGREES
-from probes.replay.control import SyntheticCost, exact_epoch_s, synthetic_runner
+from probes.replay.control import SyntheticCost, batch_shape, exact_epoch_s, synthetic_runner
+from probes.replay.timing import MICRO_BATCH, OPTIMIZER_STEP
 
 MICRO, ACCUM, MAX_LEN, SAMPLE, WIDTH = 2, 2, 512, 12, 0.05
 
@@ -33,6 +34,10 @@ def plans() -> pd.DataFrame:
 
 @pytest.fixture(scope="module")
 def cost(plans) -> SyntheticCost:
+    return cost_of(plans)
+
+
+def cost_of(plans: pd.DataFrame) -> SyntheticCost:
     return SyntheticCost.scaled_to(plans, 0.005, 0.005, 0.005, 0.004)
 
 
@@ -62,10 +67,44 @@ def exact_promise(plans: pd.DataFrame, cost: SyntheticCost) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def run_stage(tmp_path, plans, promise, runner, clock=None, **realize):
-    paths = {"estimates": tmp_path / "replay.parquet", "plans": tmp_path / "plans.parquet"}
+def replay_units(
+    plans: pd.DataFrame, cost: SyntheticCost, per_strategy: int = 12, noise: float = 0.02
+) -> pd.DataFrame:
+    """The timed units a replay of `cost` would write: some micro-batches of every plan at their
+    cost with relative timing noise `noise` (so the promise refitted on them is not exact), and
+    optimizer steps."""
+    picked = plans.groupby("strategy", group_keys=False).apply(
+        lambda plan: plan.sample(min(per_strategy, len(plan)), random_state=0)
+    )
+    micro = picked.assign(
+        kind=MICRO_BATCH,
+        status="OK",
+        time_s=[
+            cost.micro_batch_s(*batch_shape(r)) * (1 + noise * z)
+            for r, z in zip(
+                picked.itertuples(),
+                np.random.default_rng(1).standard_normal(len(picked)),
+                strict=True,
+            )
+        ],
+    )
+    optimizer = pd.DataFrame(
+        {"kind": [OPTIMIZER_STEP] * 3, "status": "OK", "time_s": cost.optimizer_s}
+    )
+    return pd.concat([micro, optimizer], ignore_index=True)
+
+
+def run_stage(tmp_path, plans, promise, runner, clock=None, units=None, **realize):
+    paths = {
+        "estimates": tmp_path / "replay.parquet",
+        "plans": tmp_path / "plans.parquet",
+        "units": tmp_path / "replay_steps.parquet",
+    }
     write_parquet(promise, paths["estimates"], {})
     write_parquet(plans, paths["plans"], {})
+    write_parquet(
+        replay_units(plans, cost_of(plans)) if units is None else units, paths["units"], {}
+    )
     inputs = {**paths, "lengths": "unused", "recommendation": "unused"}
     outputs = {k: str(tmp_path / f"realize_{k}") for k in rz.OUTPUT_KEYS}
     cfg = workflow_config(
@@ -91,8 +130,10 @@ def test_recovers_the_exact_epoch_time_within_its_interval_and_agrees(tmp_path, 
     assert list(table["strategy"]) == [RANDOM, PACKING, GLOBAL_SORT]
     for row in table.itertuples():
         assert row.sampled_steps == min(SAMPLE, row.optimizer_steps)
-        assert row.realized_ci_low_s <= exact[row.strategy] <= row.realized_ci_high_s
-        assert row.realized_time_s == pytest.approx(exact[row.strategy], rel=0.05)
+        # on this noiseless clock the interval (0.1-0.4% wide) is narrower than the promise's
+        # structured misfit; coverage under timing noise: test_sample
+        assert row.realized_time_s == pytest.approx(exact[row.strategy], rel=0.005)
+        assert row.realized_ci_high_s - row.realized_ci_low_s < 0.01 * row.realized_time_s
     changes = table[table["role"] == "change"]
     assert set(changes["verdict"]) == {AGREES}
     assert set(summary["verdicts"].values()) == {AGREES}
