@@ -200,6 +200,7 @@ class RealizeConfig:
     cpu_max_changes: int
     sample_steps: int
     cpu_sample_steps: int
+    cpu_budget_s: float
     warmup: int
     seed: int
     control_steps: int

@@ -53,14 +53,20 @@ def t_quantile(df: int) -> float:
     return T_975[df - 1] if df <= len(T_975) else Z_975
 
 
+def step_order(n_total: int, first: int, rng: np.random.Generator) -> np.ndarray:
+    """A random order of the step indices 0..n_total−1, its first `first` in epoch order: any
+    leading part of it is a simple random sample without replacement, so steps added later, a
+    round at a time, keep the design."""
+    if n_total < 1:
+        raise ValueError("an epoch without an optimizer step: nothing to sample")
+    order = rng.permutation(n_total)
+    return np.concatenate([np.sort(order[:first]), order[first:]])
+
+
 def sample_steps(n_total: int, n_sample: int, rng: np.random.Generator) -> np.ndarray:
     """`n_sample` of the step indices 0..n_total−1 drawn without replacement, in epoch order
     (all of them when the epoch has no more steps)."""
-    if n_total < 1:
-        raise ValueError("an epoch without an optimizer step: nothing to sample")
-    if n_sample >= n_total:
-        return np.arange(n_total)
-    return np.sort(rng.choice(n_total, size=n_sample, replace=False))
+    return step_order(n_total, n_sample, rng)[:n_sample]
 
 
 @dataclass(frozen=True)

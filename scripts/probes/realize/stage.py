@@ -88,8 +88,8 @@ def step_rows(plan: pd.DataFrame) -> list[list[Any]]:
 
 
 def run_order(samples: Mapping[str, np.ndarray]) -> list[tuple[str, int]]:
-    """(strategy, step index) round-robin over the strategies, each strategy's steps in epoch
-    order: drift of the machine over the run spreads over every strategy."""
+    """(strategy, step index) round-robin over the strategies, each strategy's steps in the
+    order given: drift of the machine over the run spreads over every strategy."""
     order = []
     longest = max((len(v) for v in samples.values()), default=0)
     for i in range(longest):
@@ -111,35 +111,45 @@ def measure(
     sample_size: int,
     warmup: int,
     seed: int,
+    budget_s: float = 0.0,
 ) -> pd.DataFrame:
     """Time a simple random sample of `sample_size` optimizer steps of each strategy, whole and
     back to back (after `warmup` untimed one-micro-batch steps at the largest sampled
-    micro-batch; nothing between steps): one row per step."""
+    micro-batch; nothing between steps); then one more step of each per round while the steps
+    timed so far plus one more round's mean stay within `budget_s`. One row per step."""
     rng = np.random.default_rng(seed)
     all_steps = {s: step_rows(plans[plans["strategy"] == s]) for s in strategies}
-    samples = {s: sm.sample_steps(len(all_steps[s]), sample_size, rng) for s in strategies}
-    order = run_order(samples)
+    orders = {s: sm.step_order(len(v), sample_size, rng) for s, v in all_steps.items()}
+    order = run_order({s: picked[:sample_size] for s, picked in orders.items()})
     if warmup:  # the largest sampled micro-batch first, so memory is allocated once
         largest = max(
             (row for s, i in order for row in all_steps[s][i]), key=lambda r: r.computed_tokens
         )
         for _ in range(warmup):
             timer.run([largest])
-    records = []
-    for position, (name, index) in enumerate(order):
-        rows = all_steps[name][index]
-        result = timer.time_step(rows)
-        records.append(
-            {
-                "strategy": name,
-                "optimizer_step_index": index,
-                "run_order": position,
-                "micro_batches": len(rows),
-                "computed_tokens": int(sum(r.computed_tokens for r in rows)),
-                **result,
-            }
-        )
+    records: list[dict[str, Any]] = []
+    taken, rounds = sample_size, sample_size
+    while order:
+        for name, index in order:
+            records.append(time_one(timer, all_steps[name][index], name, index, len(records)))
+        spent = sum(r["time_s"] for r in records if r["status"] == OK)
+        if not spent + spent / rounds <= budget_s:  # another round would pass the budget
+            break
+        order = run_order({s: picked[taken : taken + 1] for s, picked in orders.items()})
+        taken, rounds = taken + 1, rounds + 1
     return pd.DataFrame(records, columns=list(STEP_COLUMNS))
+
+
+def time_one(timer: StepTimer, rows: Sequence[Any], name: str, index: int, position: int):
+    """One whole step's row of the steps table."""
+    return {
+        "strategy": name,
+        "optimizer_step_index": index,
+        "run_order": position,
+        "micro_batches": len(rows),
+        "computed_tokens": int(sum(r.computed_tokens for r in rows)),
+        **timer.time_step(rows),
+    }
 
 
 def step_sizes(plan: pd.DataFrame) -> pd.Series:
@@ -411,7 +421,8 @@ def run_realize(
     torch.manual_seed(settings.seed)
     runner, vocab, pad_id, harness, dtype, dtype_reason, *clock = load(model_path, raw, device)
     timer = StepTimer(runner, vocab, pad_id, settings.seed, *clock)
-    steps = measure(timer, plans, strategies, sample_size, settings.warmup, settings.seed)
+    budget_s = settings.cpu_budget_s if cpu_only else 0.0
+    steps = measure(timer, plans, strategies, sample_size, settings.warmup, settings.seed, budget_s)
     table = realized_table(
         steps, estimates, plans, changes, settings.agree_within, cpu_only, max_len, promises
     )
@@ -435,7 +446,9 @@ def run_realize(
         "verdicts": verdicts,
         "changes": list(changes),
         "cpu_only": cpu_only,
-        "sample_steps": sample_size,
+        "sample_steps": int(steps.groupby("strategy").size().max()),
+        "first_sample_steps": sample_size,
+        "budget_s": budget_s,
         "warmup": settings.warmup,
         "agree_within": settings.agree_within,
         "wall_s": provenance["wall_s"],

@@ -111,7 +111,13 @@ def run_stage(tmp_path, plans, promise, runner, clock=None, units=None, **realiz
         training={"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": MAX_LEN},
         profile={"device": "cpu", "allow_cpu": True},
         replay={"cpu": {"max_seq_len": MAX_LEN}},  # the plans as they are (no CPU cap)
-        realize={"cpu_sample_steps": SAMPLE, "warmup": 1, "cpu_max_changes": 2, **realize},
+        realize={
+            "cpu_sample_steps": SAMPLE,
+            "cpu_budget_s": 0,
+            "warmup": 1,
+            "cpu_max_changes": 2,
+            **realize,
+        },
     )
 
     def load(model_path, raw, device):
@@ -210,3 +216,25 @@ def test_on_cpu_checks_only_cpu_max_changes(tmp_path, plans, cost):
         tmp_path, plans, promise, virtual_runner(cost, clock), clock, cpu_max_changes=1
     )
     assert list(table["strategy"]) == [RANDOM, PACKING] and summary["changes"] == [PACKING]
+
+
+def test_rounds_are_added_while_the_budget_holds_one_more(tmp_path, plans, cost):
+    promise = exact_promise(plans, cost)
+
+    def timed(directory, **realize):
+        clock = VirtualClock()
+        directory.mkdir()
+        summary, table, outputs = run_stage(
+            directory, plans, promise, virtual_runner(cost, clock), clock, **realize
+        )
+        return summary, table, pd.read_parquet(outputs["steps"])
+
+    _, _, first = timed(tmp_path / "first")
+    per_round = first["time_s"].sum() / SAMPLE  # virtual seconds of one step of each strategy
+    budget = first["time_s"].sum() + 2.5 * per_round  # room for two more rounds, not three
+    summary, table, steps = timed(tmp_path / "budget", cpu_budget_s=budget)
+    assert set(table["sampled_steps"]) == {SAMPLE + 2}
+    assert summary["sample_steps"] == SAMPLE + 2 and summary["first_sample_steps"] == SAMPLE
+    # the first SAMPLE of each strategy are the same steps: rounds only add
+    key = ["strategy", "optimizer_step_index"]
+    assert set(map(tuple, first[key].values)) <= set(map(tuple, steps[key].values))

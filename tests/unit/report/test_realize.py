@@ -35,3 +35,19 @@ def test_a_disagreement_is_listed_with_what_differed(tmp_path):
 
 def test_not_run_carries_the_reason(tmp_path):
     assert _section(tmp_path, profile="not_run") == {"status": "not_run", "reason": NOT_RUN_REASON}
+
+
+def test_an_epoch_time_outside_the_promise_is_said_beside_agreeing_savings():
+    from probes.report.sections.realize import epoch_disagreement
+
+    base = {
+        "realized_time_s": 120.0,
+        "realized_ci_low_s": 115.0,
+        "realized_ci_high_s": 125.0,
+        "promised_time_s": 100.0,
+        "promised_ci_low_s": 97.0,
+        "promised_ci_high_s": 103.0,
+    }
+    assert epoch_disagreement(base) == {"ratio": 1.2}
+    assert epoch_disagreement({**base, "realized_ci_low_s": 102.0}) is None  # they overlap
+    assert epoch_disagreement(None) is None

@@ -50,6 +50,7 @@ def realize_section(
         rows.append(row)
     changes = [r for r in rows if not r["baseline"]]
     return {
+        "epoch_disagreement": epoch_disagreement(next((r for r in rows if r["baseline"]), None)),
         "status": "ok",
         "rows": rows,
         "unconfirmed": [r["title"] for r in changes if r["verdict"] == DISAGREES],
@@ -63,3 +64,22 @@ def realize_section(
             100 * float(summary["agree_within"]) if summary.get("agree_within") is not None else 5.0
         ),
     }
+
+
+def epoch_disagreement(baseline: Mapping[str, Any] | None) -> dict[str, float] | None:
+    """The baseline's realized epoch against the promised one when their intervals do not
+    overlap (realized / promised, as a ratio), else None: a saving compares like with like, an
+    absolute epoch time does not survive a machine that ran slower during the real steps, or a
+    per-step cost the replay does not time."""
+    if not baseline:
+        return None
+    keys = ("realized_time_s", "realized_ci_low_s", "realized_ci_high_s")
+    realized, low, high = (baseline.get(k) for k in keys)
+    p_low, p_high = baseline.get("promised_ci_low_s"), baseline.get("promised_ci_high_s")
+    promised = baseline.get("promised_time_s")
+    values = (realized, low, high, p_low, p_high, promised)
+    if any(v is None for v in values) or not promised:
+        return None
+    if low <= p_high and p_low <= high:
+        return None
+    return {"ratio": realized / promised}
