@@ -128,19 +128,21 @@ def measure(
         for _ in range(warmup):
             timer.run([largest])
     records: list[dict[str, Any]] = []
-    taken, rounds = sample_size, sample_size
+    taken = sample_size  # steps of each strategy so far: one per round
     while order:
         for name, index in order:
             records.append(time_one(timer, all_steps[name][index], name, index, len(records)))
         spent = sum(r["time_s"] for r in records if r["status"] == OK)
-        if not spent + spent / rounds <= budget_s:  # another round would pass the budget
+        if not spent + spent / taken <= budget_s:  # another round would pass the budget
             break
         order = run_order({s: picked[taken : taken + 1] for s, picked in orders.items()})
-        taken, rounds = taken + 1, rounds + 1
+        taken += 1
     return pd.DataFrame(records, columns=list(STEP_COLUMNS))
 
 
-def time_one(timer: StepTimer, rows: Sequence[Any], name: str, index: int, position: int):
+def time_one(
+    timer: StepTimer, rows: Sequence[Any], name: str, index: int, position: int
+) -> dict[str, Any]:
     """One whole step's row of the steps table."""
     return {
         "strategy": name,
