@@ -574,7 +574,15 @@ TABLES: dict[str, TableSpec] = {
         "realize",
         "Summary",
         ("strategy", "optimizer_step_index", "time_s", "status"),
-        ("run_order", "micro_batches", "computed_tokens", "micro_batch_s", "optimizer_s", "rest_s"),
+        (
+            "run_order",
+            "micro_batches",
+            "computed_tokens",
+            "micro_batch_s",
+            "optimizer_s",
+            "rest_s",
+            "promised_micro_batch_s",  # the estimator's auxiliary (probes.realize.promise)
+        ),
     ),
     # one row per strategy x round x sampled optimizer step x rank (probes.dp.worker): the real
     # DDP step split into compute / wait / collective, the optimizer step, and single_s, the

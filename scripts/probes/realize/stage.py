@@ -425,6 +425,11 @@ def run_realize(
     timer = StepTimer(runner, vocab, pad_id, settings.seed, *clock)
     budget_s = settings.cpu_budget_s if cpu_only else 0.0
     steps = measure(timer, plans, strategies, sample_size, settings.warmup, settings.seed, budget_s)
+    aux = step_auxiliaries(plans[plans["strategy"].isin(strategies)], promises)
+    steps["promised_micro_batch_s"] = [
+        float(aux[s].loc[i]) if promises is not None else math.nan
+        for s, i in zip(steps["strategy"], steps["optimizer_step_index"], strict=True)
+    ]
     table = realized_table(
         steps, estimates, plans, changes, settings.agree_within, cpu_only, max_len, promises
     )

@@ -131,9 +131,13 @@ def run_stage(tmp_path, plans, promise, runner, clock=None, units=None, **realiz
 def test_recovers_the_exact_epoch_time_within_its_interval_and_agrees(tmp_path, plans, cost):
     clock = VirtualClock()
     promise = exact_promise(plans, cost)
-    summary, table, _ = run_stage(tmp_path, plans, promise, virtual_runner(cost, clock), clock)
+    summary, table, outputs = run_stage(
+        tmp_path, plans, promise, virtual_runner(cost, clock), clock
+    )
     exact = exact_epoch_s(plans, cost, ACCUM)
     assert list(table["strategy"]) == [RANDOM, PACKING, GLOBAL_SORT]
+    steps = pd.read_parquet(outputs["steps"])  # each step beside its promise, within 5%
+    assert (steps["micro_batch_s"] / steps["promised_micro_batch_s"] - 1).abs().max() < 0.05
     for row in table.itertuples():
         assert row.sampled_steps == min(SAMPLE, row.optimizer_steps)
         # on this noiseless clock the interval (0.1-0.4% wide) is narrower than the promise's
