@@ -47,15 +47,21 @@ class _VirtualOptimizer(torch.optim.SGD):
         return super().step(closure)
 
 
-def virtual_runner(cost: SyntheticCost, clock: VirtualClock) -> Any:
-    """A StepRunner whose compute_loss advances `clock` by the micro-batch's known cost and
-    whose optimizer step by the optimizer's."""
+def virtual_runner(
+    cost: SyntheticCost, clock: VirtualClock, noise: float = 0.0, seed: int = 0
+) -> Any:
+    """A StepRunner whose compute_loss advances `clock` by the micro-batch's known cost (times
+    1 + `noise`·z, z standard normal: a timing's relative noise) and whose optimizer step by
+    the optimizer's."""
     from probes.step.harness import Harness
     from probes.step.runner import StepRunner
 
+    rng = np.random.default_rng(seed)
+
     def compute_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> _NoLoss:
         rows, length = batch["input_ids"].shape
-        clock.now += cost.micro_batch_s(int(rows), int(length))
+        factor = 1.0 + noise * float(rng.standard_normal()) if noise else 1.0
+        clock.now += cost.micro_batch_s(int(rows), int(length)) * factor
         return _NoLoss()
 
     harness = Harness(

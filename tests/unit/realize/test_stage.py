@@ -149,6 +149,22 @@ def test_recovers_the_exact_epoch_time_within_its_interval_and_agrees(tmp_path, 
     assert set(summary["verdicts"].values()) == {AGREES}
 
 
+def test_under_timing_noise_the_exact_epoch_time_lies_within_its_interval(tmp_path, plans, cost):
+    # 2% noise per micro-batch, as on this CPU; five seeds of the step sample, three strategies
+    promise = exact_promise(plans, cost)
+    exact = exact_epoch_s(plans, cost, ACCUM)
+    covered = []
+    for seed in range(5):
+        clock = VirtualClock()
+        runner = virtual_runner(cost, clock, noise=0.02, seed=seed)
+        directory = tmp_path / str(seed)
+        directory.mkdir()
+        _, table, _ = run_stage(directory, plans, promise, runner, clock, seed=seed)
+        for row in table.itertuples():
+            covered.append(row.realized_ci_low_s <= exact[row.strategy] <= row.realized_ci_high_s)
+    assert sum(covered) >= 13, covered  # 95% intervals: 14.25 of 15 expected
+
+
 def test_an_optimizer_that_sleeps_extra_is_a_disagreement_naming_it(tmp_path, plans, cost):
     clock = VirtualClock()
     slow = dataclasses.replace(cost, optimizer_s=cost.optimizer_s + 0.02)
