@@ -90,6 +90,13 @@ def _interval(total: float, se: float, df: int, n: int, n_total: int, method: st
     return EpochEstimate(total, se, max(total - half, 0.0), total + half, n, n_total, df, method)
 
 
+def relative_residual(y: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y / (R x) − 1 with R = ȳ / x̄ (x̄ > 0); zero where every y is 0 (a phase that takes no
+    time has no spread)."""
+    ratio = float(y.mean() / x.mean())
+    return y / (ratio * x) - 1.0 if ratio > 0 else np.zeros_like(y)
+
+
 @dataclass(frozen=True)
 class PooledResidual:
     """The relative residual variance σ² of every strategy's sampled steps about its own ratio,
@@ -109,8 +116,7 @@ def pooled_residual(
         y, x = np.asarray(times, dtype=np.float64), np.asarray(aux, dtype=np.float64)
         if y.size == 0 or float(x.mean()) <= 0:
             continue
-        ratio = float(y.mean() / x.mean())
-        squares += float(np.sum((y / (ratio * x) - 1.0) ** 2))
+        squares += float(np.sum(relative_residual(y, x) ** 2))
         steps, groups = steps + int(y.size), groups + 1
     df = steps - groups
     return PooledResidual(squares / df, df) if df >= 1 else None
@@ -144,7 +150,7 @@ def epoch_estimate(
             total = ratio * float(population.sum())
             if pooled is not None:
                 # the pooled variance is a floor: a strategy noisier than the rest keeps its own
-                own = float(np.sum((y / (ratio * x) - 1.0) ** 2)) / (n - 1) if n > 1 else 0.0
+                own = float(np.sum(relative_residual(y, x) ** 2)) / (n - 1) if n > 1 else 0.0
                 variance = max(own, pooled.variance)
                 s2 = ratio**2 * variance * float(np.mean(population**2))
                 se = n_total * math.sqrt(fpc * s2 / n)

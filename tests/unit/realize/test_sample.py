@@ -116,3 +116,10 @@ def test_the_pooled_residual_needs_a_degree_of_freedom():
     assert pooled_residual([([1.0], [1.0]), ([2.0], [2.0])]) is None
     pooled = pooled_residual([([1.0, 1.1], [1.0, 1.0]), ([2.0, 2.0], [2.0, 2.0])])
     assert pooled.df == 2 and pooled.variance > 0
+
+
+def test_a_phase_that_takes_no_time_has_no_spread():
+    pooled = pooled_residual([([0.0, 0.0], [1.0, 1.0]), ([1.0, 1.2], [1.0, 1.0])])
+    assert pooled.df == 2 and np.isfinite(pooled.variance)
+    none = epoch_estimate([0.0, 0.0], 10, [1.0, 1.0], np.ones(10), pooled)
+    assert none.total_s == 0.0 and np.isfinite(none.high_s)
