@@ -32,7 +32,7 @@ method on the ratio of two independent estimates (t with the smaller df).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,7 +107,7 @@ class PooledResidual:
 
 
 def pooled_residual(
-    samples: Sequence[tuple[Sequence[float], Sequence[float]]],
+    samples: Iterable[tuple[Sequence[float], Sequence[float]]],
 ) -> PooledResidual | None:
     """σ² from (times, auxiliaries) of each strategy's sampled steps: Σ (y / (R x) − 1)² / (n − k),
     R = ȳ / x̄ per strategy; None without a degree of freedom."""
