@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from stage_fixtures import NOT_RUN_REASON, write_results
 
 from probes.report import load
@@ -51,3 +52,12 @@ def test_an_epoch_time_outside_the_promise_is_said_beside_agreeing_savings():
     assert epoch_disagreement(base) == {"ratio": 1.2}
     assert epoch_disagreement({**base, "realized_ci_low_s": 102.0}) is None  # they overlap
     assert epoch_disagreement(None) is None
+
+
+def test_an_agreement_on_a_wide_realized_interval_says_it_is_no_tight_check():
+    from probes.report.sections.realize import wide_interval_pp
+
+    change = {"baseline": False, "realized_saving_ci_low": 0.10, "realized_saving_ci_high": 0.34}
+    assert wide_interval_pp(change, 0.05) == pytest.approx(24.0)
+    assert wide_interval_pp({**change, "realized_saving_ci_high": 0.18}, 0.05) is None
+    assert wide_interval_pp({**change, "baseline": True}, 0.05) is None

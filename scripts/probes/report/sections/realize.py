@@ -34,6 +34,7 @@ def realize_section(
     recommended = (jsons["bucket_recommendation"].get("recommended") or {}) if jsons else {}
     idle = idle_examples(tables, not_run)
     summary = jsons.get("realize_summary") or {}
+    agree_within = float(summary.get("agree_within") or 0.05)
     rows = []
     for record in frame[[c for c in COLUMNS if c in frame.columns]].to_dict(orient="records"):
         row = {
@@ -47,6 +48,7 @@ def realize_section(
             idle,
         )
         row["baseline"] = record["role"] == "baseline"
+        row["wide_pp"] = wide_interval_pp(row, agree_within)
         rows.append(row)
     changes = [r for r in rows if not r["baseline"]]
     return {
@@ -56,13 +58,12 @@ def realize_section(
         "unconfirmed": [r["title"] for r in changes if r["verdict"] == DISAGREES],
         "unconfirmed_strategies": [r["strategy"] for r in changes if r["verdict"] == DISAGREES],
         "checked": len(changes),
+        "any_wide": any(r["wide_pp"] for r in changes),
         # the Summary marks every other change it lists as not checked by real training steps
         "checked_titles": [r["title"] for r in changes],
         "cpu_only": bool(frame["cpu_only"].fillna(False).astype(bool).any()),
         "sample_steps": summary.get("sample_steps"),
-        "agree_within_pp": (
-            100 * float(summary["agree_within"]) if summary.get("agree_within") is not None else 5.0
-        ),
+        "agree_within_pp": 100 * agree_within,
     }
 
 
@@ -83,3 +84,14 @@ def epoch_disagreement(baseline: Mapping[str, Any] | None) -> dict[str, float] |
     if low <= p_high and p_low <= high:
         return None
     return {"ratio": realized / promised}
+
+
+def wide_interval_pp(row: Mapping[str, Any], agree_within: float) -> float | None:
+    """A change's realized saving interval width in pp when it is wider than the ±agree_within
+    band the verdict allows (twice it): such a check cannot tell a 5 pp miss from agreement, so an
+    "agrees" on it is consistency, not confirmation; None when narrower (or the baseline)."""
+    low, high = row.get("realized_saving_ci_low"), row.get("realized_saving_ci_high")
+    if row.get("baseline") or low is None or high is None:
+        return None
+    width = 100 * (high - low)
+    return width if width > 200 * agree_within else None
