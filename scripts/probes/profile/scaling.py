@@ -19,7 +19,7 @@ from probes.step import batches as bt
 from probes.step import kernels as kn
 from probes.step.fit import QuadraticFit, term_shares
 from probes.step.runner import Settings, StepRunner
-from probes.step.timing import OK, release_memory, synchronize, warmup_runs
+from probes.step.timing import OK, release_memory, synchronize
 
 LOG = logging.getLogger("probes.profile")
 
@@ -60,14 +60,13 @@ def run_scaling(
     """One row per length: the step's median time, spread, peak memory, MFU; OOM rows go on."""
     rows = []
     generator = torch.Generator().manual_seed(settings.seed)
-    for i, length in enumerate(tqdm(settings.lengths, desc="scaling", unit="len")):
+    for length in tqdm(settings.lengths, desc="scaling", unit="len"):
         batch = bt.to_device(
             bt.uniform_batch(settings.micro_batch, length, loss_share, vocab_size, generator),
             settings.device,
         )
         flops = flop_model.step_flops(batch)
-        warmup = warmup_runs(settings.warmup, settings.device, first=i == 0)
-        timing = runner.timed([batch], warmup, settings.repeats)
+        timing = runner.timed([batch], settings.warmup, settings.repeats)
         del batch
         release_memory(settings.device)
         tokens = settings.micro_batch * length

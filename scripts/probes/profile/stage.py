@@ -8,7 +8,6 @@ written only once everything succeeded). MFU follows probes.profile.flops.MFU_CO
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -50,7 +49,7 @@ from probes.step.runner import (
     prepare_harness,
     resolve_device,
 )
-from probes.step.timing import OK, warmup_runs
+from probes.step.timing import OK
 
 LOG = logging.getLogger("probes.profile")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["profile"])
@@ -192,11 +191,6 @@ def run_profile(
     )
 
     scaling = run_scaling(runner, settings, loss_share, vocab_size, flop_model, peak)
-    configured_warmup = settings.warmup
-    # every later timing (padding penalty, CE, kernels) follows the first: see warmup_runs
-    settings = dataclasses.replace(
-        settings, warmup=warmup_runs(settings.warmup, settings.device, first=False)
-    )
     ok = scaling[scaling["status"] == OK]
     fit = fit_step_time(ok["seq_len"].tolist(), ok["time_s"].tolist())
     LOG.info("fit: %s (%s)", fit.method, fit.message)
@@ -273,8 +267,8 @@ def run_profile(
         "attn_implementation": profile["attn_implementation"],
         "lengths": settings.lengths,
         "lengths_note": beyond_note,
-        "warmup": configured_warmup,
-        "warmup_scope": "first timing only (CPU)" if settings.cpu_only else "every timing",
+        "warmup": settings.warmup,
+        "warmup_scope": "every timing (each is a new shape: probes.step.timing.ShapesRun)",
         "repeats": settings.repeats,
         "kernel_steps": settings.kernel_steps,
         "probe_length": probe_length,

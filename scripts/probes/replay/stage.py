@@ -42,7 +42,6 @@ from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step import fit as ft
 from probes.step.idle import check_idle_card
-from probes.step.timing import warmup_runs
 
 LOG = logging.getLogger("probes.replay")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["replay"])
@@ -258,7 +257,7 @@ def run_replay(
         runner,
         median_row(plans, pl.BASELINE),
         int(replay_cfg["instrument_repeats"]),
-        warmup_runs(max(settings.warmup, 1), device, first=False),
+        max(settings.warmup, 1),
     )
     cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
     cv_df = max(instrument["repeats"] - 1.0, 1.0)

@@ -28,11 +28,11 @@ from probes.step import fit as ft
 from probes.step.timing import (
     OK,
     OOM,
+    ShapesRun,
     is_out_of_memory,
     release_memory,
     synchronize,
     wall_time,
-    warmup_runs,
 )
 
 MICRO_BATCH, OPTIMIZER_STEP, FIT_POINT = "micro_batch", "optimizer_step", "fit_point"
@@ -107,6 +107,7 @@ class ReplayRunner:
         self.pad_id = pad_id
         self.repeats = repeats
         self.generator = torch.Generator().manual_seed(seed)
+        self.shapes = ShapesRun()  # a shape's first run is warmed, never timed
 
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
         loss = self.runner.harness.compute_loss(self.runner.model, batch)
@@ -143,7 +144,9 @@ class ReplayRunner:
     def time_micro_batch(self, row: Any, busy: bool = False) -> dict[str, Any]:
         """One timing of the plan row's micro-batch (run_sample repeats it in later rounds)."""
         batch = self.device_batch(row)
-        status, times = self.timed(lambda: self._forward_backward(batch), 1)
+        warmup = self.shapes.warmup_runs(batch["input_ids"].shape)
+        status, times = self.timed(lambda: self._forward_backward(batch), warmup + 1)
+        times = times[warmup:]
         share = float("nan")
         if busy and status == OK:
             share = gpu_busy_share(lambda: self._forward_backward(batch), self.device)
@@ -157,6 +160,7 @@ class ReplayRunner:
 
     def warm_up(self, row: Any) -> None:
         batch = self.device_batch(row)
+        self.shapes.warmup_runs(batch["input_ids"].shape)  # this run is its warm-up
         self._forward_backward(batch)
         self._optimizer()
         synchronize(self.device)
@@ -165,13 +169,14 @@ class ReplayRunner:
     def time_optimizer_step(self) -> float:
         return wall_time(self._optimizer, self.device)
 
-    def time_uniform(self, rows: int, length: int, loss_share: float, warmup: int) -> float:
+    def time_uniform(self, rows: int, length: int, loss_share: float) -> float:
         """One scaling-fit point: rows × length, the data's loss share; forward + backward only
-        (its gradients are cleared by an untimed optimizer step)."""
+        (its gradients are cleared by an untimed optimizer step); a new shape warmed first."""
         batch = bt.to_device(
             bt.uniform_batch(rows, length, loss_share, self.vocab_size, self.generator),
             self.device,
         )
+        warmup = self.shapes.warmup_runs(batch["input_ids"].shape)
         status, times = self.timed(lambda: self._forward_backward(batch), warmup + 1)
         self._optimizer()
         if self.device.type == "cuda":  # a gc pass costs ~0.4 s with the plans in memory
@@ -293,9 +298,11 @@ def _timed_rounds(
 
 def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int) -> dict:
     """The instrument's own spread: `repeats` timings of one identical micro-batch (same shape,
-    loss tokens and token ids) after `warmup` untimed ones, with gc off as in the replay loop.
-    CV = sample standard deviation / mean; what was done to reduce it is recorded beside it."""
+    loss tokens and token ids) after `warmup` untimed ones when its shape has not run yet
+    (probes.step.timing.ShapesRun), with gc off as in the replay loop. CV = sample standard
+    deviation / mean; what was done to reduce it is recorded beside it."""
     batch = runner.device_batch(row)
+    warmup = runner.shapes.warmup_runs(batch["input_ids"].shape, warmup)
     gc.collect()
     gc.disable()
     try:
@@ -353,16 +360,15 @@ def measure_fit(
     resamples: int,
 ) -> tuple[ft.BootstrapFit, pd.DataFrame]:
     """Time rows × T uniform micro-batches (forward + backward) at each length, fit with
-    intervals. The lengths are visited in a new seeded order each round (warm-ups in the first:
-    probes.step.timing.warmup_runs), so a burst of load or drift spreads over lengths instead of
-    bending the curve.
+    intervals. The lengths are visited in a new seeded order each round (each length's first
+    run warmed: probes.step.timing.ShapesRun), so a burst of load or drift spreads over lengths
+    instead of bending the curve.
     Returns the fit and the timed points (one row per repeat)."""
     rng = np.random.default_rng(seed)
     points = []
     for repeat in range(repeats):
         for length in rng.permutation(np.asarray(lengths, dtype=np.int64)):
-            warmup = warmup_runs(1, runner.device, first=not points) if repeat == 0 else 0
-            seconds = runner.time_uniform(rows, int(length), loss_share, warmup)
+            seconds = runner.time_uniform(rows, int(length), loss_share)
             points.append(
                 {
                     "kind": FIT_POINT,

@@ -361,6 +361,14 @@ def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
         assert result["status"] == "OK" and result["time_s"] > 0
     assert "position_ids" in build_batch(packed, vocab, torch.Generator().manual_seed(0))
     assert replay.time_optimizer_step() > 0
+    # each shape's first run was an untimed warm-up; a shape run before is timed at once
+    calls = []
+    compute_loss = runner.harness.compute_loss
+    runner.harness.compute_loss = lambda model, batch: calls.append(1) or compute_loss(model, batch)
+    replay.time_micro_batch(padded)
+    assert len(calls) == 1 and len(replay.time_micro_batch(padded)["times_s"]) == 1
+    replay.time_micro_batch(pd.Series({**padded.to_dict(), "padded_length": 28}))
+    assert len(calls) == 4  # 1 + 1 + (warm-up + timing) of the new shape
 
 
 def _stage_inputs(tmp_path, gate_violations=0):

@@ -2,7 +2,7 @@
 
 import torch
 
-from probes.step.timing import OK, OOM, Timing, time_repeats, warmup_runs
+from probes.step.timing import OK, OOM, ShapesRun, Timing, time_repeats
 
 CPU = torch.device("cpu")
 
@@ -38,7 +38,6 @@ def test_out_of_memory_is_a_status_other_errors_propagate():
         raise AssertionError("a non-OOM error must propagate")
 
 
-def test_warmup_on_cpu_only_before_the_first_timing_and_always_on_a_gpu():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert [warmup_runs(2, cpu, first=f) for f in (True, False)] == [2, 0]
-    assert [warmup_runs(2, cuda, first=f) for f in (True, False)] == [2, 2]
+def test_a_shape_is_warmed_before_its_first_timing_only():
+    shapes = ShapesRun()
+    assert [shapes.warmup_runs(s, 2) for s in [(2, 64), (2, 64), (2, 32), (2, 64)]] == [2, 0, 2, 0]
