@@ -1,0 +1,203 @@
+"""Live tensor bytes over one training step, op by op, split into categories at the peak.
+
+`StepTracker` is a TorchDispatchMode: every tensor an ATen op returns has its storage counted
+once, when the op creates it, and uncounted when the storage is freed (a weakref finaliser). It
+works the same on fake tensors (FakeTensorMode: no data, no device) and on real ones, so the
+prediction and a real CPU step go through one code path; the real-step check
+(`probes.memory.real`) uses a different instrument, the profiler's allocator events.
+
+Why not torch's MemTracker: it registers a gradient hook on every parameter and raises on frozen
+ones (every LoRA base weight), and its module hooks made a whole-model trace of Gemma 3 27B take
+~3 min. This tracker hooks no module; the category of each storage is decided after the step by
+identity: the parameters, `.grad` of the trainable ones, the optimizer's state, else an
+activation or temporary (the batch included).
+
+Data-dependent shapes: fake tensors cannot know how many labels are -100. A boolean index (the
+reference harness's `hidden[labels != -100]`) is answered with `true_count` rows, the shape's
+loss positions, and the figure says so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "activations",
+)
+CATEGORIES = (PARAMETERS, GRADIENTS, OPTIMIZER, ACTIVATIONS)
+FORWARD, BACKWARD, OPTIMIZER_STEP, SETUP = "forward", "backward", "optimizer", "setup"
+
+
+@dataclass
+class Peak:
+    """The peak of one step: total bytes, bytes per category, the phase and op it happened in."""
+
+    total: int
+    by_category: dict[str, int]
+    phase: str
+    op: str
+    base: int  # bytes live before the step began (parameters, optimizer state, batch)
+    ops: int  # ATen ops seen
+    notes: list[str] = field(default_factory=list)
+
+
+class StepTracker(TorchDispatchMode):
+    """Count storage bytes created by every op; `peak()` splits the highest point by category.
+
+    `round_to` rounds each storage up as an allocator does (512 for the CUDA caching allocator;
+    1 for the CPU check). `true_count` answers boolean indexing on fake tensors.
+    """
+
+    def __init__(self, round_to: int = 1, true_count: int | None = None) -> None:
+        super().__init__()
+        self.round_to = max(int(round_to), 1)
+        self.true_count = true_count
+        self._serial = itertools.count(1)
+        self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._bytes: dict[int, int] = {}
+        self._events: list[tuple[int, int]] = []  # (+serial alloc | -serial free, live after)
+        self._op_of: dict[int, str] = {}
+        self._phase_at: list[tuple[int, str]] = [(0, SETUP)]
+        self.live = 0
+        self.ops = 0
+        self.bool_index_calls = 0
+        self.sdpa_ops: dict[str, int] = {}
+
+    # -- counting ------------------------------------------------------------------------------
+
+    def track(self, tensors: Iterable[Any], op: str = "before the step") -> None:
+        """Count the storages of `tensors` (existing ones: parameters, states, the batch)."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor, op)
+
+    def _track(self, tensor: torch.Tensor, op: str) -> None:
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return  # a tensor without storage (a sparse or nested layout): nothing to count
+        if storage in self._known:
+            return
+        serial = next(self._serial)
+        nbytes = -(-storage.nbytes() // self.round_to) * self.round_to
+        self._known[storage] = serial
+        self._bytes[serial] = nbytes
+        self._op_of[serial] = op
+        self.live += nbytes
+        self._events.append((serial, self.live))
+        weakref.finalize(storage, self._free, serial)
+
+    def _free(self, serial: int) -> None:
+        self.live -= self._bytes[serial]
+        self._events.append((-serial, self.live))
+
+    def serial_of(self, tensor: torch.Tensor) -> int | None:
+        return self._known.get(tensor.untyped_storage())
+
+    def phase(self, name: str) -> None:
+        """Mark where the step is (forward, backward, optimizer) for the peak's phase."""
+        self._phase_at.append((len(self._events), name))
+
+    # -- dispatch ------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.index.Tensor and self.true_count is not None:
+            args = self._bool_index_as_rows(args)
+        out = func(*args, **kwargs)
+        self.ops += 1
+        name = func.__name__
+        if "scaled_dot_product" in name:
+            self.sdpa_ops[name] = self.sdpa_ops.get(name, 0) + 1
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self._track(tensor, name)
+        return out
+
+    def _bool_index_as_rows(self, args: tuple) -> tuple:
+        source, indices = args[0], args[1]
+        if not any(i is not None and i.dtype == torch.bool for i in indices):
+            return args
+        self.bool_index_calls += 1
+        rows = []
+        for index in indices:
+            if index is not None and index.dtype == torch.bool:
+                count = min(int(self.true_count), index.numel())
+                row = torch.zeros(count, dtype=torch.long, device=index.device)
+                rows.extend([row] * index.dim())
+            else:
+                rows.append(index)
+        return (source, rows, *args[2:])
+
+    # -- the peak ------------------------------------------------------------------------------
+
+    def peak(self, categories: dict[int, str] | None = None) -> Peak:
+        """The highest live total over the events, split by `categories` (serial -> category)."""
+        categories = categories or {}
+        if not self._events:
+            return Peak(0, dict.fromkeys(CATEGORIES, 0), SETUP, "", 0, self.ops)
+        index = max(range(len(self._events)), key=lambda i: self._events[i][1])
+        live: set[int] = set()
+        for serial, _ in self._events[: index + 1]:
+            if serial > 0:
+                live.add(serial)
+            else:
+                live.discard(-serial)
+        split = dict.fromkeys(CATEGORIES, 0)
+        for serial in live:
+            split[categories.get(serial, ACTIVATIONS)] += self._bytes[serial]
+        phase = SETUP
+        for start, name in self._phase_at:
+            if start <= index:
+                phase = name
+        serial = self._events[index][0]
+        base = self._events[self._first_step_event() - 1][1] if self._first_step_event() else 0
+        return Peak(
+            total=self._events[index][1],
+            by_category=split,
+            phase=phase,
+            op=self._op_of.get(abs(serial), ""),
+            base=base,
+            ops=self.ops,
+        )
+
+    def _first_step_event(self) -> int:
+        return self._phase_at[1][0] if len(self._phase_at) > 1 else 0
+
+
+def categories_for(
+    tracker: StepTracker,
+    parameters: Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    grads: Iterable[torch.Tensor] = (),
+) -> dict[int, str]:
+    """serial -> category for the parameters, their gradients and the optimizer state."""
+    out: dict[int, str] = {}
+
+    def mark(tensor: Any, category: str) -> None:
+        if isinstance(tensor, torch.Tensor):
+            serial = tracker.serial_of(tensor)
+            if serial is not None:
+                out.setdefault(serial, category)
+
+    for tensor in parameters:
+        mark(tensor, PARAMETERS)
+    for tensor in grads:
+        mark(tensor, GRADIENTS)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for value in state.values():
+                mark(value, OPTIMIZER)
+    return out
