@@ -106,6 +106,14 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
         "steps": "data_parallel/steps.parquet",
         "summary": "data_parallel/summary.json",
     },
+    # will it fit: the peak memory per shape on fake tensors (probes.memory.stage)
+    "memory": {
+        "shapes": "memory/shapes.parquet",
+        "changes": "memory/changes.parquet",
+        "fit": "memory/fit.parquet",
+        "summary": "memory/summary.json",
+        "control": "memory/control.json",
+    },
     "report": {
         "markdown": "report/playbook-evidence.md",
         "figures": "report/figures",
@@ -117,13 +125,18 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
 STAGES = ("mask", "padding", "bucket", "profile", "replay", "realize")
 # Stages that run only under a config condition: stage -> (condition, the not-run reason). The
 # report reads their outputs only when they ran (`optional_report_inputs`).
-OPTIONAL_STAGES = {"data_parallel": ("training.world_size > 1", "world_size 1")}
+OPTIONAL_STAGES = {
+    "data_parallel": ("training.world_size > 1", "world_size 1"),
+    "memory": ("memory.enabled", "memory.enabled false"),
+}
 
 
 def stage_enabled(stage: str, config: Mapping) -> bool:
     """Whether an optional stage runs under `config` (a default-filled workflow config)."""
     if stage == "data_parallel":
         return int(config["training"].get("world_size", 1)) > 1
+    if stage == "memory":  # a config without the (default-filled) section does not ask for it
+        return bool(config.get("memory", {}).get("enabled", False))
     return True
 
 
@@ -175,6 +188,8 @@ STAGE_INPUTS: dict[str, dict[str, tuple[str, str] | str]] = {
         "model_config": MODEL_CONFIG,
         "tokenizer": MODEL_TOKENIZER,
     },
+    # config.json and the plans only: no weights, no GPU
+    "memory": {"model_config": MODEL_CONFIG, "plans": ("bucket", "plans")},
 }
 
 
@@ -603,6 +618,57 @@ TABLES: dict[str, TableSpec] = {
         ),
         ("n_micro_batches", "padded_tokens", "real_tokens"),
     ),
+    # one row per shape predicted (probes.memory.stage): the training shape, the p99 length, each
+    # strategy's largest micro-batch; the peak split by category (probes.memory.tracker)
+    "memory_shapes": TableSpec(
+        "memory",
+        "Memory",
+        (
+            "shape",
+            "strategy",
+            "rows",
+            "length",
+            "layout",
+            "target_gib",
+            "predicted_peak_gib",
+            "headroom_gib",
+            "verdict",
+            "reason",
+        ),
+        (
+            "loss_positions",
+            "parameters_gib",
+            "gradients_gib",
+            "optimizer_state_gib",
+            "activations_gib",
+            "peak_phase",
+            "peak_op",
+            "seconds",
+            "assumptions",
+        ),
+    ),
+    # one row per strategy (and `training`, the configured shape): its largest micro-batch
+    "memory_changes": TableSpec(
+        "memory",
+        "Memory",
+        (
+            "strategy",
+            "shape_rows",
+            "shape_length",
+            "predicted_peak_gib",
+            "headroom_gib",
+            "verdict",
+            "reason",
+        ),
+        ("layout",),
+    ),
+    # the largest micro-batch that fits at max_seq_len and at the p99 length, equal tokens/update
+    "memory_fit": TableSpec(
+        "memory",
+        "Memory",
+        ("length_kind", "length", "max_micro_batch_size", "grad_accum", "predicted_peak_gib"),
+        ("rows_per_update", "method"),
+    ),
 }
 
 CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
@@ -632,6 +698,10 @@ JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
         "data_parallel",
         ("world_size", "backend", "strategies", "ranks", "tolerance"),
     ),
+    "memory_summary": ("memory", ("target_gib", "target", "dtype", "gradient_checkpointing")),
+    # a peak known by construction, real CPU steps within ±memory.tolerance, the check failing
+    # a prediction without the optimizer state (probes.memory.control)
+    "memory_control": ("memory", CONTROL_KEYS),
 }
 
 

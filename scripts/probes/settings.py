@@ -46,6 +46,11 @@ class TrainingConfig:
 
 
 @dataclass(frozen=True)
+class TrainerConfig:
+    factory: str | None
+
+
+@dataclass(frozen=True)
 class MaskConfig:
     target_compute_capability: str | float
     dtype: str
@@ -227,6 +232,16 @@ class DataParallelConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    enabled: bool
+    target_gib: float
+    target_name: str
+    allocator_round_bytes: int
+    length_quantile: float
+    tolerance: float
+
+
+@dataclass(frozen=True)
 class ReportConfig:
     histogram_top_sources: int
     max_recommendations: int
@@ -238,6 +253,7 @@ class WorkflowConfig:
     model: ModelConfig
     data: DataConfig
     training: TrainingConfig
+    trainer: TrainerConfig
     mask: MaskConfig
     padding: PaddingConfig
     bucket: BucketConfig
@@ -246,6 +262,7 @@ class WorkflowConfig:
     realize: RealizeConfig
     data_parallel: DataParallelConfig
     report: ReportConfig
+    memory: MemoryConfig
     # The validated, default-filled dict: what the provenance hashes (not compared, not typed).
     raw: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 

@@ -1,0 +1,263 @@
+"""The memory stage: will each setting fit the target GPU? Predicted from config.json alone.
+
+Order of work: the harness (the profile's, with its options), the controls (a peak known by
+construction, real CPU steps), the model on fake tensors, the shapes that matter (training shape,
+p99 length, each strategy's largest micro-batch from the bucket stage's plans), a prediction per
+shape, the largest micro-batch that fits at max_seq_len and at the p99 length, and the outputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from probes.batching.plans import read_plans
+from probes.io import run_metadata
+from probes.mask.trace import config_from_dict, read_config_json
+from probes.memory.control import run_controls
+from probes.memory.predict import (
+    FakeStep,
+    PredictError,
+    Prediction,
+    Shape,
+    StepFunctions,
+    build_fake_step,
+    functions_of,
+    predict,
+)
+from probes.memory.shapes import (
+    P99,
+    TRAINING,
+    largest_micro_batches,
+    quantile_shape,
+    training_shape,
+)
+from probes.memory.tracker import CATEGORIES
+from probes.memory.verdict import (
+    DOES_NOT_FIT,
+    GIB,
+    advice,
+    headroom_gib,
+    largest_fitting_rows,
+    verdict,
+)
+from probes.settings import WorkflowConfig
+from probes.stage import all_or_nothing
+
+LOG = logging.getLogger("probes.memory")
+MAX_SEQ_LEN = "max_seq_len"
+
+
+def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
+    start = time.perf_counter()
+    functions = load_functions(cfg)
+    control = run_controls(functions, cfg.memory.tolerance)
+    LOG.info("memory controls: %s", control["observed"])
+    model_config = str(inputs["model_config"])
+    config = config_from_dict(read_config_json(model_config), source=model_config)
+    step = build_fake_step(
+        config,
+        functions,
+        cfg.mask.dtype,
+        grad_accum=cfg.training.grad_accum,
+        round_to=cfg.memory.allocator_round_bytes,
+    )
+    LOG.info("model on fake tensors in %.1f s", step.build_seconds)
+    plans = _plans(inputs.get("plans"))
+    shapes = shapes_to_predict(cfg, plans)
+    predictor = CachedPredictor(step)
+    target = int(cfg.memory.target_gib * GIB)
+    shape_table = shapes_frame(shapes, predictor, target, gradient_checkpointing(cfg))
+    fit_table = fitting_frame(shapes, predictor, target, cfg)
+    shape_table = add_fitting_advice(shape_table, fit_table, target, gradient_checkpointing(cfg))
+    changes = changes_frame(shape_table)
+    summary = {
+        "target_gib": cfg.memory.target_gib,
+        "target": cfg.memory.target_name,
+        "dtype": cfg.mask.dtype,
+        "model_config": model_config,
+        "harness": cfg.profile.harness,
+        "gradient_checkpointing": gradient_checkpointing(cfg),
+        "plans": "read" if plans is not None else "not given: training shape only",
+        "build_seconds": step.build_seconds,
+        "predictions": predictor.count,
+        "wall_seconds": time.perf_counter() - start,
+    }
+    provenance = run_metadata(dict(cfg.raw))
+    with all_or_nothing(outputs) as out:
+        out.parquet("shapes", shape_table, provenance)
+        out.parquet("changes", changes, provenance)
+        out.parquet("fit", fit_table, provenance)
+        out.json("summary", summary)
+        out.json("control", control)
+    for row in shape_table.itertuples():
+        LOG.info(
+            "%-20s %3d x %-6d %8.2f GiB  %s", row.shape, row.rows, row.length,
+            row.predicted_peak_gib if row.predicted_peak_gib == row.predicted_peak_gib else -1,
+            row.verdict,
+        )  # fmt: skip
+    LOG.info("memory stage in %.1f s (%d predictions)", summary["wall_seconds"], predictor.count)
+
+
+def load_functions(cfg: WorkflowConfig) -> StepFunctions:
+    """The profile's harness with its options (probes.step.harness), as the profile loads it."""
+    from probes.step.harness import load_harness
+
+    harness = load_harness(cfg.profile.harness)
+    configure = harness.hook("configure")
+    if configure is not None:
+        configure({"ce_chunk_tokens": cfg.profile.ce_chunk_tokens, **cfg.profile.harness_options})
+    return functions_of(harness)
+
+
+def gradient_checkpointing(cfg: WorkflowConfig) -> bool:
+    return bool(dict(cfg.profile.harness_options).get("gradient_checkpointing", False))
+
+
+def _plans(path: Any) -> pd.DataFrame | None:
+    if path is None or (not Path(str(path)).exists() and str(path) == ""):
+        return None
+    if not Path(str(path)).exists():
+        LOG.warning("%s: no plans; predicting the training shape only", path)
+        return None
+    return read_plans(path)
+
+
+def shapes_to_predict(cfg: WorkflowConfig, plans: pd.DataFrame | None) -> list[tuple[str, Shape]]:
+    """(strategy or "", shape): the training shape, the p99 length, each strategy's largest."""
+    training = cfg.training
+    shapes = [("", training_shape(training.micro_batch_size, training.max_seq_len))]
+    if plans is not None:
+        shapes.append(
+            ("", quantile_shape(plans, training.micro_batch_size, cfg.memory.length_quantile))
+        )
+        for strategy, shape in largest_micro_batches(plans).items():
+            shapes.append((strategy, shape))
+    return shapes
+
+
+class CachedPredictor:
+    """One prediction per distinct (rows, length, layout, loss positions)."""
+
+    def __init__(self, step: FakeStep) -> None:
+        self.step = step
+        self.cache: dict[tuple, Prediction | PredictError] = {}
+        self.count = 0
+
+    def __call__(self, shape: Shape) -> Prediction:
+        key = (shape.rows, shape.length, shape.layout, shape.loss_positions())
+        if key not in self.cache:
+            try:
+                self.cache[key] = predict(self.step, shape)
+                self.count += 1
+            except PredictError as error:
+                self.cache[key] = error
+        found = self.cache[key]
+        if isinstance(found, PredictError):
+            raise found
+        return found
+
+
+def shape_row(
+    strategy: str, shape: Shape, predictor: CachedPredictor, target: int, checkpointing: bool
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "shape": shape.name,
+        "strategy": strategy,
+        "rows": shape.rows,
+        "length": shape.length,
+        "layout": shape.layout,
+        "loss_positions": shape.loss_positions(),
+        "target_gib": target / GIB,
+    }
+    try:
+        found = predictor(shape)
+    except PredictError as error:
+        return {**row, "predicted_peak_gib": None, "headroom_gib": None,
+                "verdict": verdict(None, target), "reason": str(error)}  # fmt: skip
+    row.update({f"{c}_gib": found.by_category[c] / GIB for c in CATEGORIES})
+    row.update(
+        predicted_peak_gib=found.peak_bytes / GIB,
+        headroom_gib=headroom_gib(found.peak_bytes, target),
+        verdict=verdict(found.peak_bytes, target),
+        reason="",
+        peak_phase=found.phase,
+        peak_op=found.op,
+        seconds=found.seconds,
+        assumptions="; ".join(found.assumptions),
+    )
+    if row["verdict"] == DOES_NOT_FIT:
+        row["reason"] = advice(found.by_category, target, checkpointing, None)
+    return row
+
+
+def shapes_frame(
+    shapes: list[tuple[str, Shape]], predictor: CachedPredictor, target: int, checkpointing: bool
+) -> pd.DataFrame:
+    return pd.DataFrame([shape_row(s, shape, predictor, target, checkpointing) for s, shape in shapes])
+
+
+def fitting_frame(
+    shapes: list[tuple[str, Shape]], predictor: CachedPredictor, target: int, cfg: WorkflowConfig
+) -> pd.DataFrame:
+    """The largest micro-batch that fits at max_seq_len and at the p99 length, equal tokens per
+    update (micro_batch_size x grad_accum rows kept)."""
+    training = cfg.training
+    rows_per_update = training.micro_batch_size * training.grad_accum
+    lengths = {MAX_SEQ_LEN: training.max_seq_len}
+    lengths.update({P99: s.length for _, s in shapes if s.name == P99})
+    out = []
+    for kind, length in lengths.items():
+        row: dict[str, Any] = {"length_kind": kind, "length": length,
+                               "rows_per_update": rows_per_update}  # fmt: skip
+        try:
+            found = largest_fitting_rows(
+                lambda rows, n=length: predictor(Shape(f"fit_{kind}", rows, n)).peak_bytes,
+                target,
+                rows_per_update,
+            )
+        except PredictError as error:
+            out.append({**row, "max_micro_batch_size": None, "grad_accum": None,
+                        "predicted_peak_gib": None, "method": str(error)})  # fmt: skip
+            continue
+        out.append(
+            {
+                **row,
+                "max_micro_batch_size": found.rows,
+                "grad_accum": found.grad_accum,
+                "predicted_peak_gib": None if found.peak_bytes is None else found.peak_bytes / GIB,
+                "method": found.method,
+            }
+        )
+    return pd.DataFrame(out)
+
+
+def add_fitting_advice(
+    shapes: pd.DataFrame, fit: pd.DataFrame, target: int, checkpointing: bool
+) -> pd.DataFrame:
+    """A training shape that does not fit says how many rows would."""
+    at_max = fit[fit["length_kind"] == MAX_SEQ_LEN]["max_micro_batch_size"]
+    rows = None if at_max.empty or pd.isna(at_max.iloc[0]) else int(at_max.iloc[0])
+    shapes = shapes.copy()
+    for index, row in shapes.iterrows():
+        if row["verdict"] == DOES_NOT_FIT and row["shape"] == TRAINING:
+            split = {c: int(row[f"{c}_gib"] * GIB) for c in CATEGORIES}
+            shapes.at[index, "reason"] = advice(split, target, checkpointing, rows)
+    return shapes
+
+
+def changes_frame(shapes: pd.DataFrame) -> pd.DataFrame:
+    """One row per strategy (and the training shape as `training`): its largest micro-batch."""
+    rows = shapes[shapes["strategy"] != ""].copy()
+    base = shapes[shapes["shape"] == TRAINING].copy()
+    base["strategy"] = TRAINING
+    both = pd.concat([base, rows], ignore_index=True)
+    both = both.rename(columns={"rows": "shape_rows", "length": "shape_length"})
+    columns = ["strategy", "shape_rows", "shape_length", "layout", "predicted_peak_gib",
+               "headroom_gib", "verdict", "reason"]  # fmt: skip
+    return both[columns].reset_index(drop=True)

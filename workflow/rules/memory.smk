@@ -1,0 +1,29 @@
+rule memory:
+    input:
+        **stage_inputs("memory", config),
+    output:
+        shapes=report(
+            out("memory", "shapes"),
+            category="Memory",
+            caption="../report/memory.rst",
+        ),
+        changes=out("memory", "changes"),
+        fit=out("memory", "fit"),
+        summary=out("memory", "summary"),
+        control=out("memory", "control"),
+    log:
+        "logs/memory.log",
+    benchmark:
+        "benchmarks/memory.tsv"
+    conda:
+        "../envs/probes.yaml"
+    params:
+        # the config sections the stage reads: a change reruns it
+        memory=config["memory"],
+        training=config["training"],
+        dtype=config["mask"]["dtype"],
+        harness=config["profile"]["harness"],
+        harness_options=config["profile"]["harness_options"],
+        ce_chunk_tokens=config["profile"]["ce_chunk_tokens"],
+    script:
+        "../../scripts/run_memory.py"
