@@ -199,7 +199,8 @@ def shape_row(
 def shapes_frame(
     shapes: list[tuple[str, Shape]], predictor: CachedPredictor, target: int, checkpointing: bool
 ) -> pd.DataFrame:
-    return pd.DataFrame([shape_row(s, shape, predictor, target, checkpointing) for s, shape in shapes])
+    rows = [shape_row(s, shape, predictor, target, checkpointing) for s, shape in shapes]
+    return pd.DataFrame(rows)
 
 
 def fitting_frame(
@@ -210,14 +211,16 @@ def fitting_frame(
     training = cfg.training
     rows_per_update = training.micro_batch_size * training.grad_accum
     lengths = {MAX_SEQ_LEN: training.max_seq_len}
-    lengths.update({P99: s.length for _, s in shapes if s.name == P99})
+    for _, shape in shapes:
+        if shape.name == P99:
+            lengths[P99] = shape.length
     out = []
     for kind, length in lengths.items():
         row: dict[str, Any] = {"length_kind": kind, "length": length,
                                "rows_per_update": rows_per_update}  # fmt: skip
         try:
             found = largest_fitting_rows(
-                lambda rows, n=length: predictor(Shape(f"fit_{kind}", rows, n)).peak_bytes,
+                lambda rows, n=length, k=kind: predictor(Shape(f"fit_{k}", rows, n)).peak_bytes,
                 target,
                 rows_per_update,
             )
