@@ -1,0 +1,63 @@
+"""The embedded default's trainer: a TRL ``SFTTrainer`` on Gemma 3 270M and the chitchat data.
+
+This is what a user's own training script looks like, cut to the function the probes call:
+``build_trainer(settings)`` builds the trainer exactly as training would (model, tokenizer,
+dataset, LoRA via ``peft_config``, loss on assistant turns) with the workflow's ``settings``
+applied to its ``SFTConfig`` by ``probes.trainer.apply_settings``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MODEL_DIR = Path("resources/model/gemma-3-270m")
+DATA_FILE = Path("resources/data/chitchat.parquet")
+
+
+def build_trainer(settings: dict[str, Any]):
+    import datasets
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from probes.trainer import apply_settings, model_kwargs
+
+    args = SFTConfig(
+        output_dir="results/.trainer",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=8,
+        max_length=4096,
+        assistant_only_loss=True,
+        gradient_checkpointing=False,
+        bf16=False,
+        learning_rate=2e-4,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        dataset_num_proc=None,
+    )
+    args = apply_settings(args, settings)
+    tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(
+        MODEL_DIR, **{"dtype": torch.float32, "attn_implementation": "sdpa", **model_kwargs(settings)}
+    )
+    dataset = datasets.Dataset.from_parquet(str(DATA_FILE), columns=["messages", "source"])
+    # assistant_only_loss needs an assistant turn in every conversation (TRL refuses the rest)
+    dataset = dataset.filter(
+        lambda messages: any(m["role"] == "assistant" for m in messages), input_columns="messages"
+    )
+    peft_config = LoraConfig(
+        r=16,
+        lora_alpha=32,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        task_type="CAUSAL_LM",
+    )
+    return SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+    )

@@ -1,0 +1,44 @@
+"""The step every timing stage runs: the user's trainer where ``trainer.factory`` is set, else
+the ``profile.harness`` module on the real model. Both implement probes.step.runner.StepRunner's
+small interface, so replay and realize have one code path."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def factory_of(raw: Mapping[str, Any]) -> str | None:
+    return (raw.get("trainer") or {}).get("factory") or None
+
+
+def load_step(
+    raw: Mapping[str, Any],
+    model_path: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_length: int | None,
+    seed: int = 0,
+) -> tuple[Any, int, int, dict[str, Any]]:
+    """(step, vocab size, pad id, description) for the whole workflow config `raw`."""
+    from probes.step import runner as ts
+
+    spec = factory_of(raw)
+    if spec:
+        from probes.step.trainer import load_trainer_step, probe_settings
+
+        output_dir = tempfile.mkdtemp(prefix="probes-trainer-")
+        step = load_trainer_step(spec, probe_settings(output_dir, device, dtype, max_length, seed))
+        text = ts.model_text_config(step.model)
+        return step, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), step.describe()
+    model, harness, optimizer, targets, options = ts.load_for_steps(
+        model_path, raw["profile"], device, dtype
+    )
+    runner = ts.StepRunner(model, harness, optimizer, device)
+    runner.described = {"target_modules": len(targets), "options": options}
+    text = ts.model_text_config(model)
+    return runner, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), runner.describe()

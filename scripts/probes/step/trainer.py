@@ -1,0 +1,208 @@
+"""One training step as the user's own ``transformers.Trainer`` / ``trl.SFTTrainer`` takes it.
+
+The trainer is built by the user's factory (probes.step.factory). A micro-batch is the trainer's
+own collator over rows of its own prepared train dataset (never a second tokenization), run
+through ``trainer.training_step`` (its ``_prepare_inputs``, ``compute_loss`` with whatever the
+trainer computes beside the loss, backward through its accelerator). The optimizer step is the
+trainer's loop's: gradient clipping at ``max_grad_norm``, ``optimizer.step()``,
+``lr_scheduler.step()``, ``model.zero_grad()`` (transformers.Trainer._inner_training_loop).
+A packed micro-batch (one flattened row of its documents, position ids restarting per document)
+is the collator TRL's ``padding_free`` / transformers' ``DataCollatorWithFlattening`` builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from probes.step.factory import QUIET_SETTINGS, Factory, build_trainer, load_factory
+
+IGNORE_INDEX = -100
+# steps the scheduler is built for: the probes take a few hundred steps at most, and a schedule
+# that reached its end would change nothing the step costs
+SCHEDULE_STEPS = 1_000_000
+
+
+def example_row(example_id: str) -> int:
+    """The trainer dataset's row an example id names (the padding stage writes row numbers)."""
+    return int(example_id)
+
+
+def packed_collator(trainer: Any) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+    """The trainer's collator in its padding-free form: TRL's own collator with
+    ``padding_free=True`` (what ``SFTConfig(packing=True)`` or ``padding_free=True`` trains
+    with), else transformers' ``DataCollatorWithFlattening``."""
+    collator = trainer.data_collator
+    if dataclasses.is_dataclass(collator) and any(
+        f.name == "padding_free" for f in dataclasses.fields(collator)
+    ):
+        return dataclasses.replace(collator, padding_free=True)
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening(return_position_ids=True)
+
+
+def loader_inputs(trainer: Any, collator: Callable) -> tuple[Any, Callable]:
+    """The dataset and collator the trainer's dataloader uses (Trainer._get_dataloader): the
+    columns its model does not take removed from a ``datasets.Dataset``, else from each batch."""
+    import datasets
+
+    dataset = trainer.train_dataset
+    if isinstance(dataset, datasets.Dataset):
+        return trainer._remove_unused_columns(dataset, description="training"), collator
+    return dataset, trainer._get_collator_with_removed_columns(collator, description="training")
+
+
+def truncated(row: Mapping[str, Any], cap: int) -> dict[str, Any]:
+    """A prepared row cut to its first `cap` tokens: every per-token list of the row's length."""
+    n = len(row["input_ids"])
+    if n <= cap:
+        return dict(row)
+    return {
+        k: v[:cap] if isinstance(v, list | tuple) and len(v) == n else v for k, v in row.items()
+    }
+
+
+def loss_items(batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """Tokens that carry loss (labels not ignored): the Trainer's ``num_items_in_batch``."""
+    labels = batch.get("labels")
+    if labels is None:
+        return None
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+class TrainerStep:
+    """The user's trainer as the probes run it: micro-batches, forward + backward, optimizer."""
+
+    def __init__(
+        self, trainer: Any, factory: Factory | None = None, cap: int | None = None
+    ) -> None:
+        self.trainer = trainer
+        self.factory = factory
+        self.cap = cap
+        args = trainer.args
+        if trainer.optimizer is None or trainer.lr_scheduler is None:
+            trainer.create_optimizer_and_scheduler(num_training_steps=SCHEDULE_STEPS)
+        trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+        self.model = trainer.model
+        self.model.train()
+        self.optimizer = trainer.optimizer
+        self.device = args.device
+        self.dataset, self.collator = loader_inputs(trainer, trainer.data_collator)
+        _, self.flat_collator = loader_inputs(trainer, packed_collator(trainer))
+        self.harness = None  # the trainer path has no harness module
+
+    # the micro-batch -----------------------------------------------------------------------
+    def features(self, example_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """The trainer's prepared rows; on a CPU cap, each cut to its first ``cap`` tokens as
+        TRL's truncation cuts (the trainer is built at its own max_length so its rows and their
+        numbers stay those the padding stage counted)."""
+        rows = [self.dataset[example_row(i)] for i in example_ids]
+        return [truncated(row, self.cap) for row in rows] if self.cap else rows
+
+    def collate(self, example_ids: Sequence[str], packed: bool) -> dict[str, Any]:
+        collate = self.flat_collator if packed else self.collator
+        return collate(self.features(example_ids))
+
+    def plan_batch(
+        self, row: Any, vocab_size: int = 0, generator: Any = None, pad_id: int = 0
+    ) -> dict[str, Any]:
+        """A plan row's micro-batch: the trainer's collator over its own rows (the row's example
+        ids); ``training_step`` moves it to the device, as the trainer's loop does."""
+        from probes.batching.plans import PACKED
+
+        return self.collate([str(i) for i in row.example_ids], row.layout == PACKED)
+
+    # the step --------------------------------------------------------------------------------
+    def forward_backward(self, batch: dict[str, Any]) -> torch.Tensor:
+        """``training_step`` and what the trainer's loop does after it for every micro-batch:
+        the NaN/inf check of ``logging_nan_inf_filter`` (a host sync on a GPU) and
+        ``floating_point_ops`` (transformers.Trainer._inner_training_loop)."""
+        trainer = self.trainer
+        loss = trainer.training_step(self.model, batch, loss_items(batch))
+        if trainer.args.logging_nan_inf_filter:
+            bool(torch.isnan(loss) or torch.isinf(loss))
+        trainer.current_flos += float(trainer.floating_point_ops(batch))
+        return loss
+
+    def zero_grad(self) -> None:
+        """Drop partial gradients (a step cut short by an out-of-memory error)."""
+        self.model.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> None:
+        trainer, args = self.trainer, self.trainer.args
+        if args.max_grad_norm is not None and args.max_grad_norm > 0:
+            trainer._clip_grad_norm(self.model)
+        self.optimizer.step()
+        trainer.lr_scheduler.step()
+        self.model.zero_grad()
+
+    def step(
+        self,
+        micro_batches: Iterable[dict[str, Any]],
+        mark: Callable[[str], None] | None = None,
+    ) -> None:
+        """One optimizer step; `mark` as in probes.step.runner.StepRunner.step."""
+        for batch in micro_batches:
+            if mark is not None:
+                mark("built")
+            self.forward_backward(batch)
+            if mark is not None:
+                mark("micro_batch")
+        self.optimizer_step()
+        if mark is not None:
+            mark("optimizer")
+
+    def describe(self) -> dict[str, Any]:
+        args = self.trainer.args
+        return {
+            "kind": "trainer",
+            "trainer": type(self.trainer).__name__,
+            "trainer_module": type(self.trainer).__module__,
+            "collator": type(self.collator).__name__,
+            "factory": self.factory.describe() if self.factory else None,
+            "settings": {
+                "per_device_train_batch_size": args.per_device_train_batch_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "max_length": getattr(args, "max_length", None),
+                "gradient_checkpointing": args.gradient_checkpointing,
+                "max_grad_norm": args.max_grad_norm,
+                "optim": str(args.optim),
+            },
+            "train_rows": len(self.dataset),
+            "rows_cut_at": self.cap,
+        }
+
+
+def probe_settings(
+    output_dir: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_length: int | None,
+    seed: int,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The settings every probe passes to the factory: quiet (nothing written where the user's
+    runs write), the device, the dtype, a max_length where one is set, and a change's own."""
+    settings: dict[str, Any] = {
+        **QUIET_SETTINGS,
+        "output_dir": output_dir,
+        "use_cpu": device.type != "cuda",
+        "seed": seed,
+        "dtype": dtype,
+    }
+    if max_length is not None:
+        settings["max_length"] = int(max_length)
+    settings.update(extra or {})
+    return settings
+
+
+def load_trainer_step(
+    spec: str, settings: Mapping[str, Any], cap: int | None = None
+) -> TrainerStep:
+    """The user's factory, called once with `settings`, as a TrainerStep (rows cut at `cap`)."""
+    factory = load_factory(spec)
+    return TrainerStep(build_trainer(factory, settings), factory, cap)
