@@ -62,6 +62,20 @@ def stage_inputs(
     }
 
 
+def check_removed_options(config: Mapping[str, Any]) -> None:
+    """A value the workflow no longer offers, named with what replaces it (before the schema's
+    terser "is not one of" message)."""
+    from probes.batching.packing import PackingStrategyError, check_strategy
+
+    bucket = config.get("bucket")
+    strategies = bucket.get("packing") if isinstance(bucket, Mapping) else None
+    for index, strategy in enumerate(strategies if isinstance(strategies, list | tuple) else ()):
+        try:
+            check_strategy(strategy)
+        except PackingStrategyError as error:
+            raise ConfigError(f"config key bucket.packing.{index}: {error}") from None
+
+
 def check_config_paths(config: dict[str, Any], workdir: Path | None = None) -> None:
     """Fail before any job runs if a user-given path does not exist."""
     base = workdir or Path.cwd()
@@ -90,6 +104,13 @@ def check_config_paths(config: dict[str, Any], workdir: Path | None = None) -> N
     harness = config.get("profile", {}).get("harness")
     if harness:
         check_harness(harness, base)
+    factory = (config.get("trainer") or {}).get("factory")
+    if factory:
+        from probes.step.factory import static_problem
+
+        problem = static_problem(factory, base)
+        if problem:
+            raise ConfigError(f"config key {problem}")
 
 
 def find_module_spec(dotted: str) -> ModuleSpec | None:
@@ -249,6 +270,10 @@ def load_config(
     if path.resolve() != DEFAULT_CONFIG.resolve():
         raw = merge_config(raw, load_yaml(path))
     raw = apply_overrides(raw, overrides or {})
+    try:
+        check_removed_options(raw)
+    except ConfigError as error:
+        raise ConfigError(f"{blame(path, 'bucket.packing', overrides or {})}: {error}") from None
     try:
         import jsonschema
     except ImportError:

@@ -50,6 +50,8 @@ def write_config(tmp_path: Path, **changes) -> Path:
         ({"training.loss_on": "everything"}, "loss_on"),
         ({"model.path": "no/such/model"}, "model.path"),
         ({"data.files": [{"path": "no/such/data.jsonl"}]}, "data.files[0].path"),
+        # dropped with the project's own packer: the message says why and what to use
+        ({"bucket.packing": ["ffd", "bfd"]}, "bucket.packing.0: packing strategy 'ffd'"),
     ],
 )
 def test_bad_config_fails_before_any_job_naming_the_key(tmp_path, changes, expected):

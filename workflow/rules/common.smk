@@ -1,6 +1,6 @@
 from snakemake.utils import min_version, validate
 
-from probes.config import check_config_paths, stage_inputs
+from probes.config import check_config_paths, check_removed_options, stage_inputs
 from probes.contracts import (
     optional_report_inputs,
     report_inputs,
@@ -10,6 +10,8 @@ from probes.contracts import (
 
 min_version("8.20")
 
+# A value no longer offered fails first, naming what replaces it.
+check_removed_options(config)
 # Fills defaults and rejects unknown keys and bad types before any job runs.
 validate(config, schema="../schemas/config.schema.yaml")
 # A user path that does not exist fails here, at parse time, naming its key.

@@ -1,161 +1,159 @@
-"""Whole examples packed into ``max_seq_len`` bins: first-fit and best-fit decreasing.
+"""Whole examples packed into ``max_seq_len`` rows by the library that implements the strategy.
 
-The sweep shuffles the bins and takes ``micro_batch_size`` bins per micro-batch
-(``batch_metrics.packed_metrics``).
+``bfd`` (best-fit decreasing) is TRL's ``trl.data_utils.pack_dataset(dataset, seq_length,
+strategy="bfd")``, the very call ``SFTTrainer`` makes on its prepared dataset under
+``SFTConfig(packing=True)`` (``packing_strategy`` defaults to "bfd"; the trainer passes no ``map``
+batch size, so datasets' default of 1,000 applies and TRL packs each run of 1,000 consecutive
+examples on its own). It is called here on a lengths-only dataset: example ``i``'s ``input_ids`` is
+``i`` repeated ``lengths[i]`` times, so every packed row names its examples, in TRL's row order and
+TRL's document order, and the row lengths are TRL's by construction.
+
+No hand-written packer remains. First-fit decreasing (``ffd``) was dropped: no installed library
+implements it and no trainer the report names packs that way (``REMOVED_STRATEGIES``). TRL's other
+strategies are not offered: on lengths already capped at ``max_seq_len`` ``bfd_split`` packs as
+``bfd`` does, and ``wrapped`` cuts examples apart, so a row no longer holds whole examples.
+
+The sweep shuffles the rows and takes ``micro_batch_size`` rows per micro-batch
+(``metrics.packed_metrics``); the plans lay each micro-batch out as one flattened row.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 
-PACKING_ALGORITHMS = ("ffd", "bfd")
-
-
-def _decreasing_groups(lengths: np.ndarray) -> Iterable[tuple[int, np.ndarray]]:
-    """Example indices grouped by equal length, longest first, each group in index order."""
-    order = np.argsort(-lengths, kind="stable")
-    sorted_lengths = lengths[order]
-    starts = np.flatnonzero(np.r_[True, sorted_lengths[1:] != sorted_lengths[:-1]])
-    ends = np.r_[starts[1:], order.size]
-    for start, end in zip(starts, ends, strict=True):
-        yield int(sorted_lengths[start]), order[start:end]
-
-
-def _takes(capacity_items: np.ndarray, k: int) -> np.ndarray:
-    """How many of k items each bin takes, bins in order, each up to its capacity in items."""
-    filled = np.cumsum(capacity_items)
-    used = int(np.searchsorted(filled, k)) + 1  # bins needed; may exceed what exists
-    takes = capacity_items[:used].copy()
-    if used <= capacity_items.size:
-        takes[-1] = k - (filled[used - 2] if used >= 2 else 0)
-    return takes
-
-
-def pack_first_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
-    """Bin index of every example under first-fit decreasing (ties: lower example index first).
-
-    Items of one length are placed together: the first bin with room keeps taking them while it
-    has room (it stays the first fit), which is exactly item-by-item FFD, without a Python loop
-    per item.
-    """
-    n = lengths.size
-    room = np.empty(n, dtype=np.int64)
-    bin_of = np.empty(n, dtype=np.int64)
-    n_bins = 0
-    for length, items in _decreasing_groups(lengths):
-        k = items.size
-        placed = 0
-        candidates = np.flatnonzero(room[:n_bins] >= length)
-        if candidates.size:
-            takes = _takes(room[candidates] // length, k)
-            used = candidates[: takes.size]
-            bin_of[items[: int(takes.sum())]] = np.repeat(used, takes)
-            room[used] -= takes * length
-            placed = int(takes.sum())
-        n_bins += _open_bins(items[placed:], length, capacity, room, bin_of, n_bins)
-    return bin_of
-
-
-def _open_bins(
-    items: np.ndarray,
-    length: int,
-    capacity: int,
-    room: np.ndarray,
-    bin_of: np.ndarray,
-    n_bins: int,
-) -> int:
-    """Open new bins for items of one length that fit nowhere; each takes what it can.
-
-    Returns how many bins were opened.
-    """
-    k = items.size
-    if k == 0:
-        return 0
-    per_bin = capacity // length
-    n_new = -(-k // per_bin)
-    takes = np.full(n_new, per_bin, dtype=np.int64)
-    takes[-1] = k - per_bin * (n_new - 1)
-    new = np.arange(n_bins, n_bins + n_new, dtype=np.int64)
-    bin_of[items] = np.repeat(new, takes)
-    room[new] = capacity - takes * length
-    return n_new
-
-
-def pack_best_fit_decreasing(lengths: np.ndarray, capacity: int) -> np.ndarray:
-    """Bin index of every example under best-fit decreasing.
-
-    Best fit: the bin with the least room that still fits; among equal room, the bin that reached
-    that room first (FIFO, as TRL's BFD). Items of one length are placed together: the best bin
-    keeps taking them until it is full for that length (its shrinking room stays the best fit).
-    """
-    n = lengths.size
-    room = np.empty(n, dtype=np.int64)
-    bin_of = np.empty(n, dtype=np.int64)
-    queues: dict[int, deque[np.ndarray]] = {}  # room -> FIFO of bin-id chunks
-    occupied = np.zeros(capacity + 1, dtype=bool)
-    n_bins = 0
-
-    def push(level: int, bins: np.ndarray) -> None:
-        if bins.size and level > 0:  # full bins can take nothing more: never queued
-            queues.setdefault(level, deque()).append(bins)
-            occupied[level] = True
-
-    for length, items in _decreasing_groups(lengths):
-        k = items.size
-        placed = 0
-        while placed < k:
-            level = length + int(np.argmax(occupied[length:]))
-            if not occupied[level]:
-                break
-            per_bin = level // length
-            need = -(-(k - placed) // per_bin)
-            bins = _pop_front(queues, occupied, level, need)
-            takes = np.full(bins.size, per_bin, dtype=np.int64)
-            if bins.size == need:
-                takes[-1] = (k - placed) - per_bin * (need - 1)
-            count = int(takes.sum())
-            bin_of[items[placed : placed + count]] = np.repeat(bins, takes)
-            room[bins] -= takes * length
-            placed += count
-            full_takers = bins[takes == per_bin]
-            push(level - per_bin * length, full_takers)
-            if full_takers.size < bins.size:  # the last bin, partly filled
-                push(int(room[bins[-1]]), bins[-1:])
-        if placed < k:
-            opened = _open_bins(items[placed:], length, capacity, room, bin_of, n_bins)
-            new = np.arange(n_bins, n_bins + opened, dtype=np.int64)
-            n_bins += opened
-            # All new bins but the last are equally full; the last may have taken fewer items.
-            push(int(room[new[0]]), new[:-1])
-            push(int(room[new[-1]]), new[-1:])
-    return bin_of
-
-
-def _pop_front(
-    queues: dict[int, deque[np.ndarray]], occupied: np.ndarray, level: int, need: int
-) -> np.ndarray:
-    queue = queues[level]
-    taken: list[np.ndarray] = []
-    remaining = need
-    while queue and remaining > 0:
-        chunk = queue.popleft()
-        if chunk.size > remaining:
-            taken.append(chunk[:remaining])
-            queue.appendleft(chunk[remaining:])
-            remaining = 0
-        else:
-            taken.append(chunk)
-            remaining -= chunk.size
-    if not queue:
-        occupied[level] = False
-        del queues[level]
-    return np.concatenate(taken)
-
-
-PACKERS: dict[str, Callable[[np.ndarray, int], np.ndarray]] = {
-    "ffd": pack_first_fit_decreasing,
-    "bfd": pack_best_fit_decreasing,
+BFD = "bfd"
+PACKING_STRATEGIES = (BFD,)
+# The library call behind each strategy (what the report and the control name).
+LIBRARY_CALL = {BFD: 'trl.data_utils.pack_dataset(dataset, max_seq_len, strategy="bfd")'}
+REMOVED_STRATEGIES = {
+    "ffd": (
+        "first-fit decreasing was the project's own packer: no installed library implements it "
+        "and no trainer packs that way"
+    ),
 }
+
+
+class PackingStrategyError(ValueError):
+    """A packing strategy no installed library implements (the message says what to use)."""
+
+
+def check_strategy(strategy: str) -> str:
+    """``strategy`` if offered; otherwise a PackingStrategyError naming what to use instead."""
+    if strategy in PACKING_STRATEGIES:
+        return strategy
+    why = REMOVED_STRATEGIES.get(strategy, "unknown packing strategy")
+    raise PackingStrategyError(
+        f"packing strategy {strategy!r} is not offered ({why}); use one of "
+        f"{list(PACKING_STRATEGIES)} (TRL's pack_dataset, as SFTConfig(packing=True, "
+        "packing_strategy=...) packs), or [] to skip packing"
+    )
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """The packed rows: row ``r`` holds examples ``documents[offsets[r]:offsets[r + 1]]``.
+
+    Rows and the documents within a row are in the library's order; every example is in
+    exactly one row.
+    """
+
+    documents: np.ndarray  # int64 example indices, row after row
+    offsets: np.ndarray  # int64, n_rows + 1
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.offsets.size - 1)
+
+    def row(self, index: int) -> np.ndarray:
+        return self.documents[self.offsets[index] : self.offsets[index + 1]]
+
+    def rows(self) -> list[np.ndarray]:
+        return np.split(self.documents, self.offsets[1:-1])
+
+    def bin_of(self) -> np.ndarray:
+        """The row of every example (example index -> row index)."""
+        row_of = np.empty(self.documents.size, dtype=np.int64)
+        row_of[self.documents] = np.repeat(np.arange(self.n_rows), np.diff(self.offsets))
+        return row_of
+
+
+def lengths_dataset(lengths: np.ndarray):
+    """A ``datasets.Dataset`` whose only column ``input_ids`` holds example ``i`` as ``i``
+    repeated ``lengths[i]`` times: the lengths, and the ids that name each packed document."""
+    import datasets
+    import pyarrow as pa
+
+    offsets = np.r_[0, np.cumsum(lengths, dtype=np.int64)]
+    values = np.repeat(np.arange(lengths.size, dtype=np.int32), lengths)
+    if offsets[-1] > np.iinfo(np.int32).max:
+        column = pa.LargeListArray.from_arrays(offsets, values)
+    else:
+        column = pa.ListArray.from_arrays(offsets.astype(np.int32), values)
+    return datasets.Dataset(datasets.table.InMemoryTable(pa.table({"input_ids": column})))
+
+
+def _check_lengths(lengths: np.ndarray, max_seq_len: int) -> np.ndarray:
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and (int(lengths.min()) < 1 or int(lengths.max()) > max_seq_len):
+        # TRL drops empty examples and truncates long ones: neither would stay one document.
+        raise ValueError(
+            f"lengths must lie in [1, max_seq_len={max_seq_len}]; got [{int(lengths.min())}, "
+            f"{int(lengths.max())}] (cap them first, as the padding stage does)"
+        )
+    if lengths.size > np.iinfo(np.int32).max:
+        raise ValueError(f"{lengths.size} examples: more than int32 ids can name")
+    return lengths
+
+
+def pack(lengths: np.ndarray, max_seq_len: int, strategy: str = BFD) -> PackedRows:
+    """The rows the library packs ``lengths`` into (``strategy`` one of PACKING_STRATEGIES)."""
+    check_strategy(strategy)
+    lengths = _check_lengths(lengths, max_seq_len)
+    if lengths.size == 0:
+        return PackedRows(np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
+    import datasets
+    from trl.data_utils import pack_dataset
+
+    progress_was_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        packed = pack_dataset(lengths_dataset(lengths), max_seq_len, strategy=strategy)
+    finally:
+        if progress_was_on:
+            datasets.enable_progress_bars()
+    return _rows_of(packed.data.table)
+
+
+def _rows_of(table) -> PackedRows:
+    """Example ids and row offsets from a packed table (``input_ids``, ``seq_lengths``)."""
+    documents, counts = [], []
+    for batch in table.to_batches():
+        ids, seq_lengths = batch.column("input_ids"), batch.column("seq_lengths")
+        doc_lengths = seq_lengths.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+        starts = np.r_[0, np.cumsum(doc_lengths)[:-1]].astype(np.int64)
+        tokens = ids.flatten().to_numpy(zero_copy_only=False)
+        documents.append(tokens[starts].astype(np.int64) if doc_lengths.size else starts)
+        counts.append(np.diff(seq_lengths.offsets.to_numpy()).astype(np.int64))
+    documents_all = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int64)
+    offsets = np.r_[0, np.cumsum(np.concatenate(counts) if counts else [])].astype(np.int64)
+    return PackedRows(documents_all, offsets)
+
+
+def pack_all(
+    lengths: np.ndarray,
+    max_seq_len: int,
+    strategies: Iterable[str] = PACKING_STRATEGIES,
+    packed: Mapping[str, PackedRows] | None = None,
+) -> dict[str, PackedRows]:
+    """Every requested strategy's rows: from ``packed`` where the caller packed them already (the
+    bucket stage packs once for the sweep, the data-parallel sweep and the plans), else now."""
+    rows = {}
+    for name in strategies:
+        if packed is not None and name in packed:
+            rows[name] = packed[name]
+        else:
+            rows[name] = pack(lengths, max_seq_len, name)
+    return rows

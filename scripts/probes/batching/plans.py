@@ -5,16 +5,17 @@ micro-batch), its real and loss tokens, and the ids of its examples (ids only, n
 replay (probes.replay.stage) times a stratified sample of these real shapes through the harness.
 
 The orders are the bucket stage's own: ``probes.batching.orders.seeded_permutation`` (HF's shuffle),
-``length_grouped_order`` (HF's get_length_grouped_indices) and
-``probes.batching.packing.pack_best_fit_decreasing``.
+``length_grouped_order`` (HF's get_length_grouped_indices) and ``probes.batching.packing``
+(TRL's own ``pack_dataset``).
 
 Strategies:
 
 - ``random``: shuffled micro-batches, each padded to its longest row (the baseline);
 - ``length_grouped``: HF length grouping at the bucket stage's recommended bucket size;
 - ``global_sort``: length grouping with one megabatch holding the whole dataset;
-- ``packing``: whole examples packed into ``max_seq_len`` bins by best-fit decreasing, bins
-  shuffled, ``micro_batch_size`` bins per micro-batch; a packed micro-batch is laid out as one
+- ``packing``: whole examples packed into ``max_seq_len`` rows by TRL's
+  ``pack_dataset(strategy="bfd")``, rows shuffled, ``micro_batch_size`` rows per micro-batch, the
+  documents of a row in TRL's order; a packed micro-batch is laid out as one
   flattened row of its documents with position ids restarting at 0 per document and no padding
   (the layout of DataCollatorWithFlattening / TRL ``padding_free``);
 - ``pad_to_max_seq_len``: the random order, every micro-batch padded to ``max_seq_len``;
@@ -137,17 +138,20 @@ def _padded_plan(
 
 
 def _packed_plan(
-    examples: PlanExamples, micro_batch_size: int, max_seq_len: int, seed: int
+    examples: PlanExamples,
+    micro_batch_size: int,
+    max_seq_len: int,
+    seed: int,
+    packed: packing.PackedRows | None = None,
 ) -> list[dict[str, Any]]:
-    bin_of = packing.pack_best_fit_decreasing(examples.lengths, max_seq_len)
-    n_bins = int(bin_of.max()) + 1
-    by_bin = np.argsort(bin_of, kind="stable")  # documents of a bin in example order
-    bounds = np.r_[0, np.cumsum(np.bincount(bin_of, minlength=n_bins))]
+    if packed is None:
+        packed = packing.pack(examples.lengths, max_seq_len, packing.BFD)
+    n_bins = packed.n_rows
     bin_order = orders.seeded_permutation(n_bins, seed)
     rows = []
     for index, start in enumerate(range(0, n_bins, micro_batch_size)):
         bins = bin_order[start : start + micro_batch_size]
-        members = [by_bin[bounds[b] : bounds[b + 1]] for b in bins]
+        members = [packed.row(int(b)) for b in bins]
         flat = np.concatenate(members)
         lengths = examples.lengths[flat]
         rows.append(
@@ -177,8 +181,11 @@ def build_plans(
     max_seq_len: int,
     bucket_size_batches: int,
     seed: int = 0,
+    packed: packing.PackedRows | None = None,
 ) -> pd.DataFrame:
-    """Every strategy's micro-batches for one seed (one row per micro-batch, PLAN_COLUMNS)."""
+    """Every strategy's micro-batches for one seed (one row per micro-batch, PLAN_COLUMNS).
+
+    ``packed``: TRL's bfd rows of these very examples where the caller has them already."""
     if micro_batch_size < 1 or grad_accum < 1:
         raise PlanInputError(
             f"micro_batch_size={micro_batch_size}, grad_accum={grad_accum}: both must be >= 1"
@@ -209,7 +216,7 @@ def build_plans(
         examples,
         micro_batch_size,
     )
-    rows += _packed_plan(examples, micro_batch_size, max_seq_len, seed)
+    rows += _packed_plan(examples, micro_batch_size, max_seq_len, seed, packed)
     rows += _padded_plan(PAD_TO_MAX, random_order, examples, micro_batch_size, pad_to=max_seq_len)
     kept = np.flatnonzero(examples.loss_tokens > 0)
     if kept.size:
@@ -254,10 +261,15 @@ def grad_accum_for_same_tokens(
 
 
 def bucket_stage_plans(
-    lengths_path: str | Path, recommendation: dict[str, Any], training: Any, seed: int = 0
+    lengths_path: str | Path,
+    recommendation: dict[str, Any],
+    training: Any,
+    seed: int = 0,
+    packed: packing.PackedRows | None = None,
 ) -> pd.DataFrame:
     """The bucket stage's one call: every strategy's plan at the recommended bucket size.
-    `training` is the typed training section (micro_batch_size, grad_accum, max_seq_len)."""
+    `training` is the typed training section (micro_batch_size, grad_accum, max_seq_len);
+    `packed`: the sweep's bfd rows of the same examples (same reader, same order), if packed."""
     max_seq_len = int(training.max_seq_len)
     return build_plans(
         read_examples(lengths_path, max_seq_len),
@@ -266,6 +278,7 @@ def bucket_stage_plans(
         max_seq_len=max_seq_len,
         bucket_size_batches=recommended_bucket_size(recommendation),
         seed=seed,
+        packed=packed,
     )
 
 

@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from probes.batching import packing as packers
 from probes.batching.orders import OrderFn, length_grouped_order, seeded_permutation
-from probes.batching.packing import PACKERS
 from probes.bucket.sweep import SweepCollapsedError, assert_sweep_varies, sweep_bucket_sizes
 from probes.contracts import SKIPPED_STATUSES
 from probes.lengths import LengthSet
@@ -131,7 +131,11 @@ def hf_equivalence_control(order_fn: OrderFn = length_grouped_order) -> dict[str
 
 
 def packing_control() -> dict[str, Any]:
-    """Known answer: 100 × 768 + 10 × 512 + 100 × 256 tokens in 1024-token bins = 105 full bins."""
+    """Known answer: 100 × 768 + 10 × 512 + 100 × 256 tokens in 1024-token rows = 105 full rows.
+
+    Packed by the library (``probes.batching.packing``: TRL's ``pack_dataset``) through the
+    lengths-only dataset, so it also checks that every example comes back in exactly one row.
+    """
     capacity = 1024
     lengths = np.concatenate([np.full(100, 768), np.full(10, 512), np.full(100, 256)]).astype(
         np.int64
@@ -139,20 +143,26 @@ def packing_control() -> dict[str, Any]:
     rng = np.random.default_rng(0)
     lengths = lengths[rng.permutation(lengths.size)]
     observed = {}
-    for name, packer in PACKERS.items():
-        bin_of = packer(lengths, capacity)
-        fill = np.bincount(bin_of, weights=lengths)
+    for name in packers.PACKING_STRATEGIES:
+        rows = packers.pack(lengths, capacity, name)
+        fill = np.bincount(rows.bin_of(), weights=lengths, minlength=rows.n_rows)
         observed[name] = {
-            "n_bins": int(bin_of.max()) + 1,
-            "token_efficiency": float(lengths.sum() / ((bin_of.max() + 1) * capacity)),
+            "n_bins": rows.n_rows,
+            "token_efficiency": float(lengths.sum() / (rows.n_rows * capacity)),
             "overfull_bins": int((fill > capacity).sum()),
+            "every_example_once": bool(
+                np.array_equal(np.sort(rows.documents), np.arange(lengths.size))
+            ),
         }
     passed = all(
-        o["n_bins"] == 105 and o["token_efficiency"] == 1.0 and o["overfull_bins"] == 0
+        o["n_bins"] == 105
+        and o["token_efficiency"] == 1.0
+        and o["overfull_bins"] == 0
+        and o["every_example_once"]
         for o in observed.values()
     )
     return {
-        "expected": {"n_bins": 105, "token_efficiency": 1.0},
+        "expected": {"n_bins": 105, "token_efficiency": 1.0, "every_example_once": True},
         "observed": observed,
         "passed": passed,
     }
@@ -198,8 +208,9 @@ def run_control(order_fn: OrderFn = length_grouped_order) -> dict[str, Any]:
             "micro-batch 2): mixed micro-batches per bucket size must match the exact "
             "hypergeometric expectation and the global sort must be padding-free and "
             "single-source; the ordering must equal transformers' get_length_grouped_indices "
-            "index for index; FFD/BFD must pack a set with a known perfect packing into 105 full "
-            "bins; the collapse guard must pass the real sweep and fire on a collapsing one."
+            "index for index; TRL's pack_dataset (bfd) must pack a set with a known perfect "
+            "packing into 105 full rows, each example in exactly one; the collapse guard must "
+            "pass the real sweep and fire on a collapsing one."
         ),
         "expected": {
             "mixed_micro_batches": {

@@ -10,7 +10,7 @@ same seed and world size. At ``W = 1`` the max is the sweep's own single-device 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -23,7 +23,7 @@ from probes.batching.orders import (
     seeded_permutation,
     sweep_bucket_sizes_for,
 )
-from probes.batching.packing import PACKERS, PACKING_ALGORITHMS
+from probes.batching.packing import PACKING_STRATEGIES, PackedRows, pack_all
 from probes.contracts import BATCH_REBALANCE, RANDOM
 from probes.lengths import LengthSet
 
@@ -56,9 +56,10 @@ def data_parallel_sweep(
     seeds: Sequence[int],
     world_sizes: Iterable[int] = ranks.DP_WORLD_SIZES,
     bucket_sizes: Iterable[int] | None = None,
-    packing: Sequence[str] = PACKING_ALGORITHMS,
+    packing: Sequence[str] = PACKING_STRATEGIES,
     order_fn: OrderFn = length_grouped_order,
     batch_rebalance: bool = True,
+    packed: Mapping[str, PackedRows] | None = None,
 ) -> pd.DataFrame:
     """One row per strategy × bucket size × seed × world size (TABLES["bucket_data_parallel"])."""
     from probes.batching import rebalance
@@ -67,7 +68,9 @@ def data_parallel_sweep(
     n = lengths.size
     sizes = sweep_bucket_sizes_for(n, micro_batch_size, grad_accum, bucket_sizes)
     m_all = all_bucket_size(n, micro_batch_size)
-    packings = {name: PACKERS[name](lengths, max_seq_len) for name in packing}
+    n_rows = {
+        name: rows.n_rows for name, rows in pack_all(lengths, max_seq_len, packing, packed).items()
+    }
     with_rebalance = batch_rebalance and rebalance.unavailable_reason() is None
     worlds = sorted({ranks.check_world_size(w) for w in world_sizes})
     rows: list[dict] = []
@@ -77,8 +80,7 @@ def data_parallel_sweep(
         for m in sizes:
             order = order_fn(lengths, perm, micro_batch_size, m)
             units.append((_strategy_name(m, m_all), m, lengths[order]))
-        for name, bin_of in packings.items():
-            n_bins = int(bin_of.max()) + 1
+        for name, n_bins in n_rows.items():
             units.append((f"packing_{name}", None, np.full(n_bins, max_seq_len, dtype=np.int64)))
         for world in worlds:
             for strategy, m, unit_lengths in units:

@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from probes.batching import plans, ranks, rebalance
+from probes.batching import packing, plans, ranks, rebalance
 from probes.bucket import control as bucket_controls
 from probes.bucket import data_parallel as dp
 from probes.bucket import sweep as bucket
@@ -54,6 +54,7 @@ def run(
         data.n_sources,
         "" if data.sources_known else " (unknown: diversity is trivially 1.0)",
     )
+    packed = packing.pack_all(data.lengths, training.max_seq_len, settings.packing)
     sweep = bucket.sweep_bucket_sizes(
         data,
         micro_batch_size=training.micro_batch_size,
@@ -63,6 +64,7 @@ def run(
         bucket_sizes=None if settings.bucket_sizes is None else list(settings.bucket_sizes),
         packing=list(settings.packing),
         progress=progress,
+        packed=packed,
     )
     data_parallel = dp.data_parallel_sweep(
         data,
@@ -73,6 +75,7 @@ def run(
         world_sizes=ranks.world_sizes_for(training.world_size),
         bucket_sizes=None if settings.bucket_sizes is None else list(settings.bucket_sizes),
         packing=list(settings.packing),
+        packed=packed,
     )
     try:
         guard = bucket.assert_sweep_varies(sweep, data, training.micro_batch_size)
@@ -127,7 +130,9 @@ def run(
         out.json("control", control)
         if "plans" in outputs:  # every strategy's micro-batches for one seed (the replay's input)
             seed = int(settings.seeds[0])
-            frame = plans.bucket_stage_plans(inputs["lengths"], recommendation, training, seed)
+            frame = plans.bucket_stage_plans(
+                inputs["lengths"], recommendation, training, seed, packed.get(packing.BFD)
+            )
             out.parquet("plans", frame, {**provenance, "plan_seed": seed})
     chosen = recommendation["recommended"]
     LOG.info(

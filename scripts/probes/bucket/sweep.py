@@ -6,9 +6,9 @@ Strategies, all measured on the same tokenised lengths (``results/padding/length
 - ``length_grouped``: Hugging Face's ``get_length_grouped_indices`` semantics
   (``probes.batching.orders.length_grouped_order``) with a bucket of ``m`` micro-batches;
 - ``global_sort``: the same with one megabatch holding the whole dataset;
-- ``packing_ffd`` / ``packing_bfd``: whole examples packed into ``max_seq_len`` bins by first-fit
-  or best-fit decreasing (``probes.batching.packing``), bins shuffled, ``micro_batch_size`` bins per
-  micro-batch.
+- ``packing_bfd``: whole examples packed into ``max_seq_len`` rows by TRL's own
+  ``pack_dataset(strategy="bfd")`` (``probes.batching.packing``), rows shuffled,
+  ``micro_batch_size`` rows per micro-batch.
 
 Every row carries the metrics of ``probes.batching.metrics``, and diversity also relative to random
 batching with the same seed (1.0 when random has nothing to lose, e.g. one-source data). Here: the
@@ -18,7 +18,7 @@ are in ``probes.bucket.control``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,7 @@ from probes.batching.orders import (
     seeded_permutation,
     sweep_bucket_sizes_for,
 )
-from probes.batching.packing import PACKERS, PACKING_ALGORITHMS
+from probes.batching.packing import PACKING_STRATEGIES, PackedRows, pack_all
 from probes.contracts import BATCH_REBALANCE, STRATEGY_ORDER
 from probes.errors import ProbeError
 from probes.lengths import LengthSet
@@ -76,12 +76,13 @@ def sweep_bucket_sizes(
     max_seq_len: int,
     seeds: Sequence[int],
     bucket_sizes: Iterable[int] | None = None,
-    packing: Sequence[str] = PACKING_ALGORITHMS,
+    packing: Sequence[str] = PACKING_STRATEGIES,
     order_fn: OrderFn = length_grouped_order,
     progress: bool = False,
     batch_rebalance: bool = True,
+    packed: Mapping[str, PackedRows] | None = None,
 ) -> pd.DataFrame:
-    """One row per strategy × bucket size × seed (packing: per algorithm × seed).
+    """One row per strategy × bucket size × seed (packing: per strategy × seed).
 
     Every bucket size of one seed shares that seed's shuffle, as HF's sampler would (its shuffle
     does not depend on mega_batch_mult), so differences between sizes are not shuffle noise.
@@ -89,7 +90,8 @@ def sweep_bucket_sizes(
     BatchRebalanceSampler (``probes.batching.rebalance``; same shuffle as the seed's), where the
     installed transformers has it and there are at least ``grad_accum`` examples
     (``rebalance.skip_reason`` says why not). It has no bucket size: the guard and the
-    recommendation skip it.
+    recommendation skip it. ``packed``: the rows of each ``packing`` strategy, where the caller
+    has packed them already (``packing.pack_all``); otherwise they are packed here.
     """
     from tqdm import tqdm
 
@@ -100,7 +102,10 @@ def sweep_bucket_sizes(
     sizes = sweep_bucket_sizes_for(n, micro_batch_size, grad_accum, bucket_sizes)
     m_all = all_bucket_size(n, micro_batch_size)
     m_hf = min(hf_trainer_mega_batch_mult(n, micro_batch_size, grad_accum), m_all)
-    packings = {name: PACKERS[name](lengths, max_seq_len) for name in packing}
+    packings = {
+        name: rows.bin_of()
+        for name, rows in pack_all(lengths, max_seq_len, packing, packed).items()
+    }
     real_tokens = int(lengths.sum())
     attention_useful = int((lengths * lengths).sum())
     rows: list[dict[str, Any]] = []
@@ -212,7 +217,7 @@ def strategy_rank(strategy: str) -> int:
 
 
 def summarise(sweep: pd.DataFrame, diversity_level: str = "step") -> pd.DataFrame:
-    """Mean over seeds per strategy × bucket size (packing rows: per algorithm, bucket size NA).
+    """Mean over seeds per strategy × bucket size (packing rows: per strategy, bucket size NA).
 
     Adds the spread over seeds of both efficiencies (std, ddof 0), the number of seeds, and
     `diversity_rel_random`: the lower of distinct sources and source entropy relative to random,

@@ -96,6 +96,23 @@ def test_packed_rows_fit_and_keep_documents_apart(plans):
         assert row.computed_tokens == row.real_tokens == sum(row.example_lengths)
 
 
+def test_packed_rows_are_trls_rows_shuffled(plans, examples):
+    """Each packed micro-batch takes TRL's rows (documents in TRL's order) in the seed's order."""
+    from probes.batching import packing
+
+    rows = packing.pack(examples.lengths, MAX_LEN)
+    row_order = orders.seeded_permutation(rows.n_rows, 0)
+    expected = [examples.example_ids[rows.row(int(r))].tolist() for r in row_order]
+    packed = plans[plans["strategy"] == pl.PACKING]
+    got = []
+    for row in packed.itertuples():
+        bounds = np.cumsum([0, *row.documents_per_row])
+        got += [list(row.example_ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    assert got == expected
+    given = pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, 8, seed=0, packed=rows)
+    pd.testing.assert_frame_equal(given, plans)
+
+
 def test_summary_and_tokens_per_update(plans):
     summary = pl.plan_summary(plans).set_index("strategy")
     assert summary.loc[pl.RANDOM, "optimizer_steps"] == -(

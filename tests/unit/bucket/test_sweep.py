@@ -26,7 +26,7 @@ BUCKET_DEFAULTS = {
     "min_diversity_share": 0.8,
     "gain_metric": "tokens",
     "diversity_level": "step",
-    "packing": ["ffd", "bfd"],
+    "packing": ["bfd"],
 }
 TRAINING = {"micro_batch_size": 2, "grad_accum": 4, "max_seq_len": 1024, "loss_on": "assistant"}
 
@@ -94,52 +94,19 @@ def test_auto_bucket_sizes_span_random_to_global_sort():
 # ----------------------------------------------------------------------------- packing
 
 
-def _ffd_reference(lengths, capacity):
-    room, out = [], np.empty(len(lengths), dtype=np.int64)
-    for i in np.argsort(-lengths, kind="stable"):
-        for b, r in enumerate(room):
-            if r >= lengths[i]:
-                room[b] -= lengths[i]
-                out[i] = b
-                break
-        else:
-            room.append(capacity - lengths[i])
-            out[i] = len(room) - 1
-    return out
-
-
-def _bfd_reference(lengths, capacity):
-    room, arrived, out, clock = [], [], np.empty(len(lengths), dtype=np.int64), 0
-    for i in np.argsort(-lengths, kind="stable"):
-        fits = [(room[b], arrived[b], b) for b in range(len(room)) if room[b] >= lengths[i]]
-        if fits:
-            b = min(fits)[2]
-            room[b] -= lengths[i]
-        else:
-            room.append(capacity - lengths[i])
-            arrived.append(0)
-            b = len(room) - 1
-        clock += 1
-        arrived[b] = clock
-        out[i] = b
-    return out
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_packing_matches_item_by_item_reference(seed):
-    rng = np.random.default_rng(seed)
-    capacity = int(rng.integers(16, 200))
-    n = int(rng.integers(1, 250))
-    if seed % 2:
-        lengths = rng.integers(1, capacity + 1, n)
-    else:  # few distinct lengths: long runs of equal items
-        lengths = np.minimum(rng.integers(1, 6, n) * int(rng.integers(3, 30)), capacity)
-    ffd = packing.pack_first_fit_decreasing(lengths, capacity)
-    bfd = packing.pack_best_fit_decreasing(lengths, capacity)
-    assert (ffd == _ffd_reference(lengths, capacity)).all()
-    assert (bfd == _bfd_reference(lengths, capacity)).all()
-    for bins in (ffd, bfd):
-        assert np.bincount(bins, weights=lengths).max() <= capacity
+def test_sweep_packing_row_counts_trl_rows():
+    """The packing row's bins are TRL's rows (tests/unit/batching/test_packing.py: row for row)."""
+    full, sources = bucket_controls.synthetic_lengths(1200, seed=5)
+    data = lengths.LengthSet(np.minimum(full, 512), sources, tuple("abcdefgh"))
+    rows = packing.pack(data.lengths, 512)
+    sweep = bucket.sweep_bucket_sizes(data, 2, 4, 512, [0, 1], batch_rebalance=False)
+    packed = sweep.loc[sweep["strategy"] == "packing_bfd"]
+    assert (packed["n_bins"] == rows.n_rows).all()
+    assert (packed["padded_tokens"] == rows.n_rows * 512).all()
+    given = bucket.sweep_bucket_sizes(
+        data, 2, 4, 512, [0, 1], batch_rebalance=False, packed={"bfd": rows}
+    )
+    pd.testing.assert_frame_equal(given, sweep)
 
 
 # ----------------------------------------------------------------------------- control, guard
@@ -258,11 +225,11 @@ def test_packing_beats_padding_on_tokens_here():
     data = lengths.LengthSet(np.minimum(full, 2048), sources, tuple("abcdefgh"))
     sweep = bucket.sweep_bucket_sizes(data, 2, 4, 2048, [0])
     summary = bucket.summarise(sweep).set_index("strategy")
-    for name in ("packing_ffd", "packing_bfd"):
+    for name in ("packing_bfd",):
         assert summary.loc[name, "token_efficiency"] > summary.loc["random", "token_efficiency"]
         assert summary.loc[name, "n_bins"] < 3000 / 2
     rec = bucket.recommend(sweep, 0.9, 0.8)
-    assert set(rec["packing"]) == {"packing_ffd", "packing_bfd"}
+    assert set(rec["packing"]) == {"packing_bfd"}
 
 
 @pytest.mark.parametrize(("level", "prefix"), [("step", "step"), ("micro_batch", "micro")])
@@ -273,12 +240,12 @@ def test_summary_is_the_mean_over_seeds_in_report_order(level, prefix):
     summary = bucket.summarise(sweep, level)
     check_table_columns(summary.columns, "bucket_summary", "summary.parquet")
     # random first, the sweep by size, global sort, packing by name, then transformers'
-    # batch_rebalance (the last three with bucket size NA)
+    # batch_rebalance (the last two with bucket size NA)
     assert summary["strategy"].map(bucket.strategy_rank).is_monotonic_increasing
     assert summary["strategy"].iloc[0] == RANDOM
-    assert list(summary["strategy"].iloc[-3:]) == ["packing_bfd", "packing_ffd", "batch_rebalance"]
+    assert list(summary["strategy"].iloc[-2:]) == ["packing_bfd", "batch_rebalance"]
     assert summary["bucket_size_batches"].dropna().is_monotonic_increasing
-    assert summary["bucket_size_batches"].iloc[-3:].isna().all()
+    assert summary["bucket_size_batches"].iloc[-2:].isna().all()
     assert (summary["n_seeds"] == 3).all()
     assert len(summary) == len(sweep) // 3
     size = int(summary["bucket_size_batches"].dropna().iloc[2])
@@ -366,9 +333,7 @@ def test_stage_outputs_and_recommendation_contents(synthetic_lengths_file, tmp_p
     shapes = rec["batch_shapes"]
     assert shapes["padded_length_p50"] <= shapes["padded_length_p90"] <= 1024
     sweep = pd.read_parquet(tmp_path / "sweep.parquet")
-    assert {"random", "length_grouped", "global_sort", "packing_ffd", "packing_bfd"} <= set(
-        sweep["strategy"]
-    )
+    assert {"random", "length_grouped", "global_sort", "packing_bfd"} <= set(sweep["strategy"])
     assert sweep["seed"].nunique() == 3
     summary = pd.read_parquet(tmp_path / "summary.parquet")
     expected = bucket.summarise(sweep, BUCKET_DEFAULTS["diversity_level"])
