@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-SFT = '''
+SFT = """
 from pathlib import Path
 
 MODEL_DIR = Path({model_dir!r})
@@ -52,9 +52,9 @@ def build_trainer(settings):
         processing_class=tokenizer,
         peft_config=peft,
     )
-'''
+"""
 
-PLAIN = '''
+PLAIN = """
 import time
 from pathlib import Path
 
@@ -100,7 +100,7 @@ def build_trainer(settings):
     return SlowLossTrainer(
         model=model, args=args, train_dataset=dataset, data_collator=collator
     )
-'''
+"""
 
 
 def write_factory(

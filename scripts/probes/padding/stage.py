@@ -21,6 +21,7 @@ import pandas as pd
 from probes.contracts import LENGTH_COLUMNS, TRAINING_STATUSES
 from probes.errors import ControlFailedError
 from probes.io import run_metadata
+from probes.padding import trainer_rows as tr
 from probes.padding.control import synthetic_control
 from probes.padding.data import DataError, error_locations, load_examples, status_counts
 from probes.padding.tokenize import (
@@ -39,6 +40,7 @@ from probes.padding.waste import (
 )
 from probes.settings import WorkflowConfig, as_dict
 from probes.stage import all_or_nothing
+from probes.step.load import factory_of
 
 LOG = logging.getLogger("probes.padding.waste")
 MAX_LOGGED_LOCATIONS = 50
@@ -64,18 +66,12 @@ def run(
     if failed:
         raise ControlFailedError(f"padding synthetic control failed: {failed}")
 
-    examples = load_examples([as_dict(f) for f in cfg.data.files])
-    log_examples(examples)
-    model_dir = Path(inputs["tokenizer"][0]).parent
-    tokenizer = load_tokenizer(model_dir)
-    template = resolve_chat_template(tokenizer, cfg.model.chat_template)
-    lengths, seconds = tokenize(examples, tokenizer, template, cfg, progress)
-    checks.append(
-        reference_check(
-            examples, lengths, tokenizer, template, cfg, cfg.padding.reference_check_examples
-        )
-    )
-    LOG.info("reference check: %s", checks[-1]["observed"])
+    if factory_of(cfg.raw):
+        lengths, tokenizer, check, source = trainer_lengths(cfg)
+    else:
+        lengths, tokenizer, check, source = data_lengths(inputs, cfg, progress)
+    checks.append(check)
+    LOG.info("%s: %s", check["name"], check["observed"])
     control = control_record(checks)
     if not control["passed"]:
         failed = [c["name"] for c in checks if not c["passed"]]
@@ -83,12 +79,73 @@ def run(
         raise ControlFailedError(f"padding control failed: {failed}")
 
     tables = build_tables(lengths, tokenizer, inputs["model_config"], cfg, seeds)
-    provenance = {**run_metadata(dict(cfg.raw)), "tokenize_seconds": round(seconds, 3)}
+    provenance = {**run_metadata(dict(cfg.raw)), **source}
     with all_or_nothing(outputs) as out:
         for name, table in tables.items():
             out.parquet(name, table, provenance)
         out.json("control", control)
     LOG.info("wrote %s", ", ".join(str(path) for path in outputs.values()))
+
+
+def data_lengths(
+    inputs: Mapping[str, Any], cfg: WorkflowConfig, progress: bool
+) -> tuple[pd.DataFrame, Any, dict[str, Any], dict[str, Any]]:
+    """The config's data files tokenized as training does, checked against training's own
+    per-example call: (lengths, tokenizer, the check, provenance)."""
+    examples = load_examples([as_dict(f) for f in cfg.data.files])
+    log_examples(examples)
+    model_dir = Path(inputs["tokenizer"][0]).parent
+    tokenizer = load_tokenizer(model_dir)
+    template = resolve_chat_template(tokenizer, cfg.model.chat_template)
+    lengths, seconds = tokenize(examples, tokenizer, template, cfg, progress)
+    check = reference_check(
+        examples, lengths, tokenizer, template, cfg, cfg.padding.reference_check_examples
+    )
+    return lengths, tokenizer, check, {"tokenize_seconds": round(seconds, 3)}
+
+
+def trainer_lengths(
+    cfg: WorkflowConfig,
+) -> tuple[pd.DataFrame, Any, dict[str, Any], dict[str, Any]]:
+    """The user's trainer, built once by their factory: its prepared train dataset's lengths,
+    checked against its own collator: (lengths, tokenizer, the check, provenance)."""
+    import tempfile
+
+    import torch
+
+    from probes.step.factory import build_trainer, load_factory
+    from probes.step.trainer import probe_settings
+
+    spec = str(cfg.trainer.factory)
+    factory = load_factory(spec)
+    start = time.perf_counter()
+    settings = probe_settings(
+        tempfile.mkdtemp(prefix="probes-trainer-"), torch.device("cpu"), torch.float32, None, 0
+    )
+    trainer = build_trainer(factory, settings)
+    tr.check_settings(trainer.args, cfg.training, spec)
+    lengths = tr.lengths_table(
+        trainer.train_dataset, cfg.training.max_seq_len, cfg.training.loss_on == "all"
+    )
+    seconds = time.perf_counter() - start
+    LOG.info(
+        "trainer %s: %d prepared rows, %d tokens (built in %.1f s)",
+        type(trainer).__name__,
+        len(lengths),
+        int(lengths["n_tokens"].sum()),
+        seconds,
+    )
+    check = tr.collator_check(trainer, lengths, cfg.padding.reference_check_examples)
+    source = {
+        "trainer": {
+            "factory": factory.describe(),
+            "trainer": type(trainer).__name__,
+            "collator": type(trainer.data_collator).__name__,
+            "rows": len(lengths),
+            "build_seconds": round(seconds, 3),
+        }
+    }
+    return lengths, trainer.processing_class, check, source
 
 
 def log_examples(examples: list) -> None:

@@ -126,7 +126,9 @@ def collator_check(trainer: Any, lengths: pd.DataFrame, n: int, seed: int = 0) -
         loss = int((labels != IGNORE_INDEX).sum()) if labels is not None else tokens
         expected = lengths.iloc[row]
         if tokens != int(expected["n_tokens"]) or loss != int(expected["n_loss_tokens"]):
-            mismatched.append({"example_id": str(expected["example_id"]), "tokens": tokens, "loss": loss})
+            mismatched.append(
+                {"example_id": str(expected["example_id"]), "tokens": tokens, "loss": loss}
+            )
     return {
         "name": "trainer_collator_check",
         "description": "the lengths table gives the tokens and loss tokens the trainer's own "

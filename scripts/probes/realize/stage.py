@@ -337,14 +337,15 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
 
 
 def load_real_runner(
-    model_path: str | Path, raw: Mapping[str, Any], device: torch.device
+    model_path: str | Path, raw: Mapping[str, Any], device: torch.device, max_length: int
 ) -> tuple[Any, int, int, dict[str, Any], str, str]:
-    """The replay's loader (the profile's model loading and the user's harness), its dtype."""
-    from probes.replay.stage import load_runner, replay_dtype
+    """The replay's step (the user's trainer, or the harness on the real model), its dtype."""
+    from probes.replay.stage import replay_dtype
+    from probes.step.load import load_step
 
     dtype, reason = replay_dtype(raw["profile"]["dtype"], device)
-    runner, vocab, pad_id, harness = load_runner(model_path, raw["profile"], device, dtype)
-    return runner, vocab, pad_id, harness, str(dtype).replace("torch.", ""), reason
+    runner, vocab, pad_id, step = load_step(raw, model_path, device, dtype, max_length)
+    return runner, vocab, pad_id, step, str(dtype).replace("torch.", ""), reason
 
 
 def run_realize(
@@ -421,7 +422,9 @@ def run_realize(
     if cpu_only:
         torch.set_num_threads(int(replay_cfg["cpu"]["threads"]))
     torch.manual_seed(settings.seed)
-    runner, vocab, pad_id, harness, dtype, dtype_reason, *clock = load(model_path, raw, device)
+    runner, vocab, pad_id, harness, dtype, dtype_reason, *clock = load(
+        model_path, raw, device, max_len
+    )
     timer = StepTimer(runner, vocab, pad_id, settings.seed, *clock)
     budget_s = settings.cpu_budget_s if cpu_only else 0.0
     steps = measure(timer, plans, strategies, sample_size, settings.warmup, settings.seed, budget_s)

@@ -20,8 +20,6 @@ from typing import Any
 
 import torch
 
-from probes.replay.timing import build_batch
-from probes.step import batches as bt
 from probes.step.timing import OK, OOM, is_out_of_memory, release_memory, synchronize
 
 # the phase a clock segment belongs to, by the mark that ends it (StepRunner.step's marks)
@@ -87,8 +85,7 @@ class StepTimer:
 
     def batches(self, rows: Sequence[Any]) -> Iterator[dict[str, torch.Tensor]]:
         for row in rows:
-            batch = build_batch(row, self.vocab_size, self.generator, self.pad_id)
-            yield bt.to_device(batch, self.device)
+            yield self.runner.plan_batch(row, self.vocab_size, self.generator, self.pad_id)
 
     def run(self, rows: Sequence[Any], mark: Callable[[str], None] | None = None) -> None:
         self.runner.step(self.batches(rows), mark)
@@ -106,7 +103,7 @@ class StepTimer:
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
-            self.runner.optimizer.zero_grad(set_to_none=True)  # partial gradients
+            self.runner.zero_grad()  # partial gradients
             release_memory(self.device)
             nan = float("nan")
             return {

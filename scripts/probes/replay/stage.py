@@ -42,6 +42,7 @@ from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step import fit as ft
 from probes.step.idle import check_idle_card
+from probes.step.load import load_step
 
 LOG = logging.getLogger("probes.replay")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["replay"])
@@ -155,21 +156,6 @@ def fit_lengths_for(
     )
 
 
-def load_runner(
-    model_path: str | Path, profile: Mapping[str, Any], device: torch.device, dtype: torch.dtype
-) -> tuple[Any, int, int, dict[str, Any]]:
-    """The real model through the profile stage's own loader and the user's harness."""
-    from probes.step import runner as ts
-
-    model, harness, optimizer, targets, options = ts.load_for_steps(
-        model_path, profile, device, dtype
-    )
-    text = ts.model_text_config(model)
-    runner = ts.StepRunner(model, harness, optimizer, device)
-    described = {**harness.describe(), "target_modules": len(targets), "options": options}
-    return runner, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), described
-
-
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
     """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
     summary = run_replay(inputs, outputs, cfg.raw, Path(inputs["tokenizer"][0]).parent)
@@ -232,7 +218,9 @@ def run_replay(
         torch.set_num_threads(int(replay_cfg["cpu"]["threads"]))
     torch.manual_seed(settings.seed)
     dtype, dtype_reason = replay_dtype(profile["dtype"], device)
-    model_runner, vocab_size, pad_id, harness_info = load_runner(model_path, profile, device, dtype)
+    model_runner, vocab_size, pad_id, harness_info = load_step(
+        cfg, model_path, device, dtype, max_len if cpu_only else None, settings.seed
+    )
     runner = ReplayRunner(
         model_runner, vocab_size, pad_id, settings.seed, int(replay_cfg["repeats"])
     )

@@ -51,18 +51,7 @@ def batch_shape(row: Any) -> tuple[int, int]:
     return int(row.rows), int(row.padded_length)
 
 
-def build_batch(
-    row: Any, vocab_size: int, generator: torch.Generator, pad_id: int = 0
-) -> dict[str, torch.Tensor]:
-    """The micro-batch of a plan row with the project's builders (right padding, or packed
-    documents with restarting position ids); random token ids, real lengths and loss tokens."""
-    lengths = [int(v) for v in row.example_lengths]
-    loss = [int(v) for v in row.example_loss_tokens]
-    if row.layout == pl.PACKED:
-        return bt.packed_batch(lengths, loss, vocab_size, generator)
-    return bt.padded_batch(
-        lengths, loss, vocab_size, generator, pad_to=int(row.padded_length), pad_id=pad_id
-    )
+build_batch = bt.plan_batch  # the harness path's micro-batch of a plan row
 
 
 def gpu_busy_share(fn: Callable[[], object], device: torch.device) -> float:
@@ -84,11 +73,10 @@ def gpu_busy_share(fn: Callable[[], object], device: torch.device) -> float:
 
 
 class ReplayRunner:
-    """Times micro-batches and optimizer steps through a StepRunner's harness, model, optimizer.
-
-    A micro-batch is `harness.compute_loss(model, batch).backward()`, exactly as the training
-    step runs it; gradients accumulate until `optimizer_step` (timed on its own) clears them.
-    """
+    """Times micro-batches and optimizer steps through a step (the harness's StepRunner or the
+    user's TrainerStep, probes.step): a micro-batch is the step's own ``forward_backward``,
+    exactly as training runs it; gradients accumulate until ``optimizer_step`` (timed on its
+    own) clears them."""
 
     def __init__(
         self,
@@ -110,17 +98,13 @@ class ReplayRunner:
         self.shapes = ShapesRun()  # a shape's first run is warmed, never timed
 
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
-        loss = self.runner.harness.compute_loss(self.runner.model, batch)
-        loss.backward()
+        self.runner.forward_backward(batch)
 
     def _optimizer(self) -> None:
-        self.runner.optimizer.step()
-        self.runner.optimizer.zero_grad(set_to_none=True)
+        self.runner.optimizer_step()
 
     def device_batch(self, row: Any) -> dict[str, Any]:
-        return bt.to_device(
-            build_batch(row, self.vocab_size, self.generator, self.pad_id), self.device
-        )
+        return self.runner.plan_batch(row, self.vocab_size, self.generator, self.pad_id)
 
     def timed(self, fn: Callable[[], object], repeats: int) -> tuple[str, list[float]]:
         """`repeats` host wall times of `fn` between device synchronisations (timing.wall_time:
@@ -136,7 +120,7 @@ class ReplayRunner:
                 raise
             out_of_memory = True
         if out_of_memory:
-            self.runner.optimizer.zero_grad(set_to_none=True)  # partial gradients
+            self.runner.zero_grad()  # partial gradients
             release_memory(self.device)
             return OOM, []
         return OK, times

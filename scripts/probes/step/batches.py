@@ -255,3 +255,19 @@ def uniform_batch(
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
     return {key: value.to(device) for key, value in batch.items()}
+
+
+def plan_batch(
+    row: Any, vocab_size: int, generator: torch.Generator, pad_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """The micro-batch of a plan row with the project's builders (right padding, or packed
+    documents with restarting position ids); random token ids, real lengths and loss tokens."""
+    from probes.batching.plans import PACKED
+
+    lengths = [int(v) for v in row.example_lengths]
+    loss = [int(v) for v in row.example_loss_tokens]
+    if row.layout == PACKED:
+        return packed_batch(lengths, loss, vocab_size, generator)
+    return padded_batch(
+        lengths, loss, vocab_size, generator, pad_to=int(row.padded_length), pad_id=pad_id
+    )

@@ -65,13 +65,43 @@ def resolve_device(requested: str, allow_cpu: bool) -> torch.device:
 
 
 class StepRunner:
-    """Calls the harness's compute_loss for every micro-batch, backward, one optimizer step."""
+    """The harness's step: ``compute_loss`` for every micro-batch, backward, one optimizer step.
+
+    The trainer's step (probes.step.trainer.TrainerStep) has the same small interface:
+    ``forward_backward``, ``optimizer_step``, ``zero_grad``, ``plan_batch``, ``step``,
+    ``describe``; profile, replay and realize time either through it.
+    """
 
     def __init__(self, model: torch.nn.Module, harness: Harness, optimizer, device) -> None:
         self.model = model
         self.harness = harness
         self.optimizer = optimizer
         self.device = device
+        self.described: dict[str, Any] = {}
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.harness.compute_loss(self.model, batch)
+        loss.backward()
+        return loss
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def zero_grad(self) -> None:
+        """Drop partial gradients (a step cut short by an out-of-memory error)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def plan_batch(
+        self, row: Any, vocab_size: int, generator: torch.Generator, pad_id: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """A plan row's micro-batch on the device: the project's builders, random token ids."""
+        from probes.step.batches import plan_batch, to_device
+
+        return to_device(plan_batch(row, vocab_size, generator, pad_id), self.device)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "harness", **self.harness.describe(), **self.described}
 
     def step(
         self,
@@ -84,19 +114,17 @@ class StepRunner:
         for batch in micro_batches:
             if mark is not None:
                 mark("built")
-            loss = self.harness.compute_loss(self.model, batch)
-            loss.backward()
+            self.forward_backward(batch)
             if mark is not None:
                 mark("micro_batch")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_step()
         if mark is not None:
             mark("optimizer")
 
     def timed(self, micro_batches, warmup: int, repeats: int) -> Timing:
         timing = time_repeats(lambda: self.step(micro_batches), self.device, warmup, repeats)
         if timing.status != OK:  # a step cut short may leave partial gradients behind
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
         return timing
 
 

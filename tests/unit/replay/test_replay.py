@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import WIRING_TRIMS
+from probes.step.load import load_step
 from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.config import fill_defaults, schema
@@ -329,8 +330,8 @@ def _config(model_dir) -> dict:
 
 def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
     config = _config(tiny_model_dir)
-    runner, vocab, pad_id, info = rs.load_runner(
-        tiny_model_dir, config["profile"], torch.device("cpu"), torch.float32
+    runner, vocab, pad_id, info = load_step(
+        config, tiny_model_dir, torch.device("cpu"), torch.float32, None
     )
     assert info["functions"]["compute_loss"].endswith("compute_loss")
     replay = ReplayRunner(runner, vocab, pad_id, seed=0)

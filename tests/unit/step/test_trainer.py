@@ -1,0 +1,113 @@
+"""The user's trainer as the probes run it (probes.step.trainer): its own prepared rows, its own
+collator and dataloader order, its training_step and optimizer step; plain Trainer and
+SFTTrainer on a tiny model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from trainer_factories import write_factory
+
+from conftest import chat_rows, write_jsonl
+from probes.batching import plans as pl
+from probes.padding import trainer_rows as tr
+from probes.replay.timing import ReplayRunner
+from probes.step.timing import OK
+from probes.step.trainer import load_trainer_step, probe_settings
+
+MICRO = 2
+
+
+@pytest.fixture(scope="module")
+def factory_dir(tmp_path_factory, tiny_model_dir):
+    directory = tmp_path_factory.mktemp("factories")
+    data = write_jsonl(directory / "chat.jsonl", chat_rows(24))
+    return directory, tiny_model_dir, data
+
+
+def _step(factory_dir, kind, seed=0, cap=None, extra_s=0.0):
+    directory, model_dir, data = factory_dir
+    spec = write_factory(directory, model_dir, data, kind, micro=MICRO, extra_s=extra_s)
+    settings = probe_settings(
+        str(directory / "out"), torch.device("cpu"), torch.float32, None, seed
+    )
+    return load_trainer_step(spec, settings, cap)
+
+
+def _examples(step) -> pl.PlanExamples:
+    lengths = tr.lengths_table(step.trainer.train_dataset, None)
+    return pl.PlanExamples(
+        example_ids=lengths["example_id"].to_numpy(dtype=object),
+        lengths=lengths["n_tokens"].to_numpy(),
+        loss_tokens=lengths["n_loss_tokens"].to_numpy(),
+    )
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_random_plan_is_the_trainers_own_dataloader_batch_for_batch(factory_dir, seed):
+    step = _step(factory_dir, "sft", seed=seed)
+    plans = pl.build_plans(_examples(step), MICRO, 2, 128, 1, seed=seed)
+    random = plans[plans["strategy"] == pl.BASELINE].sort_values("micro_batch_index")
+    ours = [step.plan_batch(row)["input_ids"] for row in random.itertuples()]
+    theirs = [batch["input_ids"] for batch in step.trainer.get_train_dataloader()]
+    assert len(ours) == len(theirs) > 1
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
+def test_the_lengths_table_is_what_the_trainers_collator_builds(factory_dir):
+    for kind in ("sft", "plain"):
+        step = _step(factory_dir, kind)
+        lengths = tr.lengths_table(step.trainer.train_dataset, None)
+        assert lengths["example_id"].tolist() == [str(i) for i in range(len(lengths))]
+        check = tr.collator_check(step.trainer, lengths, 10)
+        assert check["passed"], check["observed"]
+    # SFTTrainer's assistant-only labels: fewer loss tokens than tokens; the plain one: all
+    sft = tr.lengths_table(_step(factory_dir, "sft").trainer.train_dataset, None)
+    assert (sft["n_loss_tokens"] < sft["n_tokens"]).all()
+
+
+def test_a_packed_micro_batch_is_the_padding_free_collators_one_flattened_row(factory_dir):
+    step = _step(factory_dir, "sft")
+    lengths = tr.lengths_table(step.trainer.train_dataset, None)
+    ids = ["0", "1", "2"]
+    batch = step.plan_batch(SimpleNamespace(example_ids=ids, layout=pl.PACKED))
+    total = int(lengths.set_index("example_id").loc[ids, "n_tokens"].sum())
+    assert batch["input_ids"].shape == (1, total)
+    assert int((batch["position_ids"][0] == 0).sum()) == len(ids)  # restarts per document
+    assert "attention_mask" not in batch
+
+
+def test_rows_cut_at_the_cpu_cap_keep_the_padding_stages_row_numbers(factory_dir):
+    step = _step(factory_dir, "sft", cap=16)
+    batch = step.plan_batch(SimpleNamespace(example_ids=["1", "2"], layout=pl.PADDED))
+    assert batch["input_ids"].shape == (2, 16)
+    assert len(step.dataset) == len(_step(factory_dir, "sft").dataset)
+
+
+def test_a_step_trains_the_adapters_through_the_trainers_optimizer_and_scheduler(factory_dir):
+    for kind in ("sft", "plain"):
+        step = _step(factory_dir, kind)
+        trainable = [p for p in step.model.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in trainable]
+        batches = [
+            step.plan_batch(SimpleNamespace(example_ids=[str(i), str(i + 1)], layout="padded"))
+            for i in (0, 2)
+        ]
+        step.step(batches)
+        assert any(not torch.equal(a, b) for a, b in zip(before, trainable, strict=True))
+        assert step.trainer.lr_scheduler.last_epoch == 1
+        assert all(p.grad is None for p in trainable)  # the loop's zero_grad
+
+
+def test_the_trainers_own_compute_loss_is_what_is_timed(factory_dir):
+    """A cost the trainer adds per micro-batch (the harness would not see it) is in the time."""
+    extra = 0.05
+    step = _step(factory_dir, "plain", extra_s=extra)
+    runner = ReplayRunner(step, 0, 0, seed=0)
+    row = SimpleNamespace(example_ids=["0", "1"], layout=pl.PADDED)
+    timed = runner.time_micro_batch(row)
+    assert timed["status"] == OK and timed["time_s"] >= extra
+    assert np.isfinite(runner.time_optimizer_step())
