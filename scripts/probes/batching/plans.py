@@ -202,7 +202,9 @@ def build_plans(
     perm = orders.seeded_permutation(n, seed)
     m_all = orders.all_bucket_size(n, micro_batch_size)
     m_rec = min(max(int(bucket_size_batches), 1), m_all)
-    random_order = orders.length_grouped_order(lengths, perm, micro_batch_size, 1)
+    # the Trainer's own random sampler: the shuffle itself, micro-batches in its order (a test
+    # compares them with a real Trainer's dataloader, batch for batch)
+    random_order = perm
     rows = _padded_plan(RANDOM, random_order, examples, micro_batch_size)
     rows += _padded_plan(
         LENGTH_GROUPED,
