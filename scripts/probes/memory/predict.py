@@ -147,7 +147,9 @@ def build_fake_step(
 ) -> FakeStep:
     """Build the model from a transformers config (or take a meta `model`), adapt, optimise."""
     if dtype not in DTYPES:
-        raise PredictError(f"mask.dtype (the training dtype): {dtype!r} is not one of {sorted(DTYPES)}")
+        raise PredictError(
+            f"mask.dtype (the training dtype): {dtype!r} is not one of {sorted(DTYPES)}"
+        )
     start = time.perf_counter()
     if model is None:
         from transformers import AutoModelForCausalLM

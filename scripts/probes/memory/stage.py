@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -58,6 +57,7 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     functions = load_functions(cfg)
     control = run_controls(functions, cfg.memory.tolerance)
     LOG.info("memory controls: %s", control["observed"])
+    plans = _plans(inputs.get("plans"))
     model_config = str(inputs["model_config"])
     config = config_from_dict(read_config_json(model_config), source=model_config)
     step = build_fake_step(
@@ -68,7 +68,6 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         round_to=cfg.memory.allocator_round_bytes,
     )
     LOG.info("model on fake tensors in %.1f s", step.build_seconds)
-    plans = _plans(inputs.get("plans"))
     shapes = shapes_to_predict(cfg, plans)
     predictor = CachedPredictor(step)
     target = int(cfg.memory.target_gib * GIB)
@@ -120,10 +119,8 @@ def gradient_checkpointing(cfg: WorkflowConfig) -> bool:
 
 
 def _plans(path: Any) -> pd.DataFrame | None:
-    if path is None or (not Path(str(path)).exists() and str(path) == ""):
-        return None
-    if not Path(str(path)).exists():
-        LOG.warning("%s: no plans; predicting the training shape only", path)
+    """The bucket stage's plans; none given (`--input plans=`): the training shape only."""
+    if path is None or str(path).strip() in ("", "."):
         return None
     return read_plans(path)
 
