@@ -54,12 +54,29 @@ def stage_inputs(
         MODEL_TOKENIZER: lambda: [model_file(config, name) for name in TOKENIZER_FILES],
         DATA_FILES: lambda: [str(entry["path"]) for entry in config["data"]["files"]],
     }
-    return {
+    inputs = {
         key: stage_outputs(source[0], results_dir)[source[1]]
         if isinstance(source, tuple)
         else user_files[source]()
         for key, source in STAGE_INPUTS[stage].items()
     }
+    factory = factory_file(config)
+    if factory and stage in TRAINER_STAGES:
+        inputs["factory"] = factory  # an edit to the user's factory reruns what it built
+    return inputs
+
+
+# the stages that build the user's trainer (trainer.factory) when one is given
+TRAINER_STAGES = ("padding", "replay", "realize")
+
+
+def factory_file(config: Mapping[str, Any]) -> str | None:
+    """The .py file ``trainer.factory`` names (None for an import path or no factory)."""
+    spec = (config.get("trainer") or {}).get("factory")
+    if not spec or ":" not in spec:
+        return None
+    module = spec.rpartition(":")[0]
+    return module if module.endswith(".py") else None
 
 
 def check_removed_options(config: Mapping[str, Any]) -> None:

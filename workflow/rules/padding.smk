@@ -20,6 +20,7 @@ rule padding:
     threads: 2
     params:
         # the config sections the stage reads: a change reruns it
+        trainer=config["trainer"],
         data=config["data"],
         padding=config["padding"],
         training=config["training"],

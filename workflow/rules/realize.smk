@@ -18,6 +18,7 @@ rule realize:
         gpu=1,
     params:
         # the config sections the stage reads: a change reruns it
+        trainer=config["trainer"],
         realize=config["realize"],
         replay=config["replay"],
         profile=config["profile"],

@@ -22,6 +22,7 @@ rule replay:
         gpu=1,
     params:
         # the config sections the stage reads: a change reruns it
+        trainer=config["trainer"],
         replay=config["replay"],
         profile=config["profile"],
         training=config["training"],

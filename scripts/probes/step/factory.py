@@ -27,7 +27,12 @@ FACTORY_KEY = "trainer.factory"
 MODEL_KEYS = ("dtype", "attn_implementation")
 # What the workflow always sets, so a probe never writes into the user's output_dir, logs to their
 # trackers or saves checkpoints (nothing the user gave is altered).
-QUIET_SETTINGS = {"report_to": "none", "save_strategy": "no", "push_to_hub": False}
+QUIET_SETTINGS = {
+    "report_to": "none",
+    "save_strategy": "no",
+    "push_to_hub": False,
+    "disable_tqdm": True,
+}
 
 
 class FactoryError(ProbeError, ValueError):

@@ -74,6 +74,48 @@ def loss_items(batch: Mapping[str, Any]) -> torch.Tensor | None:
     return (labels[..., 1:] != IGNORE_INDEX).sum()
 
 
+PACKED_LAYOUT = "packed"  # probes.batching.plans.PACKED (not imported: plans imports pandas)
+
+
+class KeyedRows:
+    """The trainer's rows by (example id, packed) key, for a DataLoader whose batch sampler
+    yields the keys of one plan micro-batch at a time."""
+
+    def __init__(self, step: TrainerStep) -> None:
+        self.step = step
+
+    def __getitem__(self, key: tuple[str, bool]) -> tuple[dict[str, Any], bool]:
+        return self.step.features([key[0]])[0], key[1]
+
+    def __len__(self) -> int:
+        return len(self.step.dataset)
+
+
+def loop_clock_class() -> type:
+    from transformers import TrainerCallback
+
+    class LoopClock(TrainerCallback):
+        """Marks the phases of the trainer's loop from its own callbacks."""
+
+        def __init__(self, mark: Callable[[str], None]) -> None:
+            self.mark = mark
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.mark("built")
+
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            self.mark("micro_batch")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.mark("optimizer")
+
+    return LoopClock
+
+
+def LoopClock(mark: Callable[[str], None]) -> Any:  # noqa: N802 (a class built on demand)
+    return loop_clock_class()(mark)
+
+
 class TrainerStep:
     """The user's trainer as the probes run it: micro-batches, forward + backward, optimizer."""
 
@@ -87,6 +129,7 @@ class TrainerStep:
         if trainer.optimizer is None or trainer.lr_scheduler is None:
             trainer.create_optimizer_and_scheduler(num_training_steps=SCHEDULE_STEPS)
         trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+        self.grad_accum = args.gradient_accumulation_steps
         self.model = trainer.model
         self.model.train()
         self.optimizer = trainer.optimizer
@@ -105,7 +148,26 @@ class TrainerStep:
 
     def collate(self, example_ids: Sequence[str], packed: bool) -> dict[str, Any]:
         collate = self.flat_collator if packed else self.collator
-        return collate(self.features(example_ids))
+        return self.named("collator", collate, self.features(example_ids))
+
+    def named(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)` with a failure named: the trainer, what raised, its own line (an
+        out-of-memory error passes unchanged: the timers record it)."""
+        from probes.step.factory import FACTORY_KEY, FactoryError, own_line
+        from probes.step.timing import is_out_of_memory
+
+        try:
+            return fn(*args)
+        except Exception as error:
+            if is_out_of_memory(error) or isinstance(error, FactoryError):
+                raise
+            spec = self.factory.spec if self.factory else "?"
+            source = self.factory.source_file if self.factory else ""
+            raise FactoryError(
+                f"{FACTORY_KEY} '{spec}': the {type(self.trainer).__name__}'s {what} raised "
+                f"{type(error).__name__}: {error}{own_line(error, source)}. Fix the trainer "
+                "the factory builds (one training step of it reproduces this)."
+            ) from error
 
     def plan_batch(
         self, row: Any, vocab_size: int = 0, generator: Any = None, pad_id: int = 0
@@ -122,7 +184,9 @@ class TrainerStep:
         the NaN/inf check of ``logging_nan_inf_filter`` (a host sync on a GPU) and
         ``floating_point_ops`` (transformers.Trainer._inner_training_loop)."""
         trainer = self.trainer
-        loss = trainer.training_step(self.model, batch, loss_items(batch))
+        loss = self.named(
+            "training_step", trainer.training_step, self.model, batch, loss_items(batch)
+        )
         if trainer.args.logging_nan_inf_filter:
             bool(torch.isnan(loss) or torch.isinf(loss))
         trainer.current_flos += float(trainer.floating_point_ops(batch))
@@ -155,6 +219,43 @@ class TrainerStep:
         self.optimizer_step()
         if mark is not None:
             mark("optimizer")
+
+    def run_rows(self, rows: Sequence[Any], mark: Callable[[str], None]) -> None:
+        """One optimizer step of plan rows through ``trainer.train()`` itself: its dataloader
+        yields exactly these micro-batches (the trainer's collator over its rows), its loop
+        fetches them, runs ``training_step`` on each, clips, steps the optimizer and the
+        scheduler, zeroes the gradients and calls its callbacks. `mark` gets "start" at the
+        first fetch, "built" when the loop begins the step (every micro-batch fetched),
+        "micro_batch" before the optimizer step and "optimizer" at the step's end."""
+        from torch.utils.data import DataLoader
+
+        trainer, args = self.trainer, self.trainer.args
+        keys = [[(str(i), row.layout == PACKED_LAYOUT) for i in row.example_ids] for row in rows]
+        loader = DataLoader(
+            KeyedRows(self), batch_sampler=keys, collate_fn=self.collate_keyed(mark)
+        )
+        clock = LoopClock(mark)
+        trainer.get_train_dataloader = lambda: loader
+        args.max_steps = 1
+        args.gradient_accumulation_steps = len(rows)
+        trainer.add_callback(clock)
+        try:
+            self.named("train()", trainer.train)
+        finally:
+            trainer.remove_callback(clock)
+            args.gradient_accumulation_steps = self.grad_accum
+
+    def collate_keyed(self, mark: Callable[[str], None]) -> Callable:
+        first = [True]
+
+        def collate(features: list[tuple[dict[str, Any], bool]]) -> dict[str, Any]:
+            if first[0]:
+                mark("start")
+                first[0] = False
+            packed = features[0][1]
+            return (self.flat_collator if packed else self.collator)([f for f, _ in features])
+
+        return collate
 
     def describe(self) -> dict[str, Any]:
         args = self.trainer.args

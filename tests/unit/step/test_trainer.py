@@ -111,3 +111,23 @@ def test_the_trainers_own_compute_loss_is_what_is_timed(factory_dir):
     timed = runner.time_micro_batch(row)
     assert timed["status"] == OK and timed["time_s"] >= extra
     assert np.isfinite(runner.time_optimizer_step())
+
+
+def test_realize_runs_the_trainers_own_loop_for_one_step_of_the_plans_micro_batches(factory_dir):
+    """StepTimer on a TrainerStep runs trainer.train() over exactly the step's micro-batches:
+    the loop's callbacks mark its phases, its per-micro-batch compute_loss cost is inside."""
+    from probes.realize.steps import StepTimer
+
+    extra = 0.05
+    step = _step(factory_dir, "plain", extra_s=extra)
+    rows = [
+        SimpleNamespace(example_ids=["0", "1"], layout=pl.PADDED),
+        SimpleNamespace(example_ids=["2", "3", "4"], layout=pl.PACKED),
+    ]
+    timed = StepTimer(step, 0, 0, 0).time_step(rows)
+    assert timed["status"] == OK
+    assert timed["micro_batch_s"] >= 2 * extra  # both micro-batches ran through compute_loss
+    parts = timed["micro_batch_s"] + timed["optimizer_s"] + timed["rest_s"]
+    assert abs(parts - timed["time_s"]) < 1e-9
+    assert step.trainer.state.global_step == 1  # one optimizer step, as the loop counts it
+    assert step.trainer.args.gradient_accumulation_steps == 2  # the user's setting restored
