@@ -1,8 +1,14 @@
 """Promised vs realized: does a change's realized saving confirm the replay's promise, and if
 not, which part of the step differed.
 
-The verdict agrees when the realized saving lies inside the promised 95% interval and within
-`agree_within` (±5 pp by default) of the promised saving; otherwise it disagrees.
+Three words, one rule (``RULE``, stated once in the report):
+
+- agrees: the realized saving lies inside the promised 95% interval and within `agree_within`
+  (±5 pp by default) of the promised saving, and its own 95% interval is at most twice
+  `agree_within` wide (narrow enough to tell a miss of that size);
+- disagrees: it fails that test and its realized 95% interval excludes the promised saving;
+- undecided: anything else: the realized interval still holds the promise but is too wide to
+  confirm it (too few steps), or a figure is missing.
 
 What differed: the epoch time of each strategy splits into phases, the micro-batches' forward +
 backward, the optimizer step (+ zero_grad), and the rest (building and moving the micro-batches
@@ -18,7 +24,15 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-AGREES, DISAGREES = "agrees", "disagrees"
+AGREES, DISAGREES, UNDECIDED = "agrees", "disagrees", "undecided"
+VERDICTS = (AGREES, DISAGREES, UNDECIDED)
+RULE = (
+    "**agrees**: the realized saving lies inside the promised 95% interval and within ±{pp:g} pp "
+    "of the promised saving, and its own 95% interval is at most {width:g} pp wide; "
+    "**disagrees**: it fails that test and its realized 95% interval excludes the promised saving; "
+    "**undecided**: anything else (the realized interval holds the promise but is too wide to "
+    "tell: too few real steps)"
+)
 BASELINE_ROLE, CHANGE_ROLE = "baseline", "change"
 PHASES = ("micro_batch", "optimizer", "rest")
 PHASE_NAMES = {
@@ -53,15 +67,62 @@ def promised_phases(time_s: float, optimizer_steps: float, optimizer_step_s: flo
     return Phases(time_s - optimizer, optimizer, 0.0)
 
 
+def rule_text(agree_within: float = 0.05) -> str:
+    """RULE with the configured tolerance filled in (the report states it once)."""
+    return RULE.format(pp=100 * agree_within, width=200 * agree_within)
+
+
+def too_wide(realized_low: float, realized_high: float, agree_within: float = 0.05) -> bool:
+    """A realized interval wider than 2 × agree_within cannot tell a miss of agree_within."""
+    return realized_high - realized_low > 2 * agree_within + 1e-12
+
+
 def verdict(
-    realized: float, promised: float, low: float, high: float, agree_within: float = 0.05
+    realized: float,
+    promised: float,
+    low: float,
+    high: float,
+    agree_within: float = 0.05,
+    realized_low: float | None = None,
+    realized_high: float | None = None,
 ) -> str:
-    """AGREES when `realized` is in [low, high] and within `agree_within` of `promised`."""
+    """AGREES, DISAGREES or UNDECIDED by RULE. `low`, `high`: the promised 95% interval;
+    `realized_low`, `realized_high`: the realized one (without it, a miss of the point test is
+    DISAGREES and a hit AGREES: the old two-way reading, kept for callers that lack it)."""
     values = (realized, promised, low, high)
-    if not all(math.isfinite(v) for v in values):
+    if not all(v is not None and math.isfinite(v) for v in values):
+        return UNDECIDED
+    hit = low <= realized <= high and abs(realized - promised) <= agree_within + 1e-12
+    interval = (realized_low, realized_high)
+    if not all(v is not None and math.isfinite(v) for v in interval):
+        return AGREES if hit else DISAGREES
+    r_low, r_high = interval
+    if hit and not too_wide(r_low, r_high, agree_within):
+        return AGREES
+    if not hit and not r_low <= promised <= r_high:
         return DISAGREES
-    inside = low <= realized <= high
-    return AGREES if inside and abs(realized - promised) <= agree_within else DISAGREES
+    return UNDECIDED
+
+
+def verdict_of(row: Mapping[str, object], agree_within: float = 0.05) -> str:
+    """The verdict of one change row of realize/realized.parquet (its columns), by RULE; a row
+    whose sampled steps ran out of memory (its `note`) disagrees: the change did not train."""
+    if row.get("note") and row.get("verdict") == DISAGREES:
+        return DISAGREES
+
+    def num(key: str) -> float:
+        value = row.get(key)
+        return float(value) if isinstance(value, int | float) else math.nan
+
+    return verdict(
+        num("realized_saving"),
+        num("promised_saving"),
+        num("promised_saving_ci_low"),
+        num("promised_saving_ci_high"),
+        agree_within,
+        num("realized_saving_ci_low"),
+        num("realized_saving_ci_high"),
+    )
 
 
 def saving(change: float, baseline: float) -> float:

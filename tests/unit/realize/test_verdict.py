@@ -6,19 +6,68 @@ from probes.realize.steps import phase_durations
 from probes.realize.verdict import (
     AGREES,
     DISAGREES,
+    UNDECIDED,
     Phases,
     phase_shares,
     promised_phases,
+    rule_text,
     verdict,
+    verdict_of,
     what_differed,
 )
 
 
 def test_agrees_only_inside_the_interval_and_within_5_pp():
+    # without the realized interval: the point test alone (callers that lack the interval)
     assert verdict(0.20, 0.22, 0.15, 0.30) == AGREES
     assert verdict(0.14, 0.16, 0.15, 0.30) == DISAGREES  # outside the interval
     assert verdict(0.20, 0.28, 0.10, 0.40) == DISAGREES  # inside, but 8 pp off
-    assert verdict(float("nan"), 0.2, 0.1, 0.3) == DISAGREES
+    assert verdict(float("nan"), 0.2, 0.1, 0.3) == UNDECIDED  # a missing figure decides nothing
+
+
+# promised 22% [15%, 30%]; the realized saving and its 95% interval vary
+PROMISE = (0.22, 0.15, 0.30)
+
+
+def _three_way(realized, low, high):
+    return verdict(realized, *PROMISE, 0.05, realized_low=low, realized_high=high)
+
+
+def test_agrees_on_a_narrow_realized_interval_near_the_promise():
+    assert _three_way(0.20, 0.17, 0.23) == AGREES
+
+
+def test_disagrees_when_the_realized_interval_excludes_the_promise():
+    assert _three_way(0.05, 0.02, 0.08) == DISAGREES  # outside the promised interval
+    assert _three_way(0.16, 0.15, 0.17) == DISAGREES  # inside it, but 6 pp off
+
+
+def test_undecided_when_the_realized_interval_holds_the_promise_but_is_too_wide():
+    # the old "disagrees (but the realized interval holds the promise)": too few steps to tell
+    assert _three_way(0.05, -0.10, 0.30) == UNDECIDED
+    # near the promise, but on an interval 24 pp wide: consistent, not a check
+    assert _three_way(0.21, 0.10, 0.34) == UNDECIDED
+
+
+def test_verdict_of_reads_the_realize_table_columns():
+    row = {
+        "promised_saving": 0.22,
+        "promised_saving_ci_low": 0.15,
+        "promised_saving_ci_high": 0.30,
+        "realized_saving": 0.05,
+        "realized_saving_ci_low": -0.10,
+        "realized_saving_ci_high": 0.30,
+        "verdict": DISAGREES,  # the two-way reading a stage may still have written
+        "note": "",
+    }
+    assert verdict_of(row) == UNDECIDED
+    assert verdict_of({**row, "note": "1 sampled step(s) ran out of memory"}) == DISAGREES
+
+
+def test_the_rule_names_each_word_once_with_the_tolerance():
+    text = rule_text(0.05)
+    assert all(text.count(f"**{w}**") == 1 for w in (AGREES, DISAGREES, UNDECIDED))
+    assert "±5 pp" in text and "10 pp wide" in text
 
 
 def test_promised_phases_split_the_replay_estimate():
