@@ -22,7 +22,9 @@ def test_baseline_first_then_the_checked_change_with_its_verdict(tmp_path):
     assert change["strategy"] == "packing" and change["verdict"] == "agrees"
     assert change["promised_saving_ci_low"] <= change["realized_saving"]
     assert change["realized_saving"] <= change["promised_saving_ci_high"]
-    assert realize["unconfirmed"] == []
+    assert realize["disagrees"] == [] and realize["undecided"] == []
+    assert realize["agrees"] == [change["title"]]
+    assert realize["by_strategy"]["packing"]["verdict"] == "agrees"
     inside = change["realized_saving_ci_low"] <= change["promised_saving"]
     inside &= change["promised_saving"] <= change["realized_saving_ci_high"]
     assert change["promise_in_realized_interval"] is bool(inside)
@@ -30,7 +32,7 @@ def test_baseline_first_then_the_checked_change_with_its_verdict(tmp_path):
 
 def test_a_disagreement_is_listed_with_what_differed(tmp_path):
     realize = _section(tmp_path, failed=("realize_verdict",))
-    assert realize["unconfirmed_strategies"] == ["packing"]
+    assert realize["disagrees_strategies"] == ["packing"]
     assert realize["rows"][1]["differed"].startswith("optimizer time +")
 
 
@@ -61,3 +63,25 @@ def test_an_agreement_on_a_wide_realized_interval_says_it_is_no_tight_check():
     assert wide_interval_pp(change, 0.05) == pytest.approx(24.0)
     assert wide_interval_pp({**change, "realized_saving_ci_high": 0.18}, 0.05) is None
     assert wide_interval_pp({**change, "baseline": True}, 0.05) is None
+
+
+def test_a_realized_interval_that_holds_the_promise_but_is_too_wide_is_undecided(tmp_path):
+    """The old "disagrees (but the realized interval holds the promise)" reads undecided, with
+    the setting that buys more steps, whatever two-way word the stage wrote."""
+    import pandas as pd
+
+    paths = write_results(tmp_path)
+    frame = pd.read_parquet(paths["realize_realized"])
+    change = frame["role"] == "change"
+    promised = float(frame.loc[change, "promised_saving"].iloc[0])
+    frame.loc[change, "realized_saving"] = promised - 0.12
+    frame.loc[change, "realized_saving_ci_low"] = promised - 0.30
+    frame.loc[change, "realized_saving_ci_high"] = promised + 0.06
+    frame.loc[change, "verdict"] = "disagrees"
+    frame.to_parquet(paths["realize_realized"])
+    inputs = load.load_inputs(paths)
+    realize = realize_section(inputs["tables"], inputs["json"], inputs["not_run"])
+    assert realize["undecided"] and not realize["disagrees"]
+    check = realize["by_strategy"]["packing"]
+    assert check["verdict"] == "undecided"
+    assert "realize.sample_steps" in check["next_action"]

@@ -3,7 +3,9 @@
 ``results/realize/realized.parquet`` (``probes.realize.stage``) holds, for the baseline and each
 change it checked, the realized epoch time and saving from real training steps (a simple random
 sample of whole optimizer steps) with 95% intervals, the replay's promised ones, the verdict and
-each phase's share of the difference. This module only selects and labels those rows.
+each phase's share of the difference. This module selects and labels those rows and reads each
+change's verdict by the one three-way rule (``probes.realize.verdict.verdict_of``), so the report
+and recommendations.json say the same word whatever two-way reading an older stage wrote.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import Any
 import pandas as pd
 
 from probes.contracts import table_columns
-from probes.realize.verdict import DISAGREES
-from probes.report.format import finite
+from probes.realize import verdict as vd
+from probes.report.format import finite, fmt_pct
 from probes.report.sections.replay import change_title, idle_examples
 
 COLUMNS = table_columns("realize_realized")
@@ -49,21 +51,57 @@ def realize_section(
         )
         row["baseline"] = record["role"] == "baseline"
         row["wide_pp"] = wide_interval_pp(row, agree_within)
+        if not row["baseline"]:
+            row["verdict"] = vd.verdict_of(record, agree_within)
         rows.append(row)
     changes = [r for r in rows if not r["baseline"]]
+    cpu_only = bool(frame["cpu_only"].fillna(False).astype(bool).any())
+    by_word = {w: [r["title"] for r in changes if r["verdict"] == w] for w in vd.VERDICTS}
     return {
         "epoch_disagreement": epoch_disagreement(next((r for r in rows if r["baseline"]), None)),
         "status": "ok",
         "rows": rows,
-        "unconfirmed": [r["title"] for r in changes if r["verdict"] == DISAGREES],
-        "unconfirmed_strategies": [r["strategy"] for r in changes if r["verdict"] == DISAGREES],
+        "rule": vd.rule_text(agree_within),
+        "agrees": by_word[vd.AGREES],
+        "undecided": by_word[vd.UNDECIDED],
+        "disagrees": by_word[vd.DISAGREES],
+        "disagrees_strategies": [r["strategy"] for r in changes if r["verdict"] == vd.DISAGREES],
         "checked": len(changes),
-        "any_wide": any(r["wide_pp"] for r in changes),
         # the Summary marks every other change it lists as not checked by real training steps
         "checked_titles": [r["title"] for r in changes],
-        "cpu_only": bool(frame["cpu_only"].fillna(False).astype(bool).any()),
+        "by_strategy": {str(r["strategy"]): realized_check(r, cpu_only) for r in changes},
+        "cpu_only": cpu_only,
+        "more_steps": more_steps_setting(cpu_only),
         "sample_steps": summary.get("sample_steps"),
         "agree_within_pp": 100 * agree_within,
+    }
+
+
+def more_steps_setting(cpu_only: bool) -> str:
+    """The setting that buys the realize check more real steps (a narrower realized interval)."""
+    return "realize.cpu_budget_s" if cpu_only else "realize.sample_steps"
+
+
+def realized_check(row: Mapping[str, Any], cpu_only: bool) -> dict[str, Any]:
+    """One checked change as the first screen and recommendations.json carry it: the verdict, the
+    realized saving with its interval, and what to do where the check could not decide."""
+    saving, low, high = (
+        row.get(k) for k in ("realized_saving", "realized_saving_ci_low", "realized_saving_ci_high")
+    )
+    text = f"{fmt_pct(saving)} [{fmt_pct(low)}, {fmt_pct(high)}]"
+    action = None
+    if row["verdict"] == vd.UNDECIDED:
+        action = f"raise `{more_steps_setting(cpu_only)}` (more real steps)"
+    elif row["verdict"] == vd.DISAGREES:
+        action = "do not rely on the promise: see what differed"
+    return {
+        "verdict": row["verdict"],
+        "realized_saving": saving,
+        "realized_saving_ci_low": low,
+        "realized_saving_ci_high": high,
+        "text": text,
+        "differed": row.get("differed") or None,
+        "next_action": action,
     }
 
 
