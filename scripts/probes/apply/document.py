@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,7 @@ from probes.apply.changes import (
     packing_change,
 )
 from probes.apply.libraries import installed_libraries, verify_document
+from probes.apply.snippets import call_text
 from probes.contracts import TRAINING_STATUSES
 
 SCHEMA_VERSION = 1
@@ -202,3 +204,90 @@ def order_changes(
     rest = [c for c in annotated if c not in ranked]
     rest.sort(key=lambda c: not c.get("applies"))  # stable: unmeasured, then not applicable
     return {**document, "order": ORDER, "changes": ranked + rest}
+
+
+# the trainer line of a snippet: `trainer = <callee>(model=..., <extra kwargs>)`
+TRAINER_LINE = re.compile(r"^trainer = (?P<callee>.+?)\((?P<kwargs>model=.*)\)$")
+# the arguments every trainer line passes; the rest (bucket_size_batches=4) is the change's own
+STANDARD_TRAINER_KWARGS = {"model", "args", "train_dataset", "data_collator", "processing_class"}
+PLAIN_TRAINERS = {"Trainer", "SFTTrainer"}
+
+
+def settings_line(change: Mapping[str, Any], baseline: Mapping[str, Any]) -> str:
+    """One change's settings in one line, as it differs from the run as configured: the
+    TrainingArguments (else SFTConfig) kwargs that change, a trainer wrapper with its own kwargs,
+    and a data line (a filter) where the change has one; "the same settings" when none differs."""
+    if change.get("training_arguments") is not None:
+        name, kwargs = "TrainingArguments", change["training_arguments"]
+        base = baseline.get("training_arguments") or {}
+    else:
+        name, kwargs = "SFTConfig", change.get("sft_config") or {}
+        base = baseline.get("sft_config") or {}
+    parts = []
+    changed = {k: v for k, v in kwargs.items() if base.get(k) != v}
+    if changed:
+        parts.append(call_text(name, changed))
+    snippets = change.get("snippets") or {}
+    chosen = snippets.get("transformers") or snippets.get("trl") or {}
+    for line in str(chosen.get("text") or "").splitlines():
+        line = line.strip()
+        if not line or line.startswith(("from ", "import ", "args = ", "#")):
+            continue
+        match = TRAINER_LINE.match(line)
+        if not match:
+            parts.append(line)
+            continue
+        callee = match["callee"]
+        own = [
+            kw
+            for kw in match["kwargs"].split(", ")
+            if kw.split("=", 1)[0] not in STANDARD_TRAINER_KWARGS
+        ]
+        if callee not in PLAIN_TRAINERS or own:
+            parts.append(f"{callee}(…{', ' + ', '.join(own) if own else ''})")
+    return "; ".join(f"`{p}`" for p in parts) if parts else "the same settings"
+
+
+NOT_CHECKED = "not checked by real training steps"
+
+
+def with_checks(
+    document: Mapping[str, Any],
+    strategy_of: Mapping[str, str],
+    realized: Mapping[str, Mapping[str, Any]] | None,
+    rule: str | None,
+    memory: Mapping[str, Mapping[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """recommendations.json with each change's settings line, its realize check in the report's
+    three words (agrees / disagrees / undecided, the rule stated once at the top) and its memory
+    verdict. `strategy_of`: change id -> the replayed strategy; `realized`: strategy -> the
+    report's realized check (None: the realize stage did not run); `memory`: strategy -> the
+    memory verdict (None: not predicted)."""
+    baseline = document.get("baseline") or {}
+    changes = []
+    for change in document.get("changes") or []:
+        entry = dict(change)
+        strategy = strategy_of.get(str(change.get("id")))
+        entry["settings_line"] = settings_line(change, baseline) if change.get("applies") else None
+        check = (realized or {}).get(strategy) if strategy else None
+        if realized is None:
+            entry["realized"] = {"verdict": None, "status": "the realize stage did not run"}
+        elif check is None:
+            entry["realized"] = {"verdict": None, "status": NOT_CHECKED}
+        else:
+            keys = (
+                "verdict",
+                "realized_saving",
+                "realized_saving_ci_low",
+                "realized_saving_ci_high",
+            )
+            entry["realized"] = {k: check.get(k) for k in keys}
+            entry["realized"]["next_action"] = check.get("next_action")
+        mem = (memory or {}).get(strategy) if strategy else None
+        keys = ("verdict", "peak_gib", "headroom_gib")
+        entry["memory"] = {k: mem.get(k) for k in keys} if mem else {"verdict": "not predicted"}
+        changes.append(entry)
+    out = {**document, "changes": changes}
+    if rule:
+        out["realized_rule"] = rule.replace("**", "")
+    return _json_clean(out)

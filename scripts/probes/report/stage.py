@@ -15,7 +15,9 @@ from probes.config import REPO_ROOT
 from probes.io import run_metadata
 from probes.report.load import ReportInputError, load_inputs, not_run_reason
 from probes.report.render import build_context, linked_figures, render_markdown
-from probes.report.sections.replay import change_measurement
+from probes.report.sections.realize import realize_section
+from probes.report.sections.replay import CHANGE_STRATEGY, change_measurement
+from probes.report.sections.verdicts import memory_check, memory_table
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 
@@ -53,7 +55,19 @@ def recommendations_document(
         i: change_measurement(change, loaded["tables"], loaded["not_run"])
         for i, change in enumerate(document.get("changes") or [])
     }
-    return apply.order_changes(document, measurements)
+    ordered = apply.order_changes(document, measurements)
+    # the realize check in the report's three words, and the memory verdict, per change
+    tables, jsons, not_run = loaded["tables"], loaded["json"], loaded["not_run"]
+    realize = realize_section(tables, jsons, not_run)
+    ok = realize["status"] == "ok"
+    memory = memory_table(loaded)
+    return apply.with_checks(
+        ordered,
+        CHANGE_STRATEGY,
+        realize["by_strategy"] if ok else None,
+        realize["rule"] if ok else None,
+        None if memory is None else {s: memory_check(memory, s) for s in CHANGE_STRATEGY.values()},
+    )
 
 
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:

@@ -70,6 +70,10 @@ def apply_section(
                 "tokens_after": finite(tokens.get("after")),
                 "tokens_how": tokens.get("how"),
                 "caveat": change.get("caveat"),
+                # the first screen's checks (probes.apply.document.with_checks)
+                "settings_line": change.get("settings_line"),
+                "realized": change.get("realized") or {"verdict": None, "status": "not checked"},
+                "memory": memory_text(change.get("memory")),
             }
         )
     baseline = document.get("baseline") or {}
@@ -91,3 +95,15 @@ def apply_section(
         "changes": changes,
         "skipped": skipped,
     }
+
+
+def memory_text(memory: Mapping[str, Any] | None) -> str:
+    """A change's memory verdict in words (recommendations.json's `memory`)."""
+    memory = memory or {}
+    verdict = str(memory.get("verdict") or "not predicted")
+    peak, headroom = finite(memory.get("peak_gib")), finite(memory.get("headroom_gib"))
+    if verdict == "fits" and headroom is not None:
+        return f"fits, {headroom:.1f} GiB headroom"
+    if verdict == "does not fit" and peak is not None:
+        return f"**does not fit** (peak {peak:.1f} GiB): do not apply it as it is"
+    return verdict
