@@ -2,7 +2,8 @@ rule report:
     input:
         # every probe output, keyed <stage>_<key> (probes.contracts.report_inputs)
         **report_inputs(),
-        # data_parallel's outputs only when training.world_size > 1
+        # optional stages' outputs when they run: data_parallel at training.world_size > 1, memory
+        # when memory.enabled (without it the first screen's memory column says "not predicted")
         **optional_report_inputs(config),
         # from the workflow source, not the working directory (--directory elsewhere)
         template=workflow.source_path("../templates/playbook-evidence.md.j2"),

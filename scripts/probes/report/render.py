@@ -42,6 +42,12 @@ from probes.report.sections.realize import realize_section
 from probes.report.sections.replay import host_bound_overall, replay_fit
 from probes.report.sections.scaling import scaling_section
 from probes.report.sections.summary import summary_section
+from probes.report.sections.verdicts import (
+    device_line,
+    memory_table,
+    memory_target,
+    verdicts_section,
+)
 
 
 def build_context(
@@ -59,10 +65,19 @@ def build_context(
     tables, jsons, not_run = inputs["tables"], inputs["json"], inputs["not_run"]
     scaling = scaling_section(tables, not_run, jsons)
     mask = mask_section(tables, not_run, jsons)
+    summary = summary_section(inputs, scaling, mask, max_recommendations)
+    # promised (replay) vs realized (real training steps) for the baseline and top changes
+    realize = realize_section(tables, jsons, not_run)
+    memory = memory_table(inputs)
     return {
-        "summary": summary_section(inputs, scaling, mask, max_recommendations),
-        # promised (replay) vs realized (real training steps) for the baseline and top changes
-        "realize": realize_section(tables, jsons, not_run),
+        # the first screen: the device, one verdict row per recommended change
+        "device": device_line(scaling, summary["measured"], realize),
+        "verdicts": {
+            **verdicts_section(summary["measured"], realize, memory, recommendations_document),
+            "memory_target": memory_target(jsons, not_run),
+        },
+        "summary": summary,
+        "realize": realize,
         "scaling": scaling,
         # the replay's fit and host-bound share, shown in Scaling whether or not the profile ran
         "replay": {
@@ -84,18 +99,21 @@ def build_context(
     }
 
 
+# the report's order: the answer (first screen), how to apply it, the evidence (each section
+# opens with its finding), the method last (its provenance inside it)
 SECTION_TITLES = (
     "Summary",
+    "Apply it",
     "Promised vs realized",
+    "Measured savings",
     "Scaling",
     "Padding",
     "Cross-entropy",
     "Kernels",
     "Bucketing",
-    "Apply it",
     "Mask gate",
     "Controls",
-    "Provenance",
+    "How these numbers were measured",
 )
 
 

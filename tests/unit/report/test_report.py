@@ -129,8 +129,9 @@ def test_numbers_carry_units(rendered):
 
 
 def summary_rows(markdown: str) -> list[list[str]]:
-    """The Summary table's rows, split into cells (rank, change, saving, versus, fit, steps)."""
-    summary = section(markdown, "Summary")
+    """The Measured savings table's rows, split into cells (rank, change, saving, versus, fit,
+    steps)."""
+    summary = section(markdown, "Measured savings")
     rows = [line for line in summary.splitlines() if re.match(r"^\| (\d|—)", line)]
     return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in rows]
 
@@ -177,7 +178,7 @@ def test_summary_ranks_changes_by_measured_saving(tmp_path):
     assert [r[0] for r in rows] == ["1", "2", "3", "4", "—"]
     assert rows[0][2] == "50.0% [45.0%, 55.0%]" and rows[0][3] == "random batches"
     assert rows[-1][3] == "padding to max_seq_len"
-    summary = section(markdown, "Summary")
+    summary = section(markdown, "Measured savings")
     assert "Best measured change: **Sort the whole dataset by length (one bucket)**" in summary
     assert "**Tie:**" not in summary
     assert "No time model" not in summary and "(linear) to" not in summary
@@ -200,11 +201,13 @@ def test_overlapping_intervals_are_reported_as_a_tie(tmp_path):
     assert (
         "**Tie:** Pack whole examples into 4,096-token rows and Sort the whole dataset by length "
         "(one bucket): their 95% intervals overlap"
-    ) in section(markdown, "Summary")
-    assert "Highest measured saving: **Pack whole examples into 4,096-token rows**, tied" in (
-        section(markdown, "Summary")
+    ) in section(markdown, "Measured savings")
+    measured = section(markdown, "Measured savings")
+    assert (
+        "Highest measured saving: **Pack whole examples into 4,096-token rows**, 40.0%" in measured
     )
-    assert re.search(r"^\*\*Tie:\*\*", section(markdown, "Summary"), re.M)  # its own line
+    assert "versus random batches, tied with others (below)" in measured
+    assert re.search(r"^- \*\*Tie:\*\*", section(markdown, "Measured savings"), re.M)  # its own line
 
 
 def test_bucket_figure_labels_bucket_sizes_without_collisions():
@@ -229,7 +232,7 @@ def test_fit_disagreement_and_unpriced_fit_are_stated(tmp_path):
     assert sort[4] == "31.0%: **disagrees** with the measurement beyond its interval"
     grouped = next(r for title, r in rows.items() if "Group batches by length" in title)
     assert grouped[4].startswith("cannot price: padded lengths 38..4096 reach outside")
-    summary = section(markdown, "Summary")
+    summary = section(markdown, "Measured savings")
     assert "**The fit and the measurement disagree** for Sort the whole dataset" in summary
     assert "The fit cannot price: " in summary and "Group batches by length" in summary
 
@@ -242,7 +245,7 @@ def test_invalid_packing_is_never_recommended(tmp_path):
     )
     rows = summary_rows(markdown)
     assert not any("Pack whole examples" in r[1] for r in rows)
-    summary = section(markdown, "Summary")
+    summary = section(markdown, "Measured savings")
     assert (
         f"**Not recommended: Pack whole examples into 4,096-token rows** (`packing`) is invalid "
         f"here: {reason}"
@@ -261,7 +264,7 @@ def test_changed_optimizer_steps_are_said_next_to_the_saving(rendered):
 
 
 def test_cuda_replay_states_host_bound_share_and_what_c_is(rendered):
-    summary = section(rendered[0], "Summary")
+    summary = section(rendered[0], "Measured savings")
     assert re.search(
         r"Host-bound micro-batches \(GPU busy under 70% of the wall\): packing", summary
     )
@@ -282,7 +285,7 @@ def test_kernel_table_sums_device_rows_only(rendered):
 
 def test_mask_section_counts_fast_path_per_scenario(rendered):
     mask = section(rendered[0], "Mask gate")
-    assert "Gate: **passed**: 1 of 6 decoder layers keep SDPA's is_causal fast path" in mask
+    assert "gate **passed**: 1 of 6 decoder layers keep SDPA's is_causal fast path" in mask
     assert (
         "| training | 2 × 4,096 | none | no | 1 of 6 | 0 | efficient ×5, flash ×1 | 6/6 calls "
         "| flash: attn_mask present ×5; cudnn: attn_mask present ×5 |"
@@ -315,7 +318,7 @@ def test_controls_and_provenance(rendered):
     controls = section(markdown, "Controls")
     for stage in STAGES:
         assert re.search(rf"^\| {stage} \| .* \| passed \|$", controls, re.M)
-    provenance = section(markdown, "Provenance")
+    provenance = section(markdown, "How these numbers were measured").split("### Provenance")[1]
     for what in ("config hash", "git commit", "command line", "transformers", "NVIDIA H200"):
         assert what in provenance
     assert "job_id=1234" in provenance and "gpus" not in provenance
@@ -341,7 +344,8 @@ def test_profile_not_run_renders_not_run(rendered_not_run):
     summary = section(markdown, "Summary")
     assert f"**No measured savings:** the replay did not run ({NOT_RUN_REASON})" in summary
     assert "(linear) to" not in summary and not re.search(r"% \[", summary)
-    assert "| # | change | basis |" in summary  # what the stages found, listed unpriced
+    # what the stages found, listed unpriced
+    assert "| # | change | basis |" in section(markdown, "Measured savings")
     assert sorted(Path(link).name for link in rep.linked_figures(markdown)) == [
         "bucket.png",
         "dp.png",
@@ -352,7 +356,7 @@ def test_profile_not_run_renders_not_run(rendered_not_run):
 
 def test_cpu_fit_is_flagged(tmp_path):
     markdown, _ = render(tmp_path, profile="cpu")
-    summary = section(markdown, "Summary")
+    summary = section(markdown, "Measured savings")
     assert "**CPU-only replay** (lengths capped at 4,096 tokens)" in summary
     assert "**not comparable with a GPU**" in summary
     assert "Host-bound" not in summary
@@ -833,23 +837,24 @@ def rendered_disagreement(tmp_path_factory):
     return render(tmp_path_factory.mktemp("realize"), failed=("realize_verdict",))[0]
 
 
-def test_the_report_shows_the_disagreement_and_the_summary_says_not_confirmed(
-    rendered_disagreement,
-):
+def test_the_report_shows_the_disagreement_in_the_same_word_everywhere(rendered_disagreement):
     # promised vs realized (probes.report.sections.realize; its rows: test_realize.py)
     text = section(rendered_disagreement, "Promised vs realized")
     row = next(line for line in text.splitlines() if line.startswith("| **Pack"))
     assert "| **disagrees** | optimizer time +" in row
-    assert "**Disagreement:**" in text
+    assert "**Disagrees:** Pack" in text
     summary = section(rendered_disagreement, "Summary")
-    assert "**Not confirmed:** real training steps of Pack" in summary
-    # and where the change is listed in the Summary's table, whether or not it is the best
-    rows = [line for line in summary.splitlines() if line.startswith("| ")]
-    listed = next(line for line in rows if "**Pack" in line)
-    assert "(**not confirmed** by real training steps)" in listed
+    assert "**Disagrees:** real training steps of Pack" in summary
+    first = next(line for line in summary.splitlines() if line.startswith("| 1 |"))
+    assert "| **disagrees**: " in first and "see what differed" in first
+    # and where the change is listed in the measured table, whether or not it is the best
+    rows = [line for line in section(rendered_disagreement, "Measured savings").splitlines()]
+    listed = next(line for line in rows if line.startswith("| ") and "**Pack" in line)
+    assert "(realized: **disagrees**)" in listed
     # a change realize did not run is said to be unchecked, never passed off as confirmed
     unchecked = [r for r in rows if "**Group batches" in r or "**Sort the whole" in r]
     assert unchecked and all("(not checked by real training steps)" in r for r in unchecked)
+    assert "not confirmed" not in rendered_disagreement.lower()
 
 
 def test_data_parallel_at_world_size_1_is_a_not_run_line(rendered):

@@ -1,0 +1,134 @@
+"""The rendered report checked as markdown a person reads.
+
+``problems(markdown)`` lists, with line numbers:
+
+- two statements run together: a sentence's end glued to the next one ("best.**Not confirmed:**",
+  "best.Not", "stated.."), outside code, or a labelled statement ("**Tie:** ...") on the line right
+  after prose, which markdown joins into the same paragraph;
+- an empty table cell where a value is expected (or "None"/"nan" rendered as a value), and a row
+  whose cell count differs from its header's; a sub-row (a "↳" check, a "**total**" row, an
+  italic "_N more_" row) may leave cells empty;
+- a heading not followed by its finding: the first thing under every heading is a sentence of
+  prose (not a table, list, figure, code block or "Source:" line).
+
+The report tests render the fixture reports through it; it imports nothing but ``re``.
+"""
+
+from __future__ import annotations
+
+import re
+
+# a sentence end glued to the next statement: "best.**Not", "best.Not", "done;**Tie"
+RUN_TOGETHER = re.compile(r"[a-z0-9)\]`][.!?;:](\*\*|__)?[A-Z][a-z]")
+# "..": a sentence whose text already ended with a full stop (not "38..4096", not "...")
+DOUBLE_STOP = re.compile(r"[a-z)\]]\.\.(?=\s|$)")
+CODE_SPAN = re.compile(r"`[^`]*`")
+LINK_TARGET = re.compile(r"\]\([^)]*\)")
+EMPTY_VALUES = {"", "None", "nan", "NaN"}  # "none" is a value some tables state (no band)
+SUB_ROW = re.compile(r"↳|\*\*total\*\*|^\s*_.*_\s*$")
+NOT_A_FINDING = ("|", "-", "*", "!", "```", "#", "Source:", "{", ">")
+
+
+def _cells(line: str) -> list[str]:
+    body = line.strip()
+    body = body[1:] if body.startswith("|") else body
+    body = body[:-1] if body.endswith("|") else body
+    # an escaped pipe (\|) stays inside its cell
+    return [c.strip() for c in re.split(r"(?<!\\)\|", body)]
+
+
+def run_together(lines: list[str]) -> list[str]:
+    out, fenced = [], False
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        prose = LINK_TARGET.sub("]", CODE_SPAN.sub("``", line))
+        for match in DOUBLE_STOP.finditer(prose):
+            context = prose[max(0, match.start() - 30) : match.end()]
+            out.append(f"line {number}: a sentence ends twice: ...{context}")
+        for match in RUN_TOGETHER.finditer(prose):
+            words = prose[: match.start() + 1].split()
+            token = words[-1] if words else ""
+            if "." in token.rstrip(".") or "_" in token:
+                continue  # a dotted name (probes.sampler.LengthGroupedSampler), not two sentences
+            context = prose[max(0, match.start() - 20) : match.end() + 10]
+            out.append(f"line {number}: two statements run together: ...{context}...")
+    return out
+
+
+# a statement of its own ("**Tie:** ...", "**CPU-only replay** ...") starts a line
+LABELLED = re.compile(r"^\*\*[^*]+\*\*")
+
+
+def glued_paragraphs(lines: list[str]) -> list[str]:
+    """A labelled statement on the line right after prose: markdown joins the two lines into one
+    paragraph, so on the rendered page they run together."""
+    out, fenced = [], False
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or number == 1 or not LABELLED.match(line):
+            continue
+        before = lines[number - 2]
+        if before.strip() and not before.startswith(("|", "-", "#", "!", "```", "  ")):
+            out.append(f"line {number}: {line[:40]!r} runs on from the line before it")
+    return out
+
+
+def table_cells(lines: list[str]) -> list[str]:
+    out, header, fenced = [], None, False
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not line.startswith("|"):
+            header = None
+            continue
+        cells = _cells(line)
+        if header is None:
+            header = cells
+            continue
+        if all(re.fullmatch(r":?-+:?", c) for c in cells):
+            continue
+        if len(cells) != len(header):
+            out.append(f"line {number}: {len(cells)} cells under a {len(header)}-column header")
+            continue
+        if any(SUB_ROW.search(c) for c in cells):
+            continue
+        for name, value in zip(header, cells, strict=True):
+            if name and value in EMPTY_VALUES:
+                out.append(f"line {number}: empty cell under {name!r}: {line[:80]}")
+    return out
+
+
+def headings_without_finding(lines: list[str]) -> list[str]:
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not re.match(r"#{2,6} ", line):
+            continue
+        following = next((x for x in lines[number:] if x.strip()), "")
+        paragraph = []
+        for x in lines[number:]:
+            if not x.strip() and paragraph:
+                break
+            if x.strip():
+                paragraph.append(x.strip())
+        first = following.strip()
+        if not first or first.startswith(NOT_A_FINDING) and not first.startswith("**"):
+            out.append(f"line {number}: heading {line!r} opens with {first[:40]!r}, not a finding")
+        elif not re.search(r"[.!?:]\**($|\s)", " ".join(paragraph)):
+            out.append(f"line {number}: heading {line!r} opens with no full sentence")
+    return out
+
+
+def problems(markdown: str) -> list[str]:
+    """Everything a reader would trip over, with line numbers; [] for a clean report."""
+    lines = markdown.splitlines()
+    return (
+        run_together(lines)
+        + glued_paragraphs(lines)
+        + table_cells(lines)
+        + headings_without_finding(lines)
+    )

@@ -1,0 +1,286 @@
+"""The report's first screen (probes.report.sections.verdicts), the three verdict words wherever
+realize is reported, and the rendered markdown checked as markdown (probes.report.lint)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from stage_fixtures import write_results
+
+from conftest import REPO, workflow_config
+from probes.contracts import table_columns
+from probes.io import write_parquet
+from probes.report import lint
+from probes.report import stage as report_stage
+from probes.report.sections.verdicts import memory_check, verdicts_section
+
+TEMPLATE = REPO / "workflow" / "templates" / "playbook-evidence.md.j2"
+VERDICT_HEADER = "| # | change | settings | measured saving [95%] | realized | memory | next |"
+
+
+def _render(root: Path, plant=None, **kwargs) -> tuple[str, dict]:
+    paths = write_results(root / "results", **kwargs)
+    if plant:
+        plant(paths)
+    out = root / "results" / "report"
+    outputs = {
+        "markdown": str(out / "playbook-evidence.md"),
+        "figures": str(out / "figures"),
+        "recommendations": str(out / "recommendations.json"),
+    }
+    report_stage.run(
+        {**paths, "template": TEMPLATE}, outputs, workflow_config(report={"figure_dpi": 30})
+    )
+    document = json.loads((out / "recommendations.json").read_text())
+    return (out / "playbook-evidence.md").read_text(), document
+
+
+def _too_wide_to_tell(paths) -> None:
+    """The change's realized saving 12 pp under the promise on an interval that holds it."""
+    frame = pd.read_parquet(paths["realize_realized"])
+    change = frame["role"] == "change"
+    promised = float(frame.loc[change, "promised_saving"].iloc[0])
+    frame.loc[change, "realized_saving"] = promised - 0.12
+    frame.loc[change, "realized_saving_ci_low"] = promised - 0.30
+    frame.loc[change, "realized_saving_ci_high"] = promised + 0.06
+    frame.loc[change, "verdict"] = "disagrees"  # the two-way word an older stage wrote
+    write_parquet(frame, paths["realize_realized"], {})
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> dict[str, tuple[str, dict]]:
+    """The fixture report as each kind of run renders it."""
+    runs = {
+        "default": {},
+        "profile not run": {"profile": "not_run"},
+        "cpu": {"profile": "cpu"},
+        "disagrees": {"failed": ("realize_verdict",)},
+        "undecided": {"plant": _too_wide_to_tell},
+    }
+    return {
+        name: _render(tmp_path_factory.mktemp(name.replace(" ", "-")), **kwargs)
+        for name, kwargs in runs.items()
+    }
+
+
+def _first_screen(markdown: str, lines: int = 40) -> str:
+    return "\n".join(markdown.splitlines()[:lines])
+
+
+def _verdict_rows(markdown: str) -> list[list[str]]:
+    screen = _first_screen(markdown)
+    assert VERDICT_HEADER in screen
+    rows = [line for line in screen.splitlines() if re.match(r"^\| \d", line)]
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in rows]
+
+
+# ------------------------------------------------------------------------------------------
+# The first screen
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_first_40_lines_hold_every_recommended_change_with_its_verdicts(reports):
+    markdown, document = reports["default"]
+    rows = _verdict_rows(markdown)
+    recommended = [c for c in document["changes"] if c["recommended"]]
+    assert len(rows) == len(recommended) == 1
+    rank, title, settings, saving, realized, memory, action = rows[0]
+    assert rank == "1" and title == "**Pack whole examples into 4,096-token rows**"
+    assert (
+        settings
+        == "`SFTConfig(packing=True, packing_strategy='bfd', gradient_accumulation_steps=1)`"
+    )
+    assert re.fullmatch(r"\d+\.\d% \[\d+\.\d%, \d+\.\d%\]", saving)
+    assert re.fullmatch(r"agrees: \d+\.\d% \[\d+\.\d%, \d+\.\d%\]", realized)
+    assert memory == "not predicted" and action == "apply it"
+    screen = _first_screen(markdown)
+    assert "Measured on **NVIDIA H200**" in screen
+    assert "(#how-these-numbers-were-measured)" in screen and "(#promised-vs-realized)" in screen
+    # nothing on it needs the method: the estimator is explained at the end
+    assert "GREG" not in screen and "GREG" in markdown.split("## How these numbers were")[1]
+
+
+def test_cpu_only_says_so_in_one_line(reports):
+    screen = _first_screen(reports["cpu"][0])
+    lines = [line for line in screen.splitlines() if "CPU only" in line]
+    assert len(lines) == 1 and "do not transfer to a GPU" in lines[0]
+    assert "rerun `replay` and `realize` on the training GPU" in lines[0]
+
+
+def test_undecided_names_the_next_action(reports):
+    markdown, _ = reports["undecided"]
+    (row,) = _verdict_rows(markdown)
+    assert row[4].startswith("**undecided**: ")
+    assert row[6] == "raise `realize.sample_steps` (more real steps)"
+
+
+def test_without_a_replay_the_first_screen_says_why(reports):
+    screen = _first_screen(reports["profile not run"][0])
+    assert "**No measured savings:** the replay did not run" in screen
+    assert VERDICT_HEADER not in screen
+
+
+def test_memory_column_reads_the_memory_stage_when_it_ran():
+    frame = pd.DataFrame(
+        {
+            "strategy": ["packing", "length_grouped", "global_sort"],
+            "predicted_peak_gib": [30.0, 150.0, 20.0],
+            "headroom_gib": [109.0, -11.0, None],
+            "verdict": ["fits", "does not fit", "unknown"],
+            "reason": ["", "", "no shape"],
+        }
+    )
+    assert memory_check(frame, "packing")["text"] == "fits, 109.0 GiB headroom"
+    assert memory_check(frame, "length_grouped")["text"] == "**does not fit** (peak 150.0 GiB)"
+    assert memory_check(frame, "global_sort")["text"] == "unknown: no shape"
+    assert memory_check(frame, "random_no_idle")["text"] == "not predicted"
+    assert memory_check(None, "packing")["text"] == "not predicted"
+
+
+def test_a_change_that_does_not_fit_is_not_to_be_applied():
+    measured = {
+        "rows": [
+            {
+                "strategy": "packing",
+                "baseline": False,
+                "versus": "random batches",
+                "verdict": "faster",
+                "rank": 1,
+                "tied": False,
+                "title": "Pack",
+                "saving": 0.3,
+                "saving_low": 0.2,
+                "saving_high": 0.4,
+            }
+        ]
+    }
+    memory = pd.DataFrame(
+        {
+            "strategy": ["packing"],
+            "predicted_peak_gib": [150.0],
+            "headroom_gib": [-11.0],
+            "verdict": ["does not fit"],
+            "reason": [""],
+        }
+    )
+    realize = {"status": "ok", "by_strategy": {}}
+    (row,) = verdicts_section(measured, realize, memory, None)["rows"]
+    assert row["memory"] == "**does not fit** (peak 150.0 GiB)"
+    assert row["next"].startswith("do not apply") and row["realized"] == "not checked"
+    assert row["saving"] == "30.0% [20.0%, 40.0%]"
+    assert row["settings"] == "no trainer setting in Apply it"
+
+
+# ------------------------------------------------------------------------------------------
+# Three words, everywhere realize is reported
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("run,word", [("default", "agrees"), ("disagrees", "disagrees")])
+def test_the_same_word_in_the_summary_the_evidence_and_the_json(reports, run, word):
+    markdown, document = reports[run]
+    packing = next(c for c in document["changes"] if c["id"] == "packing")
+    assert packing["realized"]["verdict"] == word
+    assert set(document["realized_rule"].split()) >= {"agrees:", "disagrees:", "undecided:"}
+    (row,) = _verdict_rows(markdown)
+    assert row[4].strip("*").startswith(word)
+    realized = markdown.split("## Promised vs realized")[1].split("\n## ")[0]
+    assert f"| {word} |" in realized or f"| **{word}** |" in realized
+
+
+def test_undecided_in_the_summary_the_evidence_and_the_json(reports):
+    markdown, document = reports["undecided"]
+    packing = next(c for c in document["changes"] if c["id"] == "packing")
+    assert packing["realized"]["verdict"] == "undecided"
+    assert "realize.sample_steps" in packing["realized"]["next_action"]
+    realized = markdown.split("## Promised vs realized")[1].split("\n## ")[0]
+    assert "| **undecided** (realized interval 36 pp wide: too few steps to tell) |" in realized
+    assert "**Undecided:** Pack" in realized
+    # the old binary verdict with an exception bolted on is gone
+    assert "but the realized interval holds the promise" not in markdown
+
+
+def test_the_rule_is_stated_once(reports):
+    markdown, _ = reports["default"]
+    assert markdown.count("**undecided**: anything else") == 1
+
+
+def test_realize_words_are_only_the_three(reports):
+    for name, (markdown, document) in reports.items():
+        words = {c["realized"]["verdict"] for c in document["changes"]} - {None}
+        assert words <= {"agrees", "disagrees", "undecided"}, name
+        assert "not confirmed" not in markdown.lower(), name
+
+
+def test_recommendations_json_says_when_realize_did_not_check_a_change(reports):
+    _, document = reports["default"]
+    grouped = next(c for c in document["changes"] if c["id"] == "length_grouped")
+    assert grouped["realized"] == {"verdict": None, "status": "not checked by real training steps"}
+    assert grouped["settings_line"] == "`length_grouped_trainer(Trainer)(…, bucket_size_batches=4)`"
+
+
+# ------------------------------------------------------------------------------------------
+# The rendered markdown, checked as markdown
+# ------------------------------------------------------------------------------------------
+
+
+def test_every_rendered_report_reads_cleanly(reports):
+    for name, (markdown, _) in reports.items():
+        assert lint.problems(markdown) == [], name
+
+
+def test_every_section_keeps_its_table_in_the_new_order(reports):
+    markdown, _ = reports["default"]
+    headings = re.findall(r"^## (.+)$", markdown, re.M)
+    assert headings[0] == "Summary" and headings[-1] == "How these numbers were measured"
+    assert "### Provenance" in markdown.split("## How these numbers were measured")[1]
+    for header in (
+        "| rank | change | measured saving [95% interval] | versus | fit predicts |",
+        "| change | promised saving [95%] | realized saving [95%] | verdict |",
+        "| length | batch | status | step time |",
+        "| batching | token waste |",
+        "| category |",
+        "| strategy | bucket size |",
+        "| scenario | batch × length |",
+        "| stage | control |",
+        "| stage | status | config hash |",
+    ):
+        assert header in markdown, header
+
+
+def test_lint_finds_statements_run_together():
+    assert lint.problems("## A\n\nIt is best.**Not confirmed:** real steps.\n")
+    assert lint.problems("## A\n\nAll passed.Each probe recovers a value.\n")
+    # a dotted name or code is not two sentences
+    assert not lint.problems("## A\n\nUse probes.sampler.LengthGroupedSampler now.\n")
+    assert not lint.problems("## A\n\nSee `a.B` and [x](#a.B).\n")
+    assert lint.problems("## A\n\nThe convention is stated..\n")  # a stop after a stop
+    assert not lint.problems("## A\n\nLengths 38..4096 reach outside.\n")
+
+
+def test_lint_finds_an_empty_cell_where_a_value_is_expected():
+    table = "## A\n\nThe table.\n\n| a | b |\n|---|---|\n| 1 | {} |\n"
+    assert lint.problems(table.format(""))
+    assert lint.problems(table.format("None"))
+    assert not lint.problems(table.format("2"))
+    assert not lint.problems(table.format("—"))
+    # a sub-row may leave cells empty
+    assert not lint.problems("## A\n\nThe table.\n\n| a | b |\n|---|---|\n| | ↳ check |\n")
+
+
+def test_lint_finds_a_heading_without_its_finding():
+    assert lint.problems("## A\n\n| a |\n|---|\n| 1 |\n")
+    assert lint.problems("## A\n\nSource: `x.parquet`.\n")
+    assert lint.problems("## A\n\n- a list\n")
+    assert not lint.problems("## A\n\n**Not run.** no GPU.\n")
+    assert not lint.problems("## A\n\nPacking saves 10% of the time.\n")
+
+
+def test_fixture_columns_cover_the_memory_table_when_the_contract_has_it():
+    # the first screen reads these columns of results/memory/changes.parquet
+    columns = set(table_columns("memory_changes"))
+    assert {"strategy", "predicted_peak_gib", "headroom_gib", "verdict", "reason"} <= columns
