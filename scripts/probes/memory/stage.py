@@ -19,8 +19,8 @@ from probes.batching.plans import read_plans
 from probes.io import run_metadata
 from probes.mask.trace import config_from_dict, read_config_json
 from probes.memory.control import run_controls
+from probes.memory.layers import build_scaled_step, predict_scaled
 from probes.memory.predict import (
-    FakeStep,
     PredictError,
     Prediction,
     Shape,
@@ -60,7 +60,10 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     plans = _plans(inputs.get("plans"))
     model_config = str(inputs["model_config"])
     config = config_from_dict(read_config_json(model_config), source=model_config)
-    step = build_fake_step(
+    build, predict_fn = (build_fake_step, predict)
+    if cfg.memory.scale_layers:
+        build, predict_fn = (build_scaled_step, predict_scaled)
+    step = build(
         config,
         functions,
         cfg.mask.dtype,
@@ -69,7 +72,7 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     )
     LOG.info("model on fake tensors in %.1f s", step.build_seconds)
     shapes = shapes_to_predict(cfg, plans)
-    predictor = CachedPredictor(step)
+    predictor = CachedPredictor(step, predict_fn)
     target = int(cfg.memory.target_gib * GIB)
     shape_table = shapes_frame(shapes, predictor, target, gradient_checkpointing(cfg))
     fit_table = fitting_frame(shapes, predictor, target, cfg)
@@ -83,6 +86,7 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         "harness": cfg.profile.harness,
         "gradient_checkpointing": gradient_checkpointing(cfg),
         "plans": "read" if plans is not None else "not given: training shape only",
+        "scale_layers": cfg.memory.scale_layers,
         "build_seconds": step.build_seconds,
         "predictions": predictor.count,
         "wall_seconds": time.perf_counter() - start,
@@ -141,8 +145,9 @@ def shapes_to_predict(cfg: WorkflowConfig, plans: pd.DataFrame | None) -> list[t
 class CachedPredictor:
     """One prediction per distinct (rows, length, layout, loss positions)."""
 
-    def __init__(self, step: FakeStep) -> None:
+    def __init__(self, step: Any, predict_fn: Any = predict) -> None:
         self.step = step
+        self.predict_fn = predict_fn
         self.cache: dict[tuple, Prediction | PredictError] = {}
         self.count = 0
 
@@ -150,7 +155,7 @@ class CachedPredictor:
         key = (shape.rows, shape.length, shape.layout, shape.loss_positions())
         if key not in self.cache:
             try:
-                self.cache[key] = predict(self.step, shape)
+                self.cache[key] = self.predict_fn(self.step, shape)
                 self.count += 1
             except PredictError as error:
                 self.cache[key] = error
