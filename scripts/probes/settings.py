@@ -239,6 +239,7 @@ class MemoryConfig:
     allocator_round_bytes: int
     length_quantile: float
     tolerance: float
+    scale_layers: bool
 
 
 @dataclass(frozen=True)
