@@ -64,7 +64,7 @@ def test_stage_writes_every_table_with_verdicts(tmp_path, tiny_inputs, monkeypat
     cfg = workflow_config(
         training={"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 64},
         mask={"dtype": "float32"},
-        memory={"target_gib": 0.008, "allocator_round_bytes": 1},
+        memory={"target_gib": 0.008, "allocator_round_bytes": 1, "scale_layers": False},
     )
     outputs = outputs_in(tmp_path / "out")
     stage.run(tiny_inputs, outputs, cfg)
