@@ -65,7 +65,7 @@ def _time_head_variants(
 
 def head_variants(
     model: torch.nn.Module,
-    harness: Harness,
+    harness: Harness | None,
     labels: torch.Tensor,
     chunk_tokens: int,
 ) -> dict[str, HeadVariant]:
@@ -78,7 +78,7 @@ def head_variants(
     head = base.get_output_embeddings()
     softcap = model_text_config(model).get("final_logit_softcapping")
     n_loss = bt.loss_position_count(labels)
-    chunked_fn = harness.hook("loss_from_hidden")
+    chunked_fn = harness.hook("loss_from_hidden") if harness is not None else None
     if chunked_fn is not None:
         chunked_source = f"harness.loss_from_hidden ({qualified_name(chunked_fn)})"
     else:
@@ -112,7 +112,7 @@ def head_variants(
 
 def run_ce(
     model: torch.nn.Module,
-    harness: Harness,
+    harness: Harness | None,
     settings: Settings,
     length: int,
     step_time_s: float,
@@ -153,8 +153,9 @@ def run_ce(
             "chunk_tokens": None,
             "peak_mem_bytes": float("nan"),
             "source": (
-                f"step time at this length ({step_source}): harness.compute_loss + backward + "
-                "optimizer step"
+                f"step time at this length ({step_source}): "
+                + ("harness.compute_loss" if harness is not None else "trainer.training_step")
+                + " + backward + optimizer step"
             ),
         }
     ]

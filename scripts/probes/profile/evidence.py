@@ -83,6 +83,18 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
     return format(value, spec)
 
 
+def timed_step_line(described: dict[str, Any]) -> str:
+    """Which step was timed: the harness and its functions, or the user's trainer."""
+    if described.get("kind") == "trainer":
+        factory = described.get("factory") or {}
+        return (
+            f"trainer: {described['trainer']} ({described['trainer_module']}) from "
+            f"{factory.get('spec')}, collator {described['collator']}, "
+            f"settings {described['settings']}"
+        )
+    return f"harness: {described['spec']} -> {described['functions']}"
+
+
 def evidence_text(
     provenance: dict[str, Any],
     scaling: pd.DataFrame,
@@ -99,7 +111,7 @@ def evidence_text(
         "# probes profile: raw evidence",
         f"device: {device['name']} ({device['type']})"
         + (" CPU-ONLY RUN" if provenance["cpu_only"] else ""),
-        f"harness: {provenance['harness']['spec']} -> {provenance['harness']['functions']}",
+        timed_step_line(provenance["harness"]),
         f"dtype {provenance['dtype']}, attention {provenance['attn_implementation']}, "
         f"micro-batch {provenance['micro_batch_size']}, active params "
         f"{provenance['params']['active_params']:,}, trainable {provenance['trainable_params']:,}",

@@ -138,7 +138,7 @@ def run_flop_control(
     analytic = flop_model.step_flops(batch)
 
     def step(batch: dict[str, Any] = batch) -> None:
-        runner.harness.compute_loss(runner.model, batch).backward()
+        runner.forward_backward(batch)
 
     counter_error = None
     try:
@@ -147,7 +147,7 @@ def run_flop_control(
         LOG.error("FLOP control: FlopCounterMode failed: %s", error)
         counted, counter_error = {}, f"{type(error).__name__}: {error}"
     finally:
-        runner.optimizer.zero_grad(set_to_none=True)
+        runner.zero_grad()
     del batch
     release_memory(settings.device)
     control = fl.flop_counter_control(

@@ -1,4 +1,5 @@
-"""The profile stage: time real training steps of the real model through the user's harness.
+"""The profile stage: time real training steps of the real model through the user's trainer
+(trainer.factory) or harness (profile.harness).
 
 Order of work: fit control (cheap, fails fast) -> idle-card check -> load weights -> harness
 adapters -> scaling points -> fit -> FLOP-count control (FlopCounterMode on one real step) ->
@@ -9,8 +10,10 @@ written only once everything succeeded). MFU follows probes.profile.flops.MFU_CO
 from __future__ import annotations
 
 import logging
+import tempfile
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +41,9 @@ from probes.step import batches as bt
 from probes.step.cluster import slurm_environment
 from probes.step.dtype import resolve_dtype
 from probes.step.fit import fit_control, fit_step_time
-from probes.step.harness import load_harness
+from probes.step.harness import Harness, load_harness
 from probes.step.idle import check_idle_card, probe_card
+from probes.step.load import factory_of
 from probes.step.runner import (
     ProfileError,
     Settings,
@@ -50,6 +54,7 @@ from probes.step.runner import (
     resolve_device,
 )
 from probes.step.timing import OK
+from probes.step.trainer import load_trainer_step, probe_settings
 
 LOG = logging.getLogger("probes.profile")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["profile"])
@@ -100,6 +105,263 @@ def lengths_note(settings: Settings, device_type: str) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class ProfiledStep:
+    """The step the profile times, loaded once: the harness on the real model, or the user's
+    trainer (probes.step.load); what the MFU convention counts about it."""
+
+    runner: Any  # StepRunner | TrainerStep
+    model: torch.nn.Module
+    harness: Harness | None
+    vocab_size: int
+    pad_id: int
+    params: dict[str, Any]
+    trainable: int
+    flop_model: FlopModel
+    has_experts: bool
+    described: dict[str, Any]
+
+
+def load_profiled_step(
+    model_path: str | Path, config: Mapping[str, Any], settings: Settings
+) -> ProfiledStep:
+    """The user's trainer where trainer.factory is set (its model as it built it), else the
+    weights in the profiled dtype with the harness's adapters and optimizer."""
+    profile = config["profile"]
+    spec = factory_of(config)
+    if spec:
+        output_dir = tempfile.mkdtemp(prefix="probes-trainer-")
+        step_settings = probe_settings(
+            output_dir, settings.device, settings.dtype, None, settings.seed
+        )
+        runner = load_trainer_step(spec, step_settings)
+        model, harness, head_positions = runner.model, None, "all"  # the stock loss
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        params = fl.model_active_parameters(base)
+        described = runner.describe()
+    else:
+        harness = load_harness(profile["harness"])
+        model = load_model(model_path, settings, profile["attn_implementation"])
+        params = fl.model_active_parameters(model)
+        options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}
+        model, optimizer, targets = prepare_harness(model, harness, options)
+        runner = StepRunner(model, harness, optimizer, settings.device)
+        head_positions = fl.head_positions_of(harness.module)
+        described = {**harness.describe(), "target_modules": targets, "options": options}
+    text_config = model_text_config(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    LOG.info(
+        "%s: %d trainable params; active params %d",
+        described.get("trainer") or described.get("spec"),
+        trainable,
+        params["active_params"],
+    )
+    return ProfiledStep(
+        runner=runner,
+        model=model,
+        harness=harness,
+        vocab_size=int(text_config["vocab_size"]),
+        pad_id=int(text_config.get("pad_token_id") or 0),
+        params=params,
+        trainable=int(trainable),
+        flop_model=FlopModel(
+            params=fl.step_parameters(model),
+            head_positions=head_positions,
+            active_params=params["active_params"],
+            text_config=text_config,
+        ),
+        has_experts=fl.moe_active_fraction(text_config) is not None,
+        described=described,
+    )
+
+
+def training_loss_share(
+    train: Any, profile: Mapping[str, Any], training: Mapping[str, Any]
+) -> tuple[float, str]:
+    """Which tokens carry loss (training.loss_on): the padding stage counted them per example."""
+    if profile.get("loss_fraction") is not None:
+        return float(profile["loss_fraction"]), "config profile.loss_fraction"
+    if training.get("loss_on", "assistant") == "all":
+        return 1.0, "training.loss_on: all"
+    return bt.loss_fraction(
+        train
+    ), "n_loss_tokens / n_tokens of the padding lengths (training.loss_on)"
+
+
+def check_batchable(train: Any, settings: Settings) -> None:
+    """Fail before loading weights if no micro-batch fits the longest length at all; with fewer
+    examples than a micro-batch no length can help: the penalty is skipped, said, the rest runs."""
+    if len(train) >= settings.micro_batch:
+        bt.padding_length_band(train, max(settings.lengths), settings.micro_batch)
+    else:
+        LOG.warning(
+            "%s",
+            bt.too_few_for_a_batch(train, len(train), max(settings.lengths), settings.micro_batch),
+        )
+
+
+def peak_of(profile: Mapping[str, Any], settings: Settings, device_name: str) -> tuple[Any, str]:
+    """The peak TFLOP/s MFU divides by, and where it came from."""
+    if profile.get("peak_tflops") is not None:
+        return profile["peak_tflops"], "config profile.peak_tflops"
+    peak = fl.peak_tflops_for(device_name) if not settings.cpu_only else None
+    if peak is not None:
+        return peak, f"bf16 dense peak for '{device_name}'"
+    return None, "unknown for this device: MFU is NaN (set profile.peak_tflops)"
+
+
+def measure_scaling(
+    step: ProfiledStep, settings: Settings, loss_share: float, peak: Any
+) -> tuple[Any, Any, Any]:
+    """The scaling points, their fit, and the points that ran (fails when none did)."""
+    scaling = run_scaling(step.runner, settings, loss_share, step.vocab_size, step.flop_model, peak)
+    ok = scaling[scaling["status"] == OK]
+    fit = fit_step_time(ok["seq_len"].tolist(), ok["time_s"].tolist())
+    LOG.info("fit: %s (%s)", fit.method, fit.message)
+    scaling = add_fit_columns(scaling, fit)
+    if ok.empty:
+        raise ProfileError(
+            f"every scaling point failed ({scaling['status'].tolist()} at {settings.lengths}); "
+            "lower profile lengths or the micro-batch size."
+        )
+    return scaling, fit, ok
+
+
+def measure_penalty(
+    step: ProfiledStep, settings: Settings, train: Any, profile: Mapping[str, Any], fit, ok
+):
+    """The padding batches come from the upper length band and stay within the lengths that
+    ran, so the fit interpolates them."""
+    try:
+        picks = bt.pick_padding_batches(
+            train,
+            settings.micro_batch,
+            int(ok["seq_len"].max()),
+            settings.seed,
+            profile["padding_draws"],
+            profile["padding_waste_quantile"],
+            n_batches=int(
+                profile["cuda" if settings.device.type == "cuda" else "cpu"]["padding_batches"]
+            ),
+        )
+        return run_padding_penalty(step.runner, settings, picks, fit, step.vocab_size, step.pad_id)
+    except LengthsError as error:
+        LOG.warning("padding penalty skipped: %s", error)
+        return skipped_penalty(str(error))
+
+
+def probe_point(settings: Settings, ok: Any, fit: Any) -> tuple[int, float, bool]:
+    """CE and kernel probes at one length: the longest on a GPU (where attention and the head
+    weigh most), the shortest on CPU (to keep the fallback run short); its step time, and
+    whether it was measured (else the fit's)."""
+    probe_length = settings.probe_length or int(
+        ok["seq_len"].max() if settings.device.type == "cuda" else ok["seq_len"].min()
+    )
+    measured = probe_length in set(ok["seq_len"])
+    step_at_probe = (
+        float(ok.loc[ok["seq_len"] == probe_length, "time_s"].iloc[0])
+        if measured
+        else fit.predict(probe_length)
+    )
+    return probe_length, step_at_probe, measured
+
+
+def control_record(controls: list[dict[str, Any]], provenance: dict[str, Any]) -> dict[str, Any]:
+    """A control may guard one derived figure only (the FLOP count guards MFU): its failure
+    marks that figure, not the stage. Raises when a control that gates the stage failed."""
+    unverified = [c["mfu_unverified_reason"] for c in controls if c.get("mfu_unverified_reason")]
+    provenance["mfu_verified"] = not unverified
+    provenance["mfu_unverified_reason"] = unverified[0] if unverified else None
+    if unverified:
+        LOG.warning("MFU unverified: %s", unverified[0])
+    passed = all(c["passed"] for c in controls if c.get("gates_stage", True))
+    if not passed:
+        failed = [c["name"] for c in controls if not c["passed"] and c.get("gates_stage", True)]
+        observed = [c["observed"] for c in controls]
+        raise ControlFailedError(f"control(s) failed: {failed}: {observed}")
+    return {
+        "name": "profile_controls",
+        "description": (
+            "the scaling fit recovers known coefficients; the analytic FLOP count matches "
+            "FlopCounterMode on a real step; kernel sum <= profiled wall"
+        ),
+        "expected": {c["name"]: c["expected"] for c in controls},
+        "observed": {c["name"]: c["observed"] for c in controls},
+        "passed": passed,
+        "mfu_verified": provenance["mfu_verified"],
+        "mfu_unverified_reason": provenance["mfu_unverified_reason"],
+        "checks": controls,
+    }
+
+
+def profile_provenance(
+    step: ProfiledStep,
+    settings: Settings,
+    profile: Mapping[str, Any],
+    run: dict[str, Any],
+    model_path: str | Path,
+    recommendation_path: str | Path | None,
+    *,
+    idle: Any,
+    device: dict[str, Any],
+    beyond_note: str | None,
+    probe_length: int,
+    measured: bool,
+    loss: tuple[float, str],
+    peak: tuple[Any, str],
+) -> dict[str, Any]:
+    """What the profile ran, on what, by which convention (provenance.json; one table)."""
+    return {
+        "device": device,
+        "cpu_only": settings.cpu_only,
+        "dtype": str(settings.dtype).replace("torch.", ""),
+        "dtype_reason": settings.dtype_reason,
+        "attn_implementation": profile["attn_implementation"],
+        "lengths": settings.lengths,
+        "lengths_note": beyond_note,
+        "warmup": settings.warmup,
+        "warmup_scope": "every timing (each is a new shape: probes.step.timing.ShapesRun)",
+        "repeats": settings.repeats,
+        "kernel_steps": settings.kernel_steps,
+        "probe_length": probe_length,
+        "probe_step_time_source": "measured" if measured else "fit",
+        "micro_batch_size": settings.micro_batch,
+        "loss_fraction": loss[0],
+        "loss_fraction_source": loss[1],
+        "model_path": str(model_path),
+        "params": step.params,
+        "trainable_params": step.trainable,
+        "step_parameters": step.flop_model.params.as_dict(),
+        "lm_head_positions": step.flop_model.head_positions,
+        "has_experts": step.has_experts,
+        "peak_tflops": peak[0],
+        "peak_tflops_source": peak[1],
+        "mfu_convention": fl.MFU_CONVENTION,
+        "harness": step.described,
+        "idle_check": idle,
+        "slurm": slurm_environment(),
+        "bucket_recommendation": read_recommendation(recommendation_path),
+        "versions": run["versions"],
+        "run": run,
+    }
+
+
+def profile_summary(device_info, settings, scaling, fit, penalty, ce, kernels) -> dict[str, Any]:
+    """The log's summary of the stage."""
+    return {
+        "device": device_info["name"],
+        "cpu_only": settings.cpu_only,
+        "scaling": scaling[["seq_len", "status", "time_s", "mfu"]].to_dict("records"),
+        "fit": {"a": fit.a, "b": fit.b, "c": fit.c, "method": fit.method},
+        "padding_penalty": penalty[
+            ["variant", "measured_penalty", "measured_penalty_min", "measured_penalty_max"]
+        ].to_dict("records"),
+        "ce": ce[["variant", "status", "time_s", "step_share"]].to_dict("records"),
+        "kernel_sum_s": float(kernels["device_time_s"].sum()),
+        "kernel_wall_s": float(kernels["wall_s"].iloc[0]) if len(kernels) else float("nan"),
+    }
+
+
 def run_profile(
     lengths_path: str | Path,
     recommendation_path: str | Path | None,
@@ -125,199 +387,73 @@ def run_profile(
     beyond_note = lengths_note(settings, settings.device.type)
     if beyond_note:
         LOG.warning("%s", beyond_note)
-
     # the fit's positive control first: cheap, and a broken fit must not cost a GPU run
     controls = [fit_control(settings.lengths)]
     if not controls[0]["passed"]:
         raise ControlFailedError(f"positive control failed: {controls[0]}")
-
     train = read_training_lengths(lengths_path, settings.max_seq_len)
-    # which tokens carry loss (training.loss_on): the padding stage counted them per example
-    if profile.get("loss_fraction") is not None:
-        loss_share, loss_source = float(profile["loss_fraction"]), "config profile.loss_fraction"
-    elif training.get("loss_on", "assistant") == "all":
-        loss_share, loss_source = 1.0, "training.loss_on: all"
-    else:
-        loss_share = bt.loss_fraction(train)
-        loss_source = "n_loss_tokens / n_tokens of the padding lengths (training.loss_on)"
-    # fail before loading weights if no micro-batch fits the longest length at all; with fewer
-    # examples than a micro-batch no length can help: the penalty is skipped, said, the rest runs
-    if len(train) >= settings.micro_batch:
-        bt.padding_length_band(train, max(settings.lengths), settings.micro_batch)
-    else:
-        LOG.warning(
-            "%s",
-            bt.too_few_for_a_batch(train, len(train), max(settings.lengths), settings.micro_batch),
-        )
-    harness = load_harness(profile["harness"])
-
+    loss_share, loss_source = training_loss_share(train, profile, training)
+    check_batchable(train, settings)
     idle = check_idle_card(profile, settings.device, card_probe, sleep)
-
     if settings.cpu_only:
         torch.set_num_threads(int(profile["cpu"]["threads"]))
     torch.manual_seed(settings.seed)
-    model = load_model(model_path, settings, profile["attn_implementation"])
-    params = fl.model_active_parameters(model)
-    text_config = model_text_config(model)
-    vocab_size = int(text_config["vocab_size"])
-    pad_id = int(text_config.get("pad_token_id") or 0)
-    options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}
-    model, optimizer, targets = prepare_harness(model, harness, options)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    flop_model = FlopModel(
-        params=fl.step_parameters(model),
-        head_positions=fl.head_positions_of(harness.module),
-        active_params=params["active_params"],
-        text_config=text_config,
-    )
-    has_experts = fl.moe_active_fraction(text_config) is not None
-    runner = StepRunner(model, harness, optimizer, settings.device)
+    step = load_profiled_step(model_path, config, settings)
     device_info = device_description(settings.device)
-    peak = profile.get("peak_tflops")
-    peak_source = "config profile.peak_tflops"
-    if peak is None:
-        peak = fl.peak_tflops_for(device_info["name"]) if not settings.cpu_only else None
-        peak_source = (
-            f"bf16 dense peak for '{device_info['name']}'"
-            if peak is not None
-            else "unknown for this device: MFU is NaN (set profile.peak_tflops)"
-        )
-    LOG.info(
-        "harness %s: %d target modules, %d trainable params; active params %d",
-        harness.spec,
-        len(targets),
-        trainable,
-        params["active_params"],
-    )
+    peak, peak_source = peak_of(profile, settings, device_info["name"])
 
-    scaling = run_scaling(runner, settings, loss_share, vocab_size, flop_model, peak)
-    ok = scaling[scaling["status"] == OK]
-    fit = fit_step_time(ok["seq_len"].tolist(), ok["time_s"].tolist())
-    LOG.info("fit: %s (%s)", fit.method, fit.message)
-    scaling = add_fit_columns(scaling, fit)
-    if ok.empty:
-        raise ProfileError(
-            f"every scaling point failed ({scaling['status'].tolist()} at {settings.lengths}); "
-            "lower profile lengths or the micro-batch size."
-        )
-
-    # the FLOP count of the MFU convention, checked by counting one real step (smallest length)
-    controls.append(
+    scaling, fit, ok = measure_scaling(step, settings, loss_share, peak)
+    controls.append(  # the FLOP count of the MFU convention, on one real step (shortest length)
         run_flop_control(
-            runner, settings, int(ok["seq_len"].min()), loss_share, vocab_size, flop_model
+            step.runner,
+            settings,
+            int(ok["seq_len"].min()),
+            loss_share,
+            step.vocab_size,
+            step.flop_model,
         )
     )
-    # the padding batches come from the upper length band and stay within the lengths that
-    # ran, so the fit interpolates them
-    try:
-        picks = bt.pick_padding_batches(
-            train,
-            settings.micro_batch,
-            int(ok["seq_len"].max()),
-            settings.seed,
-            profile["padding_draws"],
-            profile["padding_waste_quantile"],
-            n_batches=int(
-                profile["cuda" if settings.device.type == "cuda" else "cpu"]["padding_batches"]
-            ),
-        )
-        penalty = run_padding_penalty(runner, settings, picks, fit, vocab_size, pad_id)
-    except LengthsError as error:
-        LOG.warning("padding penalty skipped: %s", error)
-        penalty = skipped_penalty(str(error))
-    # CE and kernel probes at one length: the longest on a GPU (where attention and the head
-    # weigh most), the shortest on CPU (to keep the fallback run short)
-    probe_length = settings.probe_length or int(
-        ok["seq_len"].max() if settings.device.type == "cuda" else ok["seq_len"].min()
-    )
-    ok_lengths = set(ok["seq_len"])
-    step_at_probe = (
-        float(ok.loc[ok["seq_len"] == probe_length, "time_s"].iloc[0])
-        if probe_length in ok_lengths
-        else fit.predict(probe_length)
-    )
+    penalty = measure_penalty(step, settings, train, profile, fit, ok)
+    probe_length, step_at_probe, measured = probe_point(settings, ok, fit)
     ce = run_ce(
-        model,
-        harness,
+        step.model,
+        step.harness,
         settings,
         probe_length,
         step_at_probe,
         loss_share,
-        vocab_size,
+        step.vocab_size,
         int(profile["ce_chunk_tokens"]),
-        "measured" if probe_length in ok_lengths else "predicted by the fit",
+        "measured" if measured else "predicted by the fit",
     )
     kernels, raw_table, check = run_kernel_profile(
-        runner,
+        step.runner,
         settings,
         probe_length,
         loss_share,
-        vocab_size,
+        step.vocab_size,
         profile["double_count_tolerance"],
-        has_experts,
+        step.has_experts,
     )
     controls.append(check)
 
     run = run_metadata(dict(config))
-    provenance = {
-        "device": device_info,
-        "cpu_only": settings.cpu_only,
-        "dtype": str(settings.dtype).replace("torch.", ""),
-        "dtype_reason": settings.dtype_reason,
-        "attn_implementation": profile["attn_implementation"],
-        "lengths": settings.lengths,
-        "lengths_note": beyond_note,
-        "warmup": settings.warmup,
-        "warmup_scope": "every timing (each is a new shape: probes.step.timing.ShapesRun)",
-        "repeats": settings.repeats,
-        "kernel_steps": settings.kernel_steps,
-        "probe_length": probe_length,
-        "probe_step_time_source": "measured" if probe_length in ok_lengths else "fit",
-        "micro_batch_size": settings.micro_batch,
-        "loss_fraction": loss_share,
-        "loss_fraction_source": loss_source,
-        "model_path": str(model_path),
-        "params": params,
-        "trainable_params": int(trainable),
-        "step_parameters": flop_model.params.as_dict(),
-        "lm_head_positions": flop_model.head_positions,
-        "has_experts": has_experts,
-        "peak_tflops": peak,
-        "peak_tflops_source": peak_source,
-        "mfu_convention": fl.MFU_CONVENTION,
-        "harness": {**harness.describe(), "target_modules": targets, "options": options},
-        "idle_check": idle,
-        "slurm": slurm_environment(),
-        "bucket_recommendation": read_recommendation(recommendation_path),
-        "versions": run["versions"],
-        "run": run,
-    }
-    # a control may guard one derived figure only (the FLOP count guards MFU): its failure marks
-    # that figure, not the stage
-    unverified = [c["mfu_unverified_reason"] for c in controls if c.get("mfu_unverified_reason")]
-    provenance["mfu_verified"] = not unverified
-    provenance["mfu_unverified_reason"] = unverified[0] if unverified else None
-    if unverified:
-        LOG.warning("MFU unverified: %s", unverified[0])
-    passed = all(c["passed"] for c in controls if c.get("gates_stage", True))
-    control = {
-        "name": "profile_controls",
-        "description": (
-            "the scaling fit recovers known coefficients; the analytic FLOP count matches "
-            "FlopCounterMode on a real step; kernel sum <= profiled wall"
-        ),
-        "expected": {c["name"]: c["expected"] for c in controls},
-        "observed": {c["name"]: c["observed"] for c in controls},
-        "passed": passed,
-        "mfu_verified": provenance["mfu_verified"],
-        "mfu_unverified_reason": provenance["mfu_unverified_reason"],
-        "checks": controls,
-    }
-    if not passed:
-        failed = [c["name"] for c in controls if not c["passed"] and c.get("gates_stage", True)]
-        observed = [c["observed"] for c in controls]
-        raise ControlFailedError(f"control(s) failed: {failed}: {observed}")
-
+    provenance = profile_provenance(
+        step,
+        settings,
+        profile,
+        run,
+        model_path,
+        recommendation_path,
+        idle=idle,
+        device=device_info,
+        beyond_note=beyond_note,
+        probe_length=probe_length,
+        measured=measured,
+        loss=(loss_share, loss_source),
+        peak=(peak, peak_source),
+    )
+    control = control_record(controls, provenance)
     text = evidence_text(provenance, scaling, fit, penalty, ce, kernels, raw_table, controls)
     with all_or_nothing(outputs) as out:
         out.parquet("scaling", scaling, run)
@@ -328,18 +464,7 @@ def run_profile(
         out.text("raw", text)
         out.json("provenance", provenance)
         out.json("control", control)
-    return {
-        "device": device_info["name"],
-        "cpu_only": settings.cpu_only,
-        "scaling": scaling[["seq_len", "status", "time_s", "mfu"]].to_dict("records"),
-        "fit": {"a": fit.a, "b": fit.b, "c": fit.c, "method": fit.method},
-        "padding_penalty": penalty[
-            ["variant", "measured_penalty", "measured_penalty_min", "measured_penalty_max"]
-        ].to_dict("records"),
-        "ce": ce[["variant", "status", "time_s", "step_share"]].to_dict("records"),
-        "kernel_sum_s": float(kernels["device_time_s"].sum()),
-        "kernel_wall_s": float(kernels["wall_s"].iloc[0]) if len(kernels) else float("nan"),
-    }
+    return profile_summary(device_info, settings, scaling, fit, penalty, ce, kernels)
 
 
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:

@@ -220,6 +220,15 @@ class TrainerStep:
         if mark is not None:
             mark("optimizer")
 
+    def timed(self, micro_batches: Any, warmup: int, repeats: int) -> Any:
+        """As StepRunner.timed: whole steps of these micro-batches, warmed, repeated."""
+        from probes.step.timing import OK, time_repeats
+
+        timing = time_repeats(lambda: self.step(micro_batches), self.device, warmup, repeats)
+        if timing.status != OK:
+            self.zero_grad()
+        return timing
+
     def run_rows(self, rows: Sequence[Any], mark: Callable[[str], None]) -> None:
         """One optimizer step of plan rows through ``trainer.train()`` itself: its dataloader
         yields exactly these micro-batches (the trainer's collator over its rows), its loop

@@ -333,3 +333,27 @@ def test_one_usable_example_profiles_everything_but_the_padding_penalty(tmp_path
     assert "use more data" in penalty["pick"].iloc[0]
     assert (pd.read_parquet(out["scaling"])["status"] == "OK").all()
     assert not pd.read_parquet(out["ce"]).empty and not pd.read_parquet(out["kernels"]).empty
+
+
+@pytest.mark.parametrize("kind", ["sft", "plain"])
+def test_a_trainer_is_profiled_through_its_own_training_step(
+    tmp_path, lengths_path, tiny_model_dir, kind
+):
+    """trainer.factory set: the scaling, penalty, FLOP and kernel probes time the trainer's own
+    training_step (SFTTrainer with LoRA, a plain Trainer), and the provenance says which."""
+    from trainer_factories import write_factory
+
+    from conftest import chat_rows, write_jsonl
+
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(12))
+    spec = write_factory(tmp_path, tiny_model_dir, data, kind, micro=2, max_length=64)
+    config = stage_config()
+    config["trainer"] = {"factory": spec}
+    out = outputs_in(tmp_path / "out")
+    summary = run_profile(lengths_path, None, tiny_model_dir, out, config)
+    assert all(point["status"] == "OK" for point in summary["scaling"])
+    provenance = json.loads(Path(out["provenance"]).read_text())
+    assert provenance["harness"]["kind"] == "trainer"
+    assert provenance["harness"]["factory"]["spec"] == spec
+    assert provenance["lm_head_positions"] == "all"  # the trainer's stock loss
+    assert "trainer:" in Path(out["raw"]).read_text()
