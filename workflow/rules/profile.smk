@@ -26,6 +26,7 @@ rule profile:
         gpu=1,
     params:
         # the config sections the stage reads: a change reruns it
+        trainer=config["trainer"],
         profile=config["profile"],
         training=config["training"],
     script:
