@@ -5,66 +5,25 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pandas as pd
 import pytest
-from stage_fixtures import write_results
 
-from conftest import REPO, workflow_config
 from probes.contracts import table_columns
-from probes.io import write_parquet
 from probes.report import lint
-from probes.report import stage as report_stage
 from probes.report.sections.verdicts import memory_check, verdicts_section
 
-TEMPLATE = REPO / "workflow" / "templates" / "playbook-evidence.md.j2"
 VERDICT_HEADER = "| # | change | settings | measured saving [95%] | realized | memory | next |"
 
 
-def _render(root: Path, plant=None, **kwargs) -> tuple[str, dict]:
-    paths = write_results(root / "results", **kwargs)
-    if plant:
-        plant(paths)
-    out = root / "results" / "report"
-    outputs = {
-        "markdown": str(out / "playbook-evidence.md"),
-        "figures": str(out / "figures"),
-        "recommendations": str(out / "recommendations.json"),
-    }
-    report_stage.run(
-        {**paths, "template": TEMPLATE}, outputs, workflow_config(report={"figure_dpi": 30})
-    )
-    document = json.loads((out / "recommendations.json").read_text())
-    return (out / "playbook-evidence.md").read_text(), document
-
-
-def _too_wide_to_tell(paths) -> None:
-    """The change's realized saving 12 pp under the promise on an interval that holds it."""
-    frame = pd.read_parquet(paths["realize_realized"])
-    change = frame["role"] == "change"
-    promised = float(frame.loc[change, "promised_saving"].iloc[0])
-    frame.loc[change, "realized_saving"] = promised - 0.12
-    frame.loc[change, "realized_saving_ci_low"] = promised - 0.30
-    frame.loc[change, "realized_saving_ci_high"] = promised + 0.06
-    frame.loc[change, "verdict"] = "disagrees"  # the two-way word an older stage wrote
-    write_parquet(frame, paths["realize_realized"], {})
-
-
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory) -> dict[str, tuple[str, dict]]:
-    """The fixture report as each kind of run renders it."""
-    runs = {
-        "default": {},
-        "profile not run": {"profile": "not_run"},
-        "cpu": {"profile": "cpu"},
-        "disagrees": {"failed": ("realize_verdict",)},
-        "undecided": {"plant": _too_wide_to_tell},
-    }
-    return {
-        name: _render(tmp_path_factory.mktemp(name.replace(" ", "-")), **kwargs)
-        for name, kwargs in runs.items()
-    }
+def reports(report_run) -> dict[str, tuple[str, dict]]:
+    """Each kind of run's markdown and recommendations.json (conftest.report_run renders)."""
+    out = {}
+    for name in ("default", "profile not run", "cpu", "disagrees", "undecided", "none faster"):
+        markdown, path = report_run(name)
+        out[name] = (markdown, json.loads((path.parent / "recommendations.json").read_text()))
+    return out
 
 
 def _first_screen(markdown: str, lines: int = 40) -> str:
@@ -122,6 +81,14 @@ def test_without_a_replay_the_first_screen_says_why(reports):
     screen = _first_screen(reports["profile not run"][0])
     assert "**No measured savings:** the replay did not run" in screen
     assert VERDICT_HEADER not in screen
+
+
+def test_when_nothing_is_faster_the_first_screen_says_so(reports):
+    markdown, document = reports["none faster"]
+    screen = _first_screen(markdown)
+    assert "No change is measurably faster than random batching here." in screen
+    assert VERDICT_HEADER not in screen and "- Measured, not recommended: " in screen
+    assert not any(c["recommended"] for c in document["changes"])
 
 
 def test_memory_column_reads_the_memory_stage_when_it_ran():

@@ -20,33 +20,22 @@ from stage_fixtures import (
     write_results,
 )
 
-from conftest import CANARY, REPO, workflow_config
+from conftest import CANARY, REPO
 from probes.contracts import STAGES, TABLES, TRAINING_STATUSES, table_columns
 from probes.io import read_json, write_json, write_parquet
 from probes.profile.flops import MFU_CONVENTION
 from probes.report import findings, load
 from probes.report import format as fmt
 from probes.report import render as rep
-from probes.report import stage as report_stage
 from probes.report.sections import bucket as bucket_sections
 from probes.report.sections import ce as ce_sections
 from probes.report.sections import controls as controls_sections
 from probes.report.sections import mask as mask_sections
 from probes.report.sections import padding as padding_sections
 
-TEMPLATE = REPO / "workflow" / "templates" / "playbook-evidence.md.j2"
+from .renders import run_report
+
 SCRIPT = REPO / "scripts" / "run_report.py"
-
-
-def run_report(paths, out: Path, dpi: int = 40) -> None:
-    """The report stage as its script runs it, on fixture inputs."""
-    outputs = {
-        "markdown": str(out),
-        "figures": str(out.parent / "figures"),
-        "recommendations": str(out.parent / "recommendations.json"),
-    }
-    inputs = {**paths, "template": TEMPLATE}
-    report_stage.run(inputs, outputs, workflow_config(report={"figure_dpi": dpi}))
 
 
 def render(tmp_path: Path, **kwargs) -> tuple[str, Path]:
@@ -57,13 +46,13 @@ def render(tmp_path: Path, **kwargs) -> tuple[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory) -> tuple[str, Path]:
-    return render(tmp_path_factory.mktemp("report"))
+def rendered(report_run) -> tuple[str, Path]:
+    return report_run("default")
 
 
 @pytest.fixture(scope="module")
-def rendered_not_run(tmp_path_factory) -> tuple[str, Path]:
-    return render(tmp_path_factory.mktemp("report-not-run"), profile="not_run")
+def rendered_not_run(report_run) -> tuple[str, Path]:
+    return report_run("profile not run")
 
 
 def section(markdown: str, title: str) -> str:
@@ -207,7 +196,8 @@ def test_overlapping_intervals_are_reported_as_a_tie(tmp_path):
         "Highest measured saving: **Pack whole examples into 4,096-token rows**, 40.0%" in measured
     )
     assert "versus random batches, tied with others (below)" in measured
-    assert re.search(r"^- \*\*Tie:\*\*", section(markdown, "Measured savings"), re.M)  # its own line
+    # its own line
+    assert re.search(r"^- \*\*Tie:\*\*", section(markdown, "Measured savings"), re.M)
 
 
 def test_bucket_figure_labels_bucket_sizes_without_collisions():
@@ -833,8 +823,8 @@ def test_replay_notes_read_the_instrument_coverage_and_stopping():
 
 
 @pytest.fixture(scope="module")
-def rendered_disagreement(tmp_path_factory):
-    return render(tmp_path_factory.mktemp("realize"), failed=("realize_verdict",))[0]
+def rendered_disagreement(report_run):
+    return report_run("disagrees")[0]
 
 
 def test_the_report_shows_the_disagreement_in_the_same_word_everywhere(rendered_disagreement):

@@ -1,0 +1,62 @@
+"""The fixture report's kinds of run and how the report stage renders them (conftest.report_run
+renders each once per session)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+
+from conftest import REPO, workflow_config
+from probes.io import write_parquet
+from probes.report import stage as report_stage
+
+TEMPLATE = REPO / "workflow" / "templates" / "playbook-evidence.md.j2"
+
+
+def run_report(paths, out: Path, dpi: int = 40) -> None:
+    """The report stage as its script runs it, on fixture inputs."""
+    outputs = {
+        "markdown": str(out),
+        "figures": str(out.parent / "figures"),
+        "recommendations": str(out.parent / "recommendations.json"),
+    }
+    inputs = {**paths, "template": TEMPLATE}
+    report_stage.run(inputs, outputs, workflow_config(report={"figure_dpi": dpi}))
+
+
+def too_wide_to_tell(paths) -> None:
+    """The checked change's realized saving 12 pp under its promise, on a realized interval
+    (36 pp wide) that still holds the promise: the check cannot tell."""
+    frame = pd.read_parquet(paths["realize_realized"])
+    change = frame["role"] == "change"
+    promised = float(frame.loc[change, "promised_saving"].iloc[0])
+    frame.loc[change, "realized_saving"] = promised - 0.12
+    frame.loc[change, "realized_saving_ci_low"] = promised - 0.30
+    frame.loc[change, "realized_saving_ci_high"] = promised + 0.06
+    frame.loc[change, "verdict"] = "disagrees"  # the two-way word an older stage wrote
+    write_parquet(frame, paths["realize_realized"], {})
+
+
+def none_faster(paths) -> None:
+    """Every change's measured interval includes 0: nothing is recommended."""
+    table = pd.read_parquet(paths["replay_estimates"])
+    changes = table["strategy"] != "random"
+    table.loc[changes, "saving_vs_random"] = 0.01
+    table.loc[changes, "saving_ci_low"] = -0.05
+    table.loc[changes, "saving_ci_high"] = 0.07
+    table.loc[changes, "tie_group"] = 1
+    table.loc[changes, "rank"] = 1
+    write_parquet(table, paths["replay_estimates"], {})
+
+
+# name -> (write_results keyword arguments, a function that plants a change in the outputs)
+RUNS: dict[str, tuple[dict, Callable | None]] = {
+    "default": ({}, None),
+    "profile not run": ({"profile": "not_run"}, None),
+    "cpu": ({"profile": "cpu"}, None),
+    "disagrees": ({"failed": ("realize_verdict",)}, None),
+    "undecided": ({}, too_wide_to_tell),
+    "none faster": ({}, none_faster),
+}
