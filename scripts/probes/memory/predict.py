@@ -277,6 +277,12 @@ def predict(step: FakeStep, shape: Shape) -> Prediction:
             f"shape {shape.name}: fake tensors cannot follow a data-dependent op "
             f"({error.func}) in the model or harness; no assumption is built in for it"
         ) from error
+    except RuntimeError as error:  # an op with no fake (meta) kernel for these inputs
+        first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        raise PredictError(
+            f"shape {shape.name}: an op cannot run on fake tensors ({type(error).__name__}: "
+            f"{first})"
+        ) from error
     finally:
         step.optimizer.zero_grad(set_to_none=True)
     assumptions = list(step.notes)
@@ -284,8 +290,13 @@ def predict(step: FakeStep, shape: Shape) -> Prediction:
         assumptions.append(
             f"boolean indexing answered with {shape.loss_positions()} loss positions"
         )
-    if tracker.sdpa_ops:
+    if any("scaled_dot_product" in op for op in tracker.sdpa_ops):
         assumptions.append("attention: fused SDPA (O(T) memory per head), as flash/cuDNN")
+    if any("grouped_mm" in op for op in tracker.sdpa_ops):
+        assumptions.append(
+            "MoE experts as grouped matmuls over tokens x top-k rows: memory independent of "
+            "the routing (any routing, balanced included, gives this figure)"
+        )
     return Prediction(
         shape=shape,
         peak_bytes=int(fields["peak_bytes"]),

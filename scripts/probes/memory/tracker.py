@@ -73,7 +73,7 @@ class StepTracker(TorchDispatchMode):
         self.live = 0
         self.ops = 0
         self.bool_index_calls = 0
-        self.sdpa_ops: dict[str, int] = {}
+        self.sdpa_ops: dict[str, int] = {}  # attention and grouped (MoE expert) matmuls
 
     # -- counting ------------------------------------------------------------------------------
 
@@ -119,7 +119,7 @@ class StepTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.ops += 1
         name = func.__name__
-        if "scaled_dot_product" in name:
+        if "scaled_dot_product" in name or "grouped_mm" in name:
             self.sdpa_ops[name] = self.sdpa_ops.get(name, 0) + 1
         for tensor in tree_flatten(out)[0]:
             if isinstance(tensor, torch.Tensor):

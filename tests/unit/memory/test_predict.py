@@ -97,3 +97,29 @@ def test_data_dependent_op_is_unknown_with_its_reason(tiny_step):
     with pytest.raises(PredictError, match="data-dependent"):
         predict(step, Shape("x", 1, 16))
     torch.manual_seed(0)
+
+
+TINY_MOE = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "vocab_size": 64,
+    "head_dim": 8,
+}
+
+
+def test_moe_config_runs_with_its_assumption_stated(functions):
+    step = build_fake_step(config_from_dict(dict(TINY_MOE)), functions, "bfloat16")
+    found = predict(step, Shape("moe", 2, 16))
+    assert found.peak_bytes > 0
+    assert any("MoE experts" in a and "routing" in a for a in found.assumptions)
+    # float32 has no fake kernel for the grouped matmul: unknown, with the op's own words
+    step32 = build_fake_step(config_from_dict(dict(TINY_MOE)), functions, "float32")
+    with pytest.raises(PredictError, match="cannot run on fake tensors"):
+        predict(step32, Shape("moe", 2, 16))
