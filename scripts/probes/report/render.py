@@ -46,6 +46,7 @@ from probes.report.sections.verdicts import (
     device_line,
     memory_table,
     memory_target,
+    timed_step,
     verdicts_section,
 )
 
@@ -71,7 +72,7 @@ def build_context(
     memory = memory_table(inputs)
     return {
         # the first screen: the device, one verdict row per recommended change
-        "device": device_line(scaling, summary["measured"], realize),
+        "device": device_line(scaling, summary["measured"], realize, timed_step(inputs)),
         "verdicts": {
             **verdicts_section(summary["measured"], realize, memory, recommendations_document),
             "memory_target": memory_target(jsons, not_run),

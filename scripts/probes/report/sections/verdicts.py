@@ -153,10 +153,32 @@ def realized_text(realized: Mapping[str, Any] | None, realize: Mapping[str, Any]
     return f"{shown}: {realized['text']}"
 
 
+def timed_step(inputs: Mapping[str, Any]) -> str | None:
+    """What was timed, from the realize summary's or the replay's provenance (``describe()`` of
+    the step): the user's Trainer class and its factory, or the harness's spec; None unrecorded."""
+    jsons, provenance = inputs.get("json") or {}, inputs.get("provenance") or {}
+    for described in (
+        (jsons.get("realize_summary") or {}).get("harness"),
+        (provenance.get("replay") or {}).get("harness"),
+    ):
+        if not isinstance(described, Mapping):
+            continue
+        if described.get("kind") == "trainer" and described.get("trainer"):
+            factory = described.get("factory") or {}
+            spec = factory.get("spec") if isinstance(factory, Mapping) else None
+            return f"your `{described['trainer']}`" + (f" from `{spec}`" if spec else "")
+        if described.get("spec"):
+            return f"the harness `{described['spec']}`"
+    return None
+
+
 def device_line(
-    scaling: Mapping[str, Any], measured: Mapping[str, Any] | None, realize: Mapping[str, Any]
+    scaling: Mapping[str, Any],
+    measured: Mapping[str, Any] | None,
+    realize: Mapping[str, Any],
+    timed: str | None = None,
 ) -> dict[str, Any]:
-    """Where the figures were measured and whether they transfer."""
+    """Where the figures were measured, through what, and whether they transfer."""
     cpu_only = bool(
         (measured or {}).get("cpu_only")
         or realize.get("cpu_only")
@@ -168,4 +190,5 @@ def device_line(
         "device": str(device) if device else ("CPU" if cpu_only else "an unrecorded device"),
         "dtype": scaling.get("dtype") if scaling.get("status") != "not_run" else None,
         "max_seq_len": (measured or {}).get("max_seq_len"),
+        "timed": timed,
     }
