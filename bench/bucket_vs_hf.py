@@ -36,6 +36,7 @@ import numpy as np
 
 from probes.batching import orders, packing
 from probes.bucket import control as bucket_controls
+from probes.bucket import guard
 from probes.bucket import sweep as bucket
 from probes.lengths import LengthSet
 
@@ -112,7 +113,7 @@ def time_ours(data: LengthSet, args: argparse.Namespace, packed: dict) -> tuple[
         # no counterpart on the HF side of this comparison of orderings: leave it out.
         batch_rebalance=False,
     )
-    bucket.assert_sweep_varies(sweep, data, args.micro_batch_size)
+    guard.assert_sweep_varies(sweep, data, args.micro_batch_size)
     bucket.recommend(sweep, gain_share=0.9, min_diversity_share=0.8)
     elapsed = time.perf_counter() - started
     return elapsed, int(sweep["bucket_size_batches"].notna().sum())

@@ -11,7 +11,7 @@ import torch
 from probes.batching import metrics as batch_metrics
 from probes.batching import orders
 from probes.bucket import control as bucket_controls
-from probes.bucket import sweep as bucket
+from probes.bucket import guard
 from probes.sampler import (
     LengthGroupedSampler,
     dataset_lengths,
@@ -69,9 +69,9 @@ def test_ends_of_the_sweep_random_and_global_sort():
     micro = 4
     perm = orders.seeded_permutation(lengths.size, 3)
     random = LengthGroupedSampler(lengths, micro, 1, seed=3).order()
-    assert padded(lengths[random], micro) == bucket.reference_random_padded(lengths, perm, micro)
+    assert padded(lengths[random], micro) == guard.reference_random_padded(lengths, perm, micro)
     everything = LengthGroupedSampler(lengths, micro, lengths.size, seed=3).order()
-    assert padded(lengths[everything], micro) == bucket.reference_sorted_padded(lengths, micro)
+    assert padded(lengths[everything], micro) == guard.reference_sorted_padded(lengths, micro)
 
 
 def padded(ordered: np.ndarray, micro: int) -> int:

@@ -10,7 +10,8 @@ import pandas as pd
 
 from probes.batching import packing as packers
 from probes.batching.orders import OrderFn, length_grouped_order, seeded_permutation
-from probes.bucket.sweep import SweepCollapsedError, assert_sweep_varies, sweep_bucket_sizes
+from probes.bucket.guard import SweepCollapsedError, assert_sweep_varies
+from probes.bucket.sweep import sweep_bucket_sizes
 from probes.contracts import SKIPPED_STATUSES
 from probes.lengths import LengthSet
 

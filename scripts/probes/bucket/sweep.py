@@ -18,7 +18,8 @@ are in ``probes.bucket.control``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -36,7 +37,6 @@ from probes.batching.orders import (
 )
 from probes.batching.packing import PACKING_STRATEGIES, PackedRows, pack_all
 from probes.contracts import BATCH_REBALANCE, STRATEGY_ORDER
-from probes.errors import ProbeError
 from probes.lengths import LengthSet
 
 ATTENTION_NOTE = (
@@ -45,10 +45,6 @@ ATTENTION_NOTE = (
     "(flash-attn cu_seqlens, padding-free) spends only the useful part on padded and packed "
     "batches alike, which would make packing's attention efficiency 1.0."
 )
-
-
-class SweepCollapsedError(ProbeError, AssertionError):
-    """The sweep did not vary with bucket size although the lengths say it must."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,97 +93,121 @@ def sweep_bucket_sizes(
 
     from probes.batching import rebalance
 
-    lengths, sources = data.lengths, data.sources
-    n = lengths.size
+    n = data.lengths.size
     sizes = sweep_bucket_sizes_for(n, micro_batch_size, grad_accum, bucket_sizes)
-    m_all = all_bucket_size(n, micro_batch_size)
-    m_hf = min(hf_trainer_mega_batch_mult(n, micro_batch_size, grad_accum), m_all)
-    packings = {
+    bins = {
         name: rows.bin_of()
-        for name, rows in pack_all(lengths, max_seq_len, packing, packed).items()
+        for name, rows in pack_all(data.lengths, max_seq_len, packing, packed).items()
     }
+    with_rebalance = batch_rebalance and rebalance.skip_reason(n, grad_accum) is None
+    shape = _Shape(micro_batch_size, grad_accum, max_seq_len)
+    rows: list[dict[str, Any]] = []
+    total = len(seeds) * (len(sizes) + len(bins) + int(with_rebalance))
+    with tqdm(total=total, desc="bucket sweep", disable=not progress) as bar:
+        for seed in seeds:
+            for row in _padded_rows(data, shape, int(seed), sizes, order_fn):
+                rows.append(row)
+                bar.update()
+            for name, bin_of in bins.items():
+                rows.append(_packed_row(data, shape, int(seed), name, bin_of))
+                bar.update()
+            if with_rebalance:
+                rows.append(_rebalance_row(data, shape, int(seed)))
+                bar.update()
+    return _add_relative_to_random(_finish(pd.DataFrame(rows), data, shape))
+
+
+@dataclass(frozen=True)
+class _Shape:
+    micro_batch_size: int
+    grad_accum: int
+    max_seq_len: int
+
+
+def _padded_rows(
+    data: LengthSet, shape: _Shape, seed: int, sizes: Sequence[int], order_fn: OrderFn
+) -> Iterator[dict[str, Any]]:
+    """Length grouping at every bucket size (1 = random, all = global sort) for one seed."""
+    lengths, sources = data.lengths, data.sources
+    n, micro = lengths.size, shape.micro_batch_size
+    m_all = all_bucket_size(n, micro)
+    m_hf = min(hf_trainer_mega_batch_mult(n, micro, shape.grad_accum), m_all)
+    perm = seeded_permutation(n, seed)
+    for m in sizes:
+        order = order_fn(lengths, perm, micro, m)
+        metrics = padded_metrics(
+            lengths[order], sources[order], micro, shape.grad_accum, data.n_sources
+        )
+        yield {
+            "strategy": _strategy_name(m, m_all),
+            "bucket_size_batches": m,
+            "bucket_size_examples": min(m * micro, n),
+            "is_hf_trainer_default": m == m_hf,
+            "seed": seed,
+            **metrics,
+        }
+
+
+def _packed_row(
+    data: LengthSet, shape: _Shape, seed: int, name: str, bin_of: np.ndarray
+) -> dict[str, Any]:
+    """One packing strategy's rows, shuffled by the seed, micro_batch_size rows per micro-batch."""
+    n_bins = int(bin_of.max()) + 1
+    metrics = packed_metrics(
+        data.lengths,
+        data.sources,
+        bin_of,
+        seeded_permutation(n_bins, seed),
+        shape.micro_batch_size,
+        shape.grad_accum,
+        shape.max_seq_len,
+        data.n_sources,
+    )
+    return {
+        "strategy": f"packing_{name}",
+        "bucket_size_batches": None,
+        "bucket_size_examples": None,
+        "is_hf_trainer_default": False,
+        "seed": seed,
+        "n_bins": n_bins,
+        **metrics,
+    }
+
+
+def _rebalance_row(data: LengthSet, shape: _Shape, seed: int) -> dict[str, Any]:
+    """transformers' BatchRebalanceSampler on the seed's shuffle (a comparison row)."""
+    from probes.batching import rebalance
+
+    metrics = rebalance.rebalance_metrics(data, shape.micro_batch_size, shape.grad_accum, seed)
+    metrics.pop("examples_fed")
+    return {
+        "strategy": BATCH_REBALANCE,
+        "bucket_size_batches": None,
+        "bucket_size_examples": None,
+        "is_hf_trainer_default": False,
+        "seed": seed,
+        **metrics,
+    }
+
+
+def _finish(frame: pd.DataFrame, data: LengthSet, shape: _Shape) -> pd.DataFrame:
+    """Nullable integer columns, the run's constants and both efficiencies."""
+    lengths = data.lengths
     real_tokens = int(lengths.sum())
     attention_useful = int((lengths * lengths).sum())
-    rows: list[dict[str, Any]] = []
-    with_rebalance = batch_rebalance and rebalance.skip_reason(n, grad_accum) is None
-    bar = tqdm(
-        total=len(seeds) * (len(sizes) + len(packings) + int(with_rebalance)),
-        desc="bucket sweep",
-        disable=not progress,
-        file=None,
-    )
-    for seed in seeds:
-        perm = seeded_permutation(n, seed)
-        for m in sizes:
-            order = order_fn(lengths, perm, micro_batch_size, m)
-            metrics = padded_metrics(
-                lengths[order], sources[order], micro_batch_size, grad_accum, data.n_sources
-            )
-            rows.append(
-                {
-                    "strategy": _strategy_name(m, m_all),
-                    "bucket_size_batches": m,
-                    "bucket_size_examples": min(m * micro_batch_size, n),
-                    "is_hf_trainer_default": m == m_hf,
-                    "seed": int(seed),
-                    **metrics,
-                }
-            )
-            bar.update()
-        for name, bin_of in packings.items():
-            n_bins = int(bin_of.max()) + 1
-            bin_order = seeded_permutation(n_bins, seed)
-            metrics = packed_metrics(
-                lengths,
-                sources,
-                bin_of,
-                bin_order,
-                micro_batch_size,
-                grad_accum,
-                max_seq_len,
-                data.n_sources,
-            )
-            rows.append(
-                {
-                    "strategy": f"packing_{name}",
-                    "bucket_size_batches": None,
-                    "bucket_size_examples": None,
-                    "is_hf_trainer_default": False,
-                    "seed": int(seed),
-                    "n_bins": n_bins,
-                    **metrics,
-                }
-            )
-            bar.update()
-        if with_rebalance:
-            metrics = rebalance.rebalance_metrics(data, micro_batch_size, grad_accum, int(seed))
-            metrics.pop("examples_fed")
-            rows.append(
-                {
-                    "strategy": BATCH_REBALANCE,
-                    "bucket_size_batches": None,
-                    "bucket_size_examples": None,
-                    "is_hf_trainer_default": False,
-                    "seed": int(seed),
-                    **metrics,
-                }
-            )
-            bar.update()
-    bar.close()
-    frame = pd.DataFrame(rows)
     frame["bucket_size_batches"] = frame["bucket_size_batches"].astype("Int64")
     frame["bucket_size_examples"] = frame["bucket_size_examples"].astype("Int64")
     if "n_bins" not in frame:
         frame["n_bins"] = None
     frame["n_bins"] = frame["n_bins"].astype("Int64")
-    frame.insert(5, "n_examples", n)
-    frame.insert(6, "micro_batch_size", micro_batch_size)
-    frame.insert(7, "grad_accum", grad_accum)
+    frame.insert(5, "n_examples", lengths.size)
+    frame.insert(6, "micro_batch_size", shape.micro_batch_size)
+    frame.insert(7, "grad_accum", shape.grad_accum)
     frame["real_tokens"] = real_tokens
     frame["token_efficiency"] = real_tokens / frame["padded_tokens"]
     frame["attention_useful"] = attention_useful
     frame["attention_efficiency"] = attention_useful / frame["attention_cost"]
-    return _add_relative_to_random(frame)
+    return frame
 
 
 def _add_relative_to_random(frame: pd.DataFrame) -> pd.DataFrame:
@@ -248,103 +268,6 @@ def summarise(sweep: pd.DataFrame, diversity_level: str = "step") -> pd.DataFram
 
 
 # --------------------------------------------------------------------------------------------
-# Collapse guard
-# --------------------------------------------------------------------------------------------
-
-
-def reference_random_padded(lengths: np.ndarray, perm: np.ndarray, batch_size: int) -> int:
-    """Padded tokens of HF's ordering with bucket size 1, computed without any sorting code.
-
-    Micro-batches are the shuffle's consecutive chunks, except that HF swaps the longest example
-    into batch 0 in exchange for batch 0's longest.
-    """
-    n = perm.size
-    starts = np.arange(0, n, batch_size)
-    chunk_len = lengths[perm]
-    batch_len = np.maximum.reduceat(chunk_len, starts)
-    best = int(np.argmax(batch_len))  # the first batch holding the global maximum
-    if best != 0:
-        first = chunk_len[:batch_size].copy()
-        other = chunk_len[best * batch_size : (best + 1) * batch_size].copy()
-        i_first, i_other = int(np.argmax(first)), int(np.argmax(other))
-        first[i_first], other[i_other] = other[i_other], first[i_first]
-        batch_len[0], batch_len[best] = first.max(), other.max()
-    rows = np.diff(np.r_[starts, n])
-    return int((rows * batch_len).sum())
-
-
-def reference_sorted_padded(lengths: np.ndarray, batch_size: int) -> int:
-    """Padded tokens of a global descending sort, computed without the ordering code."""
-    ordered = np.sort(lengths)[::-1]
-    starts = np.arange(0, ordered.size, batch_size)
-    rows = np.diff(np.r_[starts, ordered.size])
-    return int((rows * ordered[starts]).sum())
-
-
-def assert_sweep_varies(
-    sweep: pd.DataFrame, data: LengthSet, micro_batch_size: int
-) -> dict[str, Any]:
-    """Fail loudly if the sweep collapsed (every bucket size the same, or the ends are wrong).
-
-    Checks, against references that share no code with the ordering:
-    1. bucket size 1 reproduces random batching's padded tokens exactly, seed by seed;
-    2. the largest bucket size reproduces the global sort's padded tokens exactly;
-    3. where random and the global sort differ at all, the mean token efficiency differs across
-       bucket sizes (the original bug made every size a global sort).
-    Returns what was checked; raises SweepCollapsedError otherwise.
-    """
-    grouped = sweep.loc[sweep["bucket_size_batches"].notna()]
-    lengths = data.lengths
-    sorted_ref = reference_sorted_padded(lengths, micro_batch_size)
-    m_max = int(grouped["bucket_size_batches"].max())
-    m_all = all_bucket_size(lengths.size, micro_batch_size)
-    problems: list[str] = []
-    random_refs: dict[int, int] = {}
-    for seed, rows in grouped.groupby("seed"):
-        perm = seeded_permutation(lengths.size, int(seed))
-        random_refs[int(seed)] = reference_random_padded(lengths, perm, micro_batch_size)
-        at_1 = rows.loc[rows["bucket_size_batches"] == 1, "padded_tokens"]
-        if at_1.empty or int(at_1.iloc[0]) != random_refs[int(seed)]:
-            problems.append(
-                f"seed {seed}: bucket size 1 gave {at_1.tolist()} padded tokens, random batching "
-                f"gives {random_refs[int(seed)]}"
-            )
-        if m_max == m_all:
-            at_all = int(rows.loc[rows["bucket_size_batches"] == m_all, "padded_tokens"].iloc[0])
-            if at_all != sorted_ref:
-                problems.append(
-                    f"seed {seed}: bucket size {m_all} (all) gave {at_all} padded tokens, a "
-                    f"global sort gives {sorted_ref}"
-                )
-    can_gain = any(ref != sorted_ref for ref in random_refs.values())
-    efficiency = grouped.groupby("bucket_size_batches")["token_efficiency"].mean()
-    spread = float(efficiency.max() - efficiency.min())
-    if can_gain and (efficiency.size < 2 or spread <= 0.0):
-        problems.append(
-            f"token efficiency is {efficiency.iloc[0]:.6f} at every bucket size "
-            f"{efficiency.index.tolist()} although random and sorted batching differ"
-        )
-    result = {
-        "applicable": bool(can_gain),
-        "reason": (
-            "random and sorted batching differ; the sweep must vary"
-            if can_gain
-            else "random batching is already as good as a global sort: nothing to gain"
-        ),
-        "efficiency_spread": spread,
-        "random_padded_reference": random_refs,
-        "sorted_padded_reference": sorted_ref,
-        "problems": problems,
-    }
-    if problems:
-        raise SweepCollapsedError(
-            "bucket sweep collapsed or wrong: " + "; ".join(problems) + ". The ordering must "
-            "sort within each megabatch only (see the README's collapse rule)."
-        )
-    return result
-
-
-# --------------------------------------------------------------------------------------------
 # Recommendation
 # --------------------------------------------------------------------------------------------
 
@@ -379,37 +302,12 @@ def recommend(
         from probes.bucket import data_parallel as dp
 
         dp_summary = dp.summarise_data_parallel(data_parallel)
-        at_w = dp_summary.loc[dp_summary["world_size"] == world_size]
-        gain_column = dp.gain_column(gain_metric)
-        grouped = grouped.merge(
-            at_w[["strategy", "bucket_size_batches", gain_column]],
-            on=["strategy", "bucket_size_batches"],
-            how="left",
-            validate="one_to_one",
-        )
-    best = grouped.loc[grouped[gain_column].idxmax()]
-    best_gain = float(best[gain_column])
-    meets_gain = grouped[gain_column] >= gain_share * best_gain
-    meets_diversity = grouped["diversity_rel_random"] >= min_diversity_share
-    if best_gain <= 0:
-        status = "nothing_to_gain"
-        chosen = grouped.iloc[0]
-    elif (meets_gain & meets_diversity).any():
-        status = "ok"
-        chosen = grouped.loc[meets_gain & meets_diversity].iloc[0]
-    else:
-        # No size reaches the gain while keeping diversity: the best gain diversity allows.
-        status = "no_size_meets_both"
-        allowed = grouped.loc[meets_diversity]
-        chosen = allowed.loc[allowed[gain_column].idxmax()]
-    random = grouped.iloc[0]
+        grouped, gain_column = _gain_at_world_size(grouped, dp_summary, world_size, gain_metric)
+    status, chosen, best = _choose(grouped, gain_column, gain_share, min_diversity_share)
     hf = grouped.loc[grouped["is_hf_trainer_default"]]
     m = int(chosen["bucket_size_batches"])
     micro = int(sweep["micro_batch_size"].iloc[0])
-    grad_accum = int(sweep["grad_accum"].iloc[0])
     n = int(sweep["n_examples"].iloc[0])
-    recommended_rows = sweep.loc[sweep["bucket_size_batches"] == m]
-    packed = sweep.loc[sweep["strategy"].str.startswith("packing_")]
     return {
         "status": status,
         "thresholds": {
@@ -427,26 +325,12 @@ def recommend(
                 "transformers.trainer_pt_utils.get_length_grouped_indices(lengths, "
                 f"batch_size={micro}, mega_batch_mult={m}))"
             ),
-            "hf_trainer_equivalent": _trainer_equivalent(m, grad_accum),
+            "hf_trainer_equivalent": _trainer_equivalent(m, int(sweep["grad_accum"].iloc[0])),
         },
         "best_gain": {**_point(best, gain_column)},
-        "random": _point(random, gain_column),
+        "random": _point(grouped.iloc[0], gain_column),
         "hf_trainer_default": _point(hf.iloc[0], gain_column) if not hf.empty else None,
-        "packing": {
-            row["strategy"]: {
-                "token_efficiency": float(row["token_efficiency"]),
-                "attention_efficiency": float(row["attention_efficiency"]),
-                "padded_tokens_saved_vs_random": float(row["padded_tokens_saved_vs_random"]),
-                "attention_cost_saved_vs_random": float(row["attention_cost_saved_vs_random"]),
-                "n_bins": int(row["n_bins"]),
-                "n_micro_batches": int(row["n_micro_batches"]),
-                "micro_distinct_sources_rel_random": float(
-                    row["micro_distinct_sources_rel_random"]
-                ),
-                "step_distinct_sources_rel_random": float(row["step_distinct_sources_rel_random"]),
-            }
-            for _, row in summary.loc[summary["strategy"].str.startswith("packing_")].iterrows()
-        },
+        "packing": _packing_points(summary),
         "batch_rebalance": _rebalance_point(summary),
         **(
             {}
@@ -454,16 +338,74 @@ def recommend(
             else {"data_parallel": _data_parallel_block(dp_summary, world_size, gain_metric, m)}
         ),
         "attention_note": ATTENTION_NOTE,
-        "batch_shapes": {
-            "micro_batch_size": micro,
-            "padded_length_p50": int(recommended_rows["batch_len_p50"].median()),
-            "padded_length_p90": int(recommended_rows["batch_len_p90"].median()),
-            "padded_length_max": int(recommended_rows["batch_len_max"].max()),
-            "padded_length_mean": float(recommended_rows["batch_len_mean"].mean()),
-            "packed_length": int(packed["batch_len_max"].iloc[0]) if not packed.empty else None,
-            "note": "micro-batch shapes (rows × padded length) under the recommended bucket "
-            "size, median over seeds of each quantile; for the profile stage's realistic shapes",
-        },
+        "batch_shapes": _batch_shapes(sweep, m, micro),
+    }
+
+
+def _gain_at_world_size(
+    grouped: pd.DataFrame, dp_summary: pd.DataFrame, world_size: int, gain_metric: str
+) -> tuple[pd.DataFrame, str]:
+    """The grouped summary with the slowest rank's saving at ``world_size``, and its column."""
+    from probes.bucket import data_parallel as dp
+
+    at_w = dp_summary.loc[dp_summary["world_size"] == world_size]
+    gain_column = dp.gain_column(gain_metric)
+    grouped = grouped.merge(
+        at_w[["strategy", "bucket_size_batches", gain_column]],
+        on=["strategy", "bucket_size_batches"],
+        how="left",
+        validate="one_to_one",
+    )
+    return grouped, gain_column
+
+
+def _choose(
+    grouped: pd.DataFrame, gain_column: str, gain_share: float, min_diversity_share: float
+) -> tuple[str, pd.Series, pd.Series]:
+    """(status, the chosen bucket size's row, the best gain's row)."""
+    best = grouped.loc[grouped[gain_column].idxmax()]
+    best_gain = float(best[gain_column])
+    meets_gain = grouped[gain_column] >= gain_share * best_gain
+    meets_diversity = grouped["diversity_rel_random"] >= min_diversity_share
+    if best_gain <= 0:
+        return "nothing_to_gain", grouped.iloc[0], best
+    if (meets_gain & meets_diversity).any():
+        return "ok", grouped.loc[meets_gain & meets_diversity].iloc[0], best
+    # No size reaches the gain while keeping diversity: the best gain diversity allows.
+    allowed = grouped.loc[meets_diversity]
+    return "no_size_meets_both", allowed.loc[allowed[gain_column].idxmax()], best
+
+
+def _packing_points(summary: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """Each packing strategy's mean over seeds, by strategy name."""
+    return {
+        row["strategy"]: {
+            "token_efficiency": float(row["token_efficiency"]),
+            "attention_efficiency": float(row["attention_efficiency"]),
+            "padded_tokens_saved_vs_random": float(row["padded_tokens_saved_vs_random"]),
+            "attention_cost_saved_vs_random": float(row["attention_cost_saved_vs_random"]),
+            "n_bins": int(row["n_bins"]),
+            "n_micro_batches": int(row["n_micro_batches"]),
+            "micro_distinct_sources_rel_random": float(row["micro_distinct_sources_rel_random"]),
+            "step_distinct_sources_rel_random": float(row["step_distinct_sources_rel_random"]),
+        }
+        for _, row in summary.loc[summary["strategy"].str.startswith("packing_")].iterrows()
+    }
+
+
+def _batch_shapes(sweep: pd.DataFrame, m: int, micro: int) -> dict[str, Any]:
+    """Micro-batch shapes under bucket size ``m`` (the profile stage's realistic shapes)."""
+    recommended_rows = sweep.loc[sweep["bucket_size_batches"] == m]
+    packed = sweep.loc[sweep["strategy"].str.startswith("packing_")]
+    return {
+        "micro_batch_size": micro,
+        "padded_length_p50": int(recommended_rows["batch_len_p50"].median()),
+        "padded_length_p90": int(recommended_rows["batch_len_p90"].median()),
+        "padded_length_max": int(recommended_rows["batch_len_max"].max()),
+        "padded_length_mean": float(recommended_rows["batch_len_mean"].mean()),
+        "packed_length": int(packed["batch_len_max"].iloc[0]) if not packed.empty else None,
+        "note": "micro-batch shapes (rows × padded length) under the recommended bucket "
+        "size, median over seeds of each quantile; for the profile stage's realistic shapes",
     }
 
 

@@ -8,6 +8,7 @@ import pytest
 from probes.batching import metrics as batch_metrics
 from probes.batching import orders, rebalance
 from probes.bucket import control as bucket_controls
+from probes.bucket import guard
 from probes.bucket import sweep as bucket
 from probes.lengths import LengthSet, lengths_from_frame
 
@@ -87,7 +88,7 @@ def test_sweep_has_a_batch_rebalance_row_per_seed_and_the_guard_still_holds():
     for _, row in rows.iterrows():
         assert row["padded_tokens"] < random.loc[row["seed"], "padded_tokens"]
         assert row["micro_batch_rows_max"] > 2
-    bucket.assert_sweep_varies(sweep, data, 2)  # the guard skips the comparison row
+    guard.assert_sweep_varies(sweep, data, 2)  # the guard skips the comparison row
 
 
 def test_recommend_ignores_the_row_as_a_candidate_and_reports_it_beside():

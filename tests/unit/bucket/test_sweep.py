@@ -13,6 +13,7 @@ from conftest import CANARY, REPO, workflow_config
 from probes import lengths
 from probes.batching import orders, packing
 from probes.bucket import control as bucket_controls
+from probes.bucket import guard
 from probes.bucket import stage as bucket_stage
 from probes.bucket import sweep as bucket
 from probes.contracts import RANDOM, STAGE_OUTPUTS, check_table_columns
@@ -132,11 +133,11 @@ def test_collapse_guard_fires_on_global_sort_injection():
     )
     # The collapse is real: every bucket size gave the global sort's efficiency.
     assert collapsed.groupby("bucket_size_batches")["token_efficiency"].mean().nunique() == 1
-    with pytest.raises(bucket.SweepCollapsedError, match="collapsed"):
-        bucket.assert_sweep_varies(collapsed, data, 2)
+    with pytest.raises(guard.SweepCollapsedError, match="collapsed"):
+        guard.assert_sweep_varies(collapsed, data, 2)
     honest = bucket.sweep_bucket_sizes(data, 2, 4, 1024, [0, 1], packing=())
-    guard = bucket.assert_sweep_varies(honest, data, 2)
-    assert guard["applicable"] and guard["efficiency_spread"] > 0.1
+    checked = guard.assert_sweep_varies(honest, data, 2)
+    assert checked["applicable"] and checked["efficiency_spread"] > 0.1
 
 
 def test_collapse_guard_fires_when_sizes_agree_but_ends_are_right():
@@ -148,8 +149,8 @@ def test_collapse_guard_fires_when_sizes_agree_but_ends_are_right():
         return orders.length_grouped_order(lengths, perm, batch, 1)
 
     sweep = bucket.sweep_bucket_sizes(data, 2, 1, 1024, [0], packing=(), order_fn=never_sorts)
-    with pytest.raises(bucket.SweepCollapsedError):
-        bucket.assert_sweep_varies(sweep, data, 2)
+    with pytest.raises(guard.SweepCollapsedError):
+        guard.assert_sweep_varies(sweep, data, 2)
 
 
 # ----------------------------------------------------------------------------- edge cases
@@ -163,8 +164,8 @@ def test_all_equal_lengths_nothing_to_gain_no_false_alarm():
     grouped = sweep.loc[sweep["bucket_size_batches"].notna()]
     assert (grouped["token_efficiency"] == 1.0).all()
     assert (grouped["order_length_spearman"] == 0.0).all()
-    guard = bucket.assert_sweep_varies(sweep, data, 2)
-    assert not guard["applicable"]
+    checked = guard.assert_sweep_varies(sweep, data, 2)
+    assert not checked["applicable"]
     rec = bucket.recommend(sweep, 0.9, 0.8)
     assert rec["status"] == "nothing_to_gain"
     assert rec["recommended"]["bucket_size_batches"] == 1
@@ -188,14 +189,14 @@ def test_micro_batch_one_has_no_padding_and_no_false_alarm():
     data = lengths.LengthSet(np.minimum(full, 512), sources, tuple("abcdefgh"))
     sweep = bucket.sweep_bucket_sizes(data, 1, 2, 512, [0], packing=())
     assert (sweep["token_efficiency"] == 1.0).all()
-    assert not bucket.assert_sweep_varies(sweep, data, 1)["applicable"]
+    assert not guard.assert_sweep_varies(sweep, data, 1)["applicable"]
 
 
 def test_fewer_examples_than_a_micro_batch():
     data = _length_set([5, 9], sources=["a", "b"])
     sweep = bucket.sweep_bucket_sizes(data, 4, 2, 16, [0])
     assert sweep["bucket_size_batches"].dropna().tolist() == [1]
-    bucket.assert_sweep_varies(sweep, data, 4)
+    guard.assert_sweep_varies(sweep, data, 4)
     assert bucket.recommend(sweep, 0.9, 0.8)["recommended"]["bucket_size_batches"] == 1
 
 

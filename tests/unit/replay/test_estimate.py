@@ -112,17 +112,17 @@ def test_coverage_control_passes_and_catches_a_model_only_estimator(design, monk
     assert report["passed"], report["observed"]
     assert set(report["observed"]["coverage"]) == set(design.plans) - {pl.BASELINE}
     # without the design-based correction, and its variance, the same check fails
-    from probes.replay import estimate
+    from probes.replay import greg
 
-    real = estimate.greg_total
+    real = greg.greg_total
 
     def model_only(*args, **kwargs):
         total = real(*args, **kwargs)
-        return estimate.GregTotal(
+        return greg.GregTotal(
             total.model_s, total.model_s, 0.0, ((1e-12, 10.0),), 0.0, total.strata_residual_sd
         )
 
-    monkeypatch.setattr(estimate, "greg_total", model_only)
+    monkeypatch.setattr(greg, "greg_total", model_only)
     broken = run_coverage_control(design, takes, 0.05, 20, 60, seed=0)
     assert not broken["passed"] and broken["observed"]["min_coverage"] < 0.5
 
