@@ -181,6 +181,7 @@ class ReplayCoverageConfig:
 
 @dataclass(frozen=True)
 class ReplayConfig:
+    step_changes: bool
     seed: int
     n_strata: int
     samples_per_stratum: int

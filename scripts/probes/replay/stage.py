@@ -16,6 +16,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,57 @@ def plans_for_device(
         seed=seed,
     )
     return capped, cap
+
+
+@dataclass(frozen=True)
+class StepChanges:
+    """The step-level changes the replay prices (probes.step.changes), their plan rows, and
+    what this device cannot measure."""
+
+    changes: list[Any]
+    plans: pd.DataFrame
+    not_measured: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.changes)
+
+
+def add_step_changes(
+    runner: ReplayRunner,
+    plans: pd.DataFrame,
+    inputs: Mapping[str, Any],
+    training: Mapping[str, Any],
+    replay_cfg: Mapping[str, Any],
+    cpu_only: bool,
+    max_len: int,
+) -> StepChanges:
+    """The step-level changes to price against the loaded step (set on `runner`), their plan
+    rows beside `plans` (the device's plans), and what this device cannot measure."""
+    from probes.step import changes as sc
+
+    model_runner = runner.runner
+    args = getattr(getattr(model_runner, "trainer", None), "args", None)
+    base = sc.current_config(model_runner.model, args)
+    runner.base_config = runner.config = base
+    if not replay_cfg.get("step_changes", True):
+        return StepChanges([], pd.DataFrame(), [])
+    micro, accum = int(training["micro_batch_size"]), int(training["grad_accum"])
+    changes = sc.step_changes(base, micro, accum)
+    micro_plans = {}
+    for change in changes:
+        if change.micro_batch_size:
+            examples = pl.read_examples(inputs["lengths"], int(training["max_seq_len"]))
+            if cpu_only:
+                examples = pl.cap_examples(examples, max_len)
+            seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
+            built = pl.build_plans(
+                examples, change.micro_batch_size, change.grad_accum, max_len, 1, seed=seed
+            )
+            micro_plans[change.strategy] = built[built["strategy"] == pl.BASELINE]
+    added = sc.change_plans(plans, changes, micro_plans)
+    runner.configs = {c.strategy: c.config for c in changes}
+    LOG.info("step-level changes: %s (base %s)", [c.strategy for c in changes], base)
+    return StepChanges(changes, added, sc.gpu_only("cpu" if cpu_only else "cuda"))
 
 
 def settings_for(cfg: Mapping[str, Any], grad_accum: int, cpu_only: bool) -> ReplaySettings:
@@ -224,6 +276,9 @@ def run_replay(
     runner = ReplayRunner(
         model_runner, vocab_size, pad_id, settings.seed, int(replay_cfg["repeats"])
     )
+    changes = add_step_changes(runner, plans, inputs, training, replay_cfg, cpu_only, max_len)
+    if changes:
+        plans = pd.concat([plans, changes.plans], ignore_index=True)
 
     random_plan = plans[plans["strategy"] == pl.BASELINE]
     loss_share = float(random_plan["loss_tokens"].sum()) / float(random_plan["real_tokens"].sum())
@@ -297,6 +352,11 @@ def run_replay(
     control["instrument"] = instrument
     control["stopping"] = sequential.record
     control["checks"] = control_checks(control, coverage)
+    titles = {c.strategy: f"step-level change: {c.title}" for c in changes.changes}
+    table["note"] = [
+        f"{titles[s]}; {n}" if s in titles and n else titles.get(s, n)
+        for s, n in zip(table["strategy"], table["note"], strict=True)
+    ]
     if cpu_only:
         note = CPU_NOTE.format(cap=max_len, max_seq_len=training["max_seq_len"])
         table["note"] = [f"{note}; {n}" if n else note for n in table["note"]]
@@ -312,6 +372,13 @@ def run_replay(
         "dtype_reason": dtype_reason,
         "max_seq_len_replayed": max_len,
         "harness": harness_info,
+        "step_changes": [
+            {"strategy": c.strategy, "title": c.title, "settings": c.settings}
+            for c in changes.changes
+        ],
+        "not_measured": {
+            name: "GPU only: not measured on this device" for name in changes.not_measured
+        },
         "idle_check": idle,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "wall_s": time.perf_counter() - started,

@@ -96,6 +96,21 @@ class ReplayRunner:
         self.repeats = repeats
         self.generator = torch.Generator().manual_seed(seed)
         self.shapes = ShapesRun()  # a shape's first run is warmed, never timed
+        # step-level changes (probes.step.changes): strategy -> its step; others run the base
+        self.configs: dict[str, Any] = {}
+        self.base_config: Any = None
+        self.config: Any = None
+
+    def configure(self, strategy: str | None) -> Any:
+        """Set the step for `strategy` (its step-level change, else the base); returns it."""
+        config = self.configs.get(str(strategy), self.base_config)
+        if config is not None and config != self.config:
+            from probes.step.changes import apply_config
+
+            args = getattr(getattr(self.runner, "trainer", None), "args", None)
+            apply_config(self.runner.model, config, args)
+            self.config = config
+        return config
 
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
         self.runner.forward_backward(batch)
@@ -127,8 +142,9 @@ class ReplayRunner:
 
     def time_micro_batch(self, row: Any, busy: bool = False) -> dict[str, Any]:
         """One timing of the plan row's micro-batch (run_sample repeats it in later rounds)."""
+        config = self.configure(getattr(row, "strategy", None))
         batch = self.device_batch(row)
-        warmup = self.shapes.warmup_runs(batch["input_ids"].shape)
+        warmup = self.shapes.warmup_runs((hash(config), *batch["input_ids"].shape))
         status, times = self.timed(lambda: self._forward_backward(batch), warmup + 1)
         times = times[warmup:]
         share = float("nan")
@@ -143,8 +159,9 @@ class ReplayRunner:
         }
 
     def warm_up(self, row: Any) -> None:
+        config = self.configure(getattr(row, "strategy", None))
         batch = self.device_batch(row)
-        self.shapes.warmup_runs(batch["input_ids"].shape)  # this run is its warm-up
+        self.shapes.warmup_runs((hash(config), *batch["input_ids"].shape))  # its warm-up
         self._forward_backward(batch)
         self._optimizer()
         synchronize(self.device)
@@ -156,11 +173,12 @@ class ReplayRunner:
     def time_uniform(self, rows: int, length: int, loss_share: float) -> float:
         """One scaling-fit point: rows × length, the data's loss share; forward + backward only
         (its gradients are cleared by an untimed optimizer step); a new shape warmed first."""
+        config = self.configure(None)  # the scaling fit is the base step's
         batch = bt.to_device(
             bt.uniform_batch(rows, length, loss_share, self.vocab_size, self.generator),
             self.device,
         )
-        warmup = self.shapes.warmup_runs(batch["input_ids"].shape)
+        warmup = self.shapes.warmup_runs((hash(config), *batch["input_ids"].shape))
         status, times = self.timed(lambda: self._forward_backward(batch), warmup + 1)
         self._optimizer()
         if self.device.type == "cuda":  # a gc pass costs ~0.4 s with the plans in memory
@@ -285,8 +303,9 @@ def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int
     loss tokens and token ids) after `warmup` untimed ones when its shape has not run yet
     (probes.step.timing.ShapesRun), with gc off as in the replay loop. CV = sample standard
     deviation / mean; what was done to reduce it is recorded beside it."""
+    config = runner.configure(getattr(row, "strategy", None))
     batch = runner.device_batch(row)
-    warmup = runner.shapes.warmup_runs(batch["input_ids"].shape, warmup)
+    warmup = runner.shapes.warmup_runs((hash(config), *batch["input_ids"].shape), warmup)
     gc.collect()
     gc.disable()
     try:

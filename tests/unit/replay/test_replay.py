@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from conftest import WIRING_TRIMS
-from probes.step.load import load_step
 from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.config import fill_defaults, schema
@@ -45,6 +44,7 @@ from probes.replay.timing import (
     sample_all,
 )
 from probes.step import fit
+from probes.step.load import load_step
 
 MICRO, ACCUM, MAX_LEN = 2, 4, 512
 
@@ -405,7 +405,12 @@ def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
     assert summary["control_passed"] and summary["cpu_only"]
     table = pd.read_parquet(outputs["estimates"])
     assert list(table.columns) == list(REPLAY_COLUMNS)
-    assert set(table["strategy"]) == set(pl.STRATEGIES)
+    step_level = {"gradient_checkpointing_on", "attention_eager", "micro_batch_size_4"}
+    assert set(table["strategy"]) == set(pl.STRATEGIES) | step_level
+    changes = table[table["strategy"].isin(step_level)]
+    assert changes["estimated_time_s"].notna().all()
+    assert changes["note"].str.contains("step-level change").all()
+    assert MICRO == 2 and ACCUM % 2 == 0  # the micro-batch change doubles 2 at half the accum
     assert not table.set_index("strategy").loc[pl.PACKING, "valid"]  # the gate saw a violation
     assert table["cpu_only"].all() and table["note"].str.contains("CPU-only").all()
     assert (table["max_seq_len"] == 32).all()  # capped on CPU

@@ -1,7 +1,8 @@
 """The replay through a user's trainer whose step has an exactly known cost: a plain
 ``transformers.Trainer`` whose ``compute_loss`` spins for c + b·rows·T + a·rows·T² plus a fixed
-per-micro-batch overhead (what the reference harness would never see). Every strategy's exact
-saving lies inside its interval."""
+per-micro-batch overhead (what the reference harness would never see), times 1.5 with gradient
+checkpointing on, plus a fixed cost under eager attention. Every strategy's exact saving, the
+step-level changes' included, lies inside its interval."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from probes.settings import TrainingConfig
 from unit.replay.test_replay import ACCUM, MICRO, _config
 
 OVERHEAD_S = 0.004  # per micro-batch, inside the trainer's compute_loss
+CHECKPOINTING_FACTOR = 1.5  # the known cost of gradient checkpointing on
+EAGER_S = 0.004  # the known cost of eager attention, per micro-batch
 FACTORY = """
 import json
 
@@ -31,12 +34,18 @@ from probes.trainer import apply_settings
 
 LENGTHS = json.loads({lengths!r})
 A, B, C, OVERHEAD = {a!r}, {b!r}, {c!r}, {overhead!r}
+FACTOR, EAGER = {factor!r}, {eager!r}
 
 
 class KnownCostTrainer(transformers.Trainer):
     def compute_loss(self, model, inputs, **kwargs):
         rows, length = inputs["input_ids"].shape
-        busy_wait(C + OVERHEAD + B * rows * length + A * rows * length * length)
+        cost = C + OVERHEAD + B * rows * length + A * rows * length * length
+        if model.is_gradient_checkpointing:
+            cost *= FACTOR
+        if model.config._attn_implementation == "eager":
+            cost += EAGER
+        busy_wait(cost)
         weight = next(p for p in model.parameters() if p.requires_grad)
         return (weight * 0.0).sum() + 1.0
 
@@ -81,6 +90,8 @@ def test_a_trainers_known_cost_saving_lies_inside_every_interval(tmp_path, tiny_
             b=cost.b,
             c=cost.c,
             overhead=OVERHEAD_S,
+            factor=CHECKPOINTING_FACTOR,
+            eager=EAGER_S,
             micro=MICRO,
             accum=ACCUM,
             model_dir=str(tiny_model_dir),
@@ -102,8 +113,24 @@ def test_a_trainers_known_cost_saving_lies_inside_every_interval(tmp_path, tiny_
     # the trainer's whole step costs the known cost plus its overhead; the optimizer is real
     with_overhead = SyntheticCost(cost.a, cost.b, cost.c + OVERHEAD_S, 0.0)
     exact = exact_epoch_s(plans, with_overhead, ACCUM)
+    base = plans[plans["strategy"] == pl.BASELINE]
+    exact["gradient_checkpointing_on"] = CHECKPOINTING_FACTOR * exact[pl.BASELINE]
+    exact["attention_eager"] = exact[pl.BASELINE] + EAGER_S * len(base)
+    doubled = pl.build_plans(pl.read_examples(lengths, 128), 2 * MICRO, ACCUM // 2, 128, 1)
+    doubled = doubled[doubled["strategy"] == pl.BASELINE]
+    exact[f"micro_batch_size_{2 * MICRO}"] = exact_epoch_s(doubled, with_overhead, ACCUM // 2).iloc[
+        0
+    ]
     saving = 1.0 - exact / exact[pl.BASELINE]
-    for name in table.index.drop(pl.BASELINE):
+    assert {"gradient_checkpointing_on", "attention_eager", "micro_batch_size_4"} <= set(
+        table.index
+    )
+    for name in saving.index.drop(pl.BASELINE):
         row = table.loc[name]
         assert row["saving_ci_low"] - 0.02 <= saving[name] <= row["saving_ci_high"] + 0.02, name
     assert saving.drop(pl.BASELINE).abs().max() > 0.1  # the strategies really differ
+    print(
+        pd.DataFrame(
+            {"exact": saving, "low": table["saving_ci_low"], "high": table["saving_ci_high"]}
+        )
+    )

@@ -1,0 +1,138 @@
+"""Step-level changes: what changes the training step itself rather than the order of the data.
+
+Each is a replay strategy on the same footing as the batching ones (same estimator, intervals,
+coverage control): its micro-batches are the baseline's (or, for the micro-batch size, the
+trainer's own random order at the new size, tokens per update kept) and its step is the user's
+step with one setting changed, applied the way the trainer applies it:
+
+- gradient checkpointing on/off (the user's setting is the baseline): the model's own
+  ``gradient_checkpointing_enable`` / ``_disable`` as ``Trainer.train()`` calls it, with
+  ``enable_input_require_grads`` for adapters (what TRL/peft do); the trainer's args follow so
+  its own loop keeps the setting;
+- the attention implementation (eager, sdpa; flash/flex where the device has them): the
+  model's ``set_attn_implementation``;
+- the micro-batch size at equal tokens per update: ``per_device_train_batch_size`` doubled,
+  ``gradient_accumulation_steps`` halved.
+
+Each carries the settings it pastes (TrainingArguments / SFTConfig fields, model kwargs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+
+GC_ON, GC_OFF = "gradient_checkpointing_on", "gradient_checkpointing_off"
+ATTENTION_PREFIX = "attention_"
+MICRO_BATCH_PREFIX = "micro_batch_size_"
+# attention implementations that run on any device; flash/flex need a GPU build (listed, not
+# priced, on CPU)
+PORTABLE_ATTENTION = ("eager", "sdpa")
+GPU_ONLY_ATTENTION = ("flash_attention_2", "flex_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    gradient_checkpointing: bool
+    attn_implementation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class StepChange:
+    strategy: str
+    title: str
+    config: StepConfig
+    settings: dict[str, Any]  # what pastes into TrainingArguments / SFTConfig / from_pretrained
+    micro_batch_size: int | None = None  # set: a new plan at this size (tokens per update kept)
+    grad_accum: int | None = None
+
+
+def current_config(model: Any, args: Any = None) -> StepConfig:
+    """The step as the model (and the trainer's args) are set now."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    gc = bool(getattr(base, "is_gradient_checkpointing", False))
+    if args is not None and getattr(args, "gradient_checkpointing", False):
+        gc = True
+    return StepConfig(gc, str(getattr(base.config, "_attn_implementation", None) or "eager"))
+
+
+def step_changes(base: StepConfig, micro: int, grad_accum: int) -> list[StepChange]:
+    """The step-level changes to price against `base`: checkpointing flipped, each other
+    portable attention implementation, and the micro-batch size doubled where grad_accum halves."""
+    flipped = not base.gradient_checkpointing
+    changes = [
+        StepChange(
+            GC_ON if flipped else GC_OFF,
+            f"gradient checkpointing {'on' if flipped else 'off'}",
+            dataclasses.replace(base, gradient_checkpointing=flipped),
+            {"gradient_checkpointing": flipped},
+        )
+    ]
+    for name in PORTABLE_ATTENTION:
+        if name != base.attn_implementation:
+            changes.append(
+                StepChange(
+                    ATTENTION_PREFIX + name,
+                    f"attention implementation {name}",
+                    dataclasses.replace(base, attn_implementation=name),
+                    {"model_init_kwargs": {"attn_implementation": name}},
+                )
+            )
+    if grad_accum % 2 == 0:
+        changes.append(
+            StepChange(
+                f"{MICRO_BATCH_PREFIX}{2 * micro}",
+                f"micro-batch size {2 * micro} at gradient accumulation {grad_accum // 2}",
+                base,
+                {
+                    "per_device_train_batch_size": 2 * micro,
+                    "gradient_accumulation_steps": grad_accum // 2,
+                },
+                2 * micro,
+                grad_accum // 2,
+            )
+        )
+    return changes
+
+
+def gpu_only(device_type: str) -> list[str]:
+    """What cannot be measured on this device: listed, never priced."""
+    return [] if device_type == "cuda" else [ATTENTION_PREFIX + n for n in GPU_ONLY_ATTENTION]
+
+
+def apply_config(model: Any, config: StepConfig, args: Any = None) -> None:
+    """Set the step as `config` says, the way the trainer and the model set it themselves."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if bool(getattr(base, "is_gradient_checkpointing", False)) != config.gradient_checkpointing:
+        if config.gradient_checkpointing:
+            kwargs = getattr(args, "gradient_checkpointing_kwargs", None) or {
+                "use_reentrant": False
+            }
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            if hasattr(base, "enable_input_require_grads"):
+                base.enable_input_require_grads()  # frozen embeddings under adapters
+        else:
+            base.gradient_checkpointing_disable()
+    if args is not None:
+        args.gradient_checkpointing = config.gradient_checkpointing
+    current = getattr(base.config, "_attn_implementation", None)
+    if current != config.attn_implementation:
+        base.set_attn_implementation(config.attn_implementation)
+
+
+def change_plans(
+    plans: pd.DataFrame, changes: Sequence[StepChange], micro_plans: Mapping[str, pd.DataFrame]
+) -> pd.DataFrame:
+    """The plan rows of every step-level change: the baseline's micro-batches under the
+    change's name, or (micro-batch size) the new size's random plan from `micro_plans`."""
+    from probes.batching.plans import BASELINE
+
+    base = plans[plans["strategy"] == BASELINE]
+    frames = []
+    for change in changes:
+        source = micro_plans[change.strategy] if change.micro_batch_size else base
+        frames.append(source.assign(strategy=change.strategy))
+    return pd.concat(frames, ignore_index=True) if frames else plans.iloc[0:0]
