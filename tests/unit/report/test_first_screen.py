@@ -11,7 +11,7 @@ import pytest
 
 from probes.contracts import table_columns
 from probes.report import lint
-from probes.report.sections.verdicts import memory_check, verdicts_section
+from probes.report.sections.verdicts import memory_check, timed_step, verdicts_section
 
 VERDICT_HEADER = "| # | change | settings | measured saving [95%] | realized | memory | next |"
 
@@ -81,6 +81,17 @@ def test_without_a_replay_the_first_screen_says_why(reports):
     screen = _first_screen(reports["profile not run"][0])
     assert "**No measured savings:** the replay did not run" in screen
     assert VERDICT_HEADER not in screen
+
+
+def test_the_device_line_says_what_was_timed():
+    trainer = {"kind": "trainer", "trainer": "SFTTrainer", "factory": {"spec": "my.py:build"}}
+    harness = {"kind": "harness", "spec": "probes.reference_harness"}
+    assert timed_step({"json": {"realize_summary": {"harness": trainer}}}) == (
+        "your `SFTTrainer` from `my.py:build`"
+    )
+    from_replay = {"json": {}, "provenance": {"replay": {"harness": harness}}}
+    assert timed_step(from_replay) == "the harness `probes.reference_harness`"
+    assert timed_step({"json": {}, "provenance": {}}) is None
 
 
 def test_when_nothing_is_faster_the_first_screen_says_so(reports):
