@@ -348,6 +348,46 @@ def load_real_runner(
     return runner, vocab, pad_id, step, str(dtype).replace("torch.", ""), reason
 
 
+def with_step_change_plans(
+    plans: pd.DataFrame,
+    changes: Sequence[str],
+    inputs: Mapping[str, Any],
+    training: Mapping[str, Any],
+    cpu_only: bool,
+    max_len: int,
+) -> pd.DataFrame:
+    """The device's plans with the rows of the step-level changes among `changes` (the replay's
+    own builder: probes.replay.stage.change_plans_for)."""
+    from probes.replay.stage import change_plans_for
+    from probes.step import changes as sc
+
+    shapes = sc.plan_shapes(changes, int(training["micro_batch_size"]), int(training["grad_accum"]))
+    if not shapes:
+        return plans
+    added = change_plans_for(shapes, plans, inputs, training, cpu_only, max_len)
+    return pd.concat([plans, added], ignore_index=True)
+
+
+def step_switch(runner: Any, changes: Sequence[str], training: Mapping[str, Any]) -> Any:
+    """The loaded step set per strategy: each step-level change the replay priced, by name."""
+    from probes.replay.stage import step_changes_for
+    from probes.step import changes as sc
+
+    wanted = [name for name in changes if sc.is_step_change(name)]
+    if not wanted:
+        return None
+    switch = sc.StepSwitch(runner)
+    known = {c.strategy: c for c in step_changes_for(switch.base, training)}
+    missing = [name for name in wanted if name not in known]
+    if missing:
+        raise RealizeError(
+            f"realize: the replay priced {missing} against another base step than the one "
+            f"loaded now ({switch.base}); rerun replay and realize together"
+        )
+    switch.configs = {name: known[name].config for name in wanted}
+    return switch
+
+
 def run_realize(
     inputs: Mapping[str, Any],
     outputs: Mapping[str, str | Path],
@@ -388,6 +428,7 @@ def run_realize(
     plans, max_len = plans_for_device(
         inputs, raw["training"], cpu_only, int(replay_cfg["cpu"]["max_seq_len"])
     )
+    plans = with_step_change_plans(plans, changes, inputs, raw["training"], cpu_only, max_len)
     unknown = sorted(set(changes) - set(plans["strategy"]))
     if unknown:
         raise RealizeError(
@@ -426,6 +467,7 @@ def run_realize(
         model_path, raw, device, max_len
     )
     timer = StepTimer(runner, vocab, pad_id, settings.seed, *clock)
+    timer.switch = step_switch(runner, changes, raw["training"])
     budget_s = settings.cpu_budget_s if cpu_only else 0.0
     steps = measure(timer, plans, strategies, sample_size, settings.warmup, settings.seed, budget_s)
     aux = step_auxiliaries(plans[plans["strategy"].isin(strategies)], promises)

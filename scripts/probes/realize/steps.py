@@ -82,13 +82,21 @@ class StepTimer:
         self.vocab_size = vocab_size
         self.pad_id = pad_id
         self.generator = torch.Generator().manual_seed(seed)
+        self.switch: Any = None  # probes.step.changes.StepSwitch where step changes are realized
 
     def batches(self, rows: Sequence[Any]) -> Iterator[dict[str, torch.Tensor]]:
         for row in rows:
             yield self.runner.plan_batch(row, self.vocab_size, self.generator, self.pad_id)
 
     def run(self, rows: Sequence[Any], mark: Callable[[str], None] | None = None) -> None:
+        self.configure(rows)
         self.runner.step(self.batches(rows), mark)
+
+    def configure(self, rows: Sequence[Any]) -> None:
+        """The step as the rows' strategy runs it (a step-level change's setting, else the
+        base's)."""
+        if self.switch is not None and rows:
+            self.switch.set(getattr(rows[0], "strategy", None))
 
     def time_step(self, rows: Sequence[Any]) -> dict[str, Any]:
         """One whole step of `rows` (its micro-batches, in order): wall time and phases."""
@@ -96,6 +104,7 @@ class StepTimer:
         try:
             synchronize(self.device)
             if hasattr(self.runner, "run_rows"):
+                self.configure(rows)
                 # the trainer's own loop: it marks its step's bounds (the first fetch, then
                 # its callbacks), so the loop's set-up around the step is not timed
                 self.runner.run_rows(rows, clock.mark)

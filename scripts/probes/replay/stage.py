@@ -137,29 +137,41 @@ def add_step_changes(
     rows beside `plans` (the device's plans), and what this device cannot measure."""
     from probes.step import changes as sc
 
-    model_runner = runner.runner
-    args = getattr(getattr(model_runner, "trainer", None), "args", None)
-    base = sc.current_config(model_runner.model, args)
-    runner.base_config = runner.config = base
+    switch = sc.StepSwitch(runner.runner)
+    runner.switch = switch
     if not replay_cfg.get("step_changes", True):
         return StepChanges([], pd.DataFrame(), [])
-    micro, accum = int(training["micro_batch_size"]), int(training["grad_accum"])
-    changes = sc.step_changes(base, micro, accum)
-    micro_plans = {}
-    for change in changes:
-        if change.micro_batch_size:
-            examples = pl.read_examples(inputs["lengths"], int(training["max_seq_len"]))
-            if cpu_only:
-                examples = pl.cap_examples(examples, max_len)
-            seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
-            built = pl.build_plans(
-                examples, change.micro_batch_size, change.grad_accum, max_len, 1, seed=seed
-            )
-            micro_plans[change.strategy] = built[built["strategy"] == pl.BASELINE]
-    added = sc.change_plans(plans, changes, micro_plans)
-    runner.configs = {c.strategy: c.config for c in changes}
-    LOG.info("step-level changes: %s (base %s)", [c.strategy for c in changes], base)
+    changes = step_changes_for(switch.base, training)
+    switch.configs = {c.strategy: c.config for c in changes}
+    added = change_plans_for(changes, plans, inputs, training, cpu_only, max_len)
+    LOG.info("step-level changes: %s (base %s)", [c.strategy for c in changes], switch.base)
     return StepChanges(changes, added, sc.gpu_only("cpu" if cpu_only else "cuda"))
+
+
+def step_changes_for(base: Any, training: Mapping[str, Any]) -> list[Any]:
+    from probes.step import changes as sc
+
+    return sc.step_changes(base, int(training["micro_batch_size"]), int(training["grad_accum"]))
+
+
+def change_plans_for(
+    changes: list[Any],
+    plans: pd.DataFrame,
+    inputs: Mapping[str, Any],
+    training: Mapping[str, Any],
+    cpu_only: bool,
+    max_len: int,
+) -> pd.DataFrame:
+    """The plan rows of the step-level changes: the baseline's micro-batches, or the trainer's
+    random order at a changed micro-batch size (the lengths capped as the device's plans are)."""
+    from probes.step import changes as sc
+
+    examples = pl.read_examples(inputs["lengths"], int(training["max_seq_len"]))
+    if cpu_only:
+        examples = pl.cap_examples(examples, max_len)
+    seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
+    micro = sc.micro_batch_plans(changes, examples, max_len, seed)
+    return sc.change_plans(plans, changes, micro)
 
 
 def settings_for(cfg: Mapping[str, Any], grad_accum: int, cpu_only: bool) -> ReplaySettings:

@@ -96,21 +96,11 @@ class ReplayRunner:
         self.repeats = repeats
         self.generator = torch.Generator().manual_seed(seed)
         self.shapes = ShapesRun()  # a shape's first run is warmed, never timed
-        # step-level changes (probes.step.changes): strategy -> its step; others run the base
-        self.configs: dict[str, Any] = {}
-        self.base_config: Any = None
-        self.config: Any = None
+        self.switch: Any = None  # probes.step.changes.StepSwitch, where changes are priced
 
     def configure(self, strategy: str | None) -> Any:
         """Set the step for `strategy` (its step-level change, else the base); returns it."""
-        config = self.configs.get(str(strategy), self.base_config)
-        if config is not None and config != self.config:
-            from probes.step.changes import apply_config
-
-            args = getattr(getattr(self.runner, "trainer", None), "args", None)
-            apply_config(self.runner.model, config, args)
-            self.config = config
-        return config
+        return self.switch.set(strategy) if self.switch is not None else None
 
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> None:
         self.runner.forward_backward(batch)

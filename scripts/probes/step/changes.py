@@ -136,3 +136,55 @@ def change_plans(
         source = micro_plans[change.strategy] if change.micro_batch_size else base
         frames.append(source.assign(strategy=change.strategy))
     return pd.concat(frames, ignore_index=True) if frames else plans.iloc[0:0]
+
+
+def is_step_change(name: str) -> bool:
+    return name in (GC_ON, GC_OFF) or name.startswith((ATTENTION_PREFIX, MICRO_BATCH_PREFIX))
+
+
+def plan_shapes(names: Sequence[str], micro: int, grad_accum: int) -> list[StepChange]:
+    """Step-level changes named by the replay, for their plans alone (their steps need the
+    loaded model: StepSwitch): the micro-batch size read from the name, tokens per update kept."""
+    out = []
+    for name in names:
+        if not is_step_change(name):
+            continue
+        size = int(name[len(MICRO_BATCH_PREFIX) :]) if name.startswith(MICRO_BATCH_PREFIX) else None
+        accum = micro * grad_accum // size if size else None
+        out.append(StepChange(name, name, StepConfig(False, ""), {}, size, accum))
+    return out
+
+
+class StepSwitch:
+    """Sets the loaded step for each strategy as it is timed: a step-level change's config for
+    its strategy, the base config for every other (a setting changes only when it differs)."""
+
+    def __init__(self, runner: Any, changes: Sequence[StepChange] = ()) -> None:
+        self.runner = runner
+        self.args = getattr(getattr(runner, "trainer", None), "args", None)
+        self.base = current_config(runner.model, self.args)
+        self.current = self.base
+        self.configs = {c.strategy: c.config for c in changes}
+
+    def set(self, strategy: str | None) -> StepConfig:
+        config = self.configs.get(str(strategy), self.base)
+        if config != self.current:
+            apply_config(self.runner.model, config, self.args)
+            self.current = config
+        return config
+
+
+def micro_batch_plans(
+    changes: Sequence[StepChange], examples: Any, max_len: int, seed: int
+) -> dict[str, pd.DataFrame]:
+    """The random plan at each micro-batch-size change's size (the trainer's own order)."""
+    from probes.batching import plans as pl
+
+    out = {}
+    for change in changes:
+        if change.micro_batch_size:
+            built = pl.build_plans(
+                examples, change.micro_batch_size, change.grad_accum, max_len, 1, seed=seed
+            )
+            out[change.strategy] = built[built["strategy"] == pl.BASELINE]
+    return out

@@ -131,3 +131,35 @@ def test_realize_runs_the_trainers_own_loop_for_one_step_of_the_plans_micro_batc
     assert abs(parts - timed["time_s"]) < 1e-9
     assert step.trainer.state.global_step == 1  # one optimizer step, as the loop counts it
     assert step.trainer.args.gradient_accumulation_steps == 2  # the user's setting restored
+
+
+def test_a_step_level_change_is_set_the_way_the_trainer_sets_it_and_kept_by_its_loop(
+    factory_dir,
+):
+    from probes.realize.stage import step_switch
+    from probes.realize.steps import StepTimer
+    from probes.step import changes as sc
+
+    step = _step(factory_dir, "sft")
+    training = {"micro_batch_size": MICRO, "grad_accum": 2}
+    switch = step_switch(step, [sc.GC_ON, "attention_eager", pl.LENGTH_GROUPED], training)
+    assert switch.base == sc.StepConfig(False, "sdpa")
+    timer = StepTimer(step, 0, 0, 0)
+    timer.switch = switch
+    base = step.model.get_base_model()
+    row = SimpleNamespace(example_ids=["0", "1"], layout=pl.PADDED, strategy=sc.GC_ON)
+    assert timer.time_step([row])["status"] == OK  # trainer.train() with checkpointing on
+    assert base.is_gradient_checkpointing and step.trainer.args.gradient_checkpointing
+    eager = SimpleNamespace(example_ids=["0", "1"], layout=pl.PADDED, strategy="attention_eager")
+    assert timer.time_step([eager])["status"] == OK
+    assert not base.is_gradient_checkpointing and base.config._attn_implementation == "eager"
+    timer.configure([SimpleNamespace(strategy=pl.BASELINE)])
+    assert current_config_of(step) == switch.base
+    with pytest.raises(Exception, match="another base step"):
+        step_switch(step, [sc.GC_OFF], training)  # the replay priced it against another base
+
+
+def current_config_of(step):
+    from probes.step.changes import current_config
+
+    return current_config(step.model, step.trainer.args)
