@@ -123,3 +123,15 @@ def test_moe_config_runs_with_its_assumption_stated(functions):
     step32 = build_fake_step(config_from_dict(dict(TINY_MOE)), functions, "float32")
     with pytest.raises(PredictError, match="cannot run on fake tensors"):
         predict(step32, Shape("moe", 2, 16))
+
+
+def test_real_vs_predicted_passes_and_fails(functions):
+    from probes.memory.check import real_vs_predicted
+
+    shape = control.HARNESS_SHAPE
+    real = control.real_harness_peak(functions, shape)
+    config = config_from_dict(dict(GEMMA))
+    passed = real_vs_predicted(config, functions, "float32", {(shape.rows, shape.length): real})
+    assert passed["passed"] and passed["rows"][0]["passed"]
+    wrong = real_vs_predicted(config, functions, "float32", {(shape.rows, shape.length): real * 2})
+    assert not wrong["passed"]
