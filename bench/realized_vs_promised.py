@@ -63,6 +63,7 @@ from probes.report.sections.replay import change_measurement  # noqa: E402
 IGNORE_INDEX = -100
 VOCAB = 512
 HARNESS = REPO / "bench" / "trainer_harness.py"
+FACTORY = f"{REPO / 'bench' / 'sft_factory.py'}:build_trainer"  # --trainer sft
 TOLERANCE_PP = 5.0
 
 
@@ -192,6 +193,47 @@ def training_section(args: argparse.Namespace) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 
 
+def trainer_examples(work: Path, examples: pl.PlanExamples, args: argparse.Namespace):
+    """``--trainer sft``: the subset as the bench factory's SFTTrainer prepares it (TRL drops
+    the examples without a loss token), its rows' lengths read back from the trainer's own
+    prepared dataset, the example ids its row numbers (probes.padding.trainer_rows)."""
+    from probes.padding.trainer_rows import lengths_table
+    from probes.step.factory import build_trainer, load_factory
+
+    data = Examples.from_plan(examples, args.seed, vocab_size(args))
+    rows = [
+        {
+            "input_ids": r["input_ids"],
+            "completion_mask": [int(label != IGNORE_INDEX) for label in r["labels"]],
+        }
+        for r in data.rows
+    ]
+    (work / "rows.json").write_text(json.dumps(rows))
+    run = {
+        "rows": str(work / "rows.json"),
+        "micro_batch_size": args.micro_batch_size,
+        "grad_accum": args.grad_accum,
+        "cap": args.cap,
+        "hidden": args.hidden,
+        "architecture": str(args.architecture) if args.architecture else None,
+        "device": args.device,
+        "seed": args.seed,
+        "learning_rate": LEARNING_RATE,
+        "vocab": vocab_size(args),
+    }
+    (work / "run.json").write_text(json.dumps(run))
+    os.environ["PROBES_BENCH_RUN"] = str(work / "run.json")
+    trainer = build_trainer(load_factory(FACTORY), {"output_dir": str(work / "probe")})
+    table = lengths_table(trainer.train_dataset, args.cap)
+    (work / "lengths.parquet").parent.mkdir(parents=True, exist_ok=True)
+    table.to_parquet(work / "lengths.parquet")
+    return pl.PlanExamples(
+        table["example_id"].to_numpy(object),
+        table["n_tokens"].to_numpy(np.int64),
+        table["n_loss_tokens"].to_numpy(np.int64),
+    )
+
+
 def run_promised(
     work: Path, examples: pl.PlanExamples, rec: dict[str, Any], args: argparse.Namespace
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
@@ -202,6 +244,8 @@ def run_promised(
     longest = int(examples.lengths.max())
     model = build_model(longest, args.hidden, args.architecture, model_dtype(args))
     model.save_pretrained(model_dir)
+    if args.trainer == "sft":
+        examples = trainer_examples(work, examples, args)
     plans = pl.build_plans(
         examples,
         args.micro_batch_size,
@@ -220,7 +264,7 @@ def run_promised(
     )
     inputs = {
         "plans": work / "plans.parquet",
-        "lengths": args.lengths,
+        "lengths": work / "lengths.parquet" if args.trainer == "sft" else args.lengths,
         "recommendation": args.recommendation,
         "gate": work / "gate.json",
     }
@@ -235,8 +279,19 @@ def run_promised(
         harness_options={},
     )
     cfg["replay"]["cpu"].update(max_seq_len=args.cap, threads=1, budget_s=args.budget_s)
+    cfg["replay"]["step_changes"] = args.trainer == "sft"
+    if args.trainer == "sft":  # the promise is the SFTTrainer's own step (probes.step.trainer)
+        cfg["trainer"] = {"factory": FACTORY}
     summary = run_replay(inputs, outputs, cfg, model_dir, progress=False)
-    return pd.read_parquet(outputs["estimates"]), plans, summary
+    estimates = pd.read_parquet(outputs["estimates"])
+    summary["step_changes"] = pq_metadata(outputs["estimates"]).get("step_changes", [])
+    return estimates, plans, summary
+
+
+def pq_metadata(path: Path) -> dict[str, Any]:
+    from probes.io import read_provenance
+
+    return read_provenance(path)
 
 
 def promised_changes(
@@ -407,6 +462,8 @@ def trainer_changes(document: dict[str, Any]) -> tuple[list[dict[str, Any]], lis
     for change in document["changes"]:
         if not change.get("applies"):
             skipped.append(f"{change['id']}: does not apply ({change.get('reason')})")
+        elif "settings" in change:
+            runnable.append(change)  # a step-level change: settings for the factory
         elif change.get("training_arguments") is None and change.get("sft_config") is None:
             skipped.append(f"{change['id']}: neither TrainingArguments nor an SFTConfig")
         elif change.get("training_arguments") is None and not has_trl:
@@ -414,6 +471,78 @@ def trainer_changes(document: dict[str, Any]) -> tuple[list[dict[str, Any]], lis
         else:
             runnable.append(change)
     return runnable, skipped
+
+
+def change_settings(change: dict[str, Any]) -> dict[str, Any]:
+    """What a change pastes, as the bench factory's settings (``--trainer sft``)."""
+    if "settings" in change:  # a step-level change (probes.step.changes)
+        settings = dict(change["settings"])
+    elif change.get("training_arguments") is None:
+        settings = dict(change["sft_config"])
+    else:
+        settings = dict(change["training_arguments"])
+    if change.get("sampler"):
+        settings["bucket_size_batches"] = int(change["sampler"]["kwargs"]["bucket_size_batches"])
+    if change.get("id") == "drop_no_loss_examples":
+        settings["drop_no_loss_examples"] = True
+    return settings
+
+
+def step_level_changes(estimates: pd.DataFrame, step_changes: list[dict]) -> list[dict]:
+    """The replay's step-level changes as rows of the table: their promise is the replay's."""
+    by_strategy = estimates.set_index("strategy")
+    out = []
+    for change in step_changes:
+        if change["strategy"] not in by_strategy.index:
+            continue
+        row = by_strategy.loc[change["strategy"]]
+        out.append(
+            {
+                "id": change["strategy"],
+                "applies": True,
+                "settings": change["settings"],
+                "measured_saving": float(row["saving_vs_random"]),
+                "saving_ci_low": float(row["saving_ci_low"]),
+                "saving_ci_high": float(row["saving_ci_high"]),
+                "decision": "step-level",
+            }
+        )
+    return out
+
+
+def run_trainer_epoch(settings: dict[str, Any]) -> dict[str, float]:
+    """One epoch of the bench factory's SFTTrainer built with `settings` (``--trainer sft``)."""
+    from probes.step.factory import build_trainer, load_factory
+
+    with tempfile.TemporaryDirectory() as out:
+        trainer = build_trainer(load_factory(FACTORY), {**settings, "output_dir": out})
+        metrics = trainer.train().metrics
+        return {
+            "train_runtime": float(metrics["train_runtime"]),
+            "optimizer_steps": int(trainer.state.global_step),
+        }
+
+
+def run_realized_trainer(
+    document: dict[str, Any], args: argparse.Namespace
+) -> dict[str, list[dict[str, float]]]:
+    """Every configuration as the factory builds it with the change's emitted settings."""
+    changes, _ = trainer_changes(document)
+    configs = [(pl.BASELINE, {})] + [(c["id"], change_settings(c)) for c in changes]
+    run_trainer_epoch({})  # untimed: the process's first trainer pays one-time costs
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in configs}
+    rng = np.random.default_rng(args.seed + 11)
+    for repeat in range(args.repeats):
+        for i in rng.permutation(len(configs)):
+            name, settings = configs[i]
+            result = run_trainer_epoch(settings)
+            runs[name].append(result)
+            print(
+                f"  round {repeat + 1}/{args.repeats} {name:<26s} "
+                f"{result['train_runtime']:7.2f} s, {result['optimizer_steps']} steps",
+                flush=True,
+            )
+    return runs
 
 
 def run_realized(
@@ -555,6 +684,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="also write the table as markdown here")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
+        "--trainer",
+        choices=["harness", "sft"],
+        default="harness",
+        help="sft: the promise is the replay through a trl.SFTTrainer factory "
+        "(bench/sft_factory.py), its step-level changes included, and every configuration is "
+        "realized by that factory's trainer with the change's settings",
+    )
+    parser.add_argument(
         "--architecture",
         type=Path,
         help="a model directory whose config.json to train (random init), e.g. the default "
@@ -592,16 +729,27 @@ def main() -> int:
     )
     with tempfile.TemporaryDirectory() as tmp:
         estimates, _, summary = run_promised(Path(tmp), examples, rec, args)
-    print(f"replay: {summary['wall_s']:.1f} s", flush=True)
-    document = promised_changes(rec, args, examples, estimates)
-    _, skipped = trainer_changes(document)
-    data = Examples.from_plan(examples, args.seed, vocab_size(args))
-    runs = run_realized(document, data, args)
+        print(f"replay: {summary['wall_s']:.1f} s", flush=True)
+        document = promised_changes(rec, args, examples, estimates)
+        if args.trainer == "sft":
+            document["changes"] += step_level_changes(estimates, summary["step_changes"])
+            _, skipped = trainer_changes(document)
+            runs = run_realized_trainer(document, args)
+        else:
+            _, skipped = trainer_changes(document)
+            data = Examples.from_plan(examples, args.seed, vocab_size(args))
+            runs = run_realized(document, data, args)
     rows = table_rows(document, estimates, runs)
     header = (
         f"{model_words(args)}, {str(model_dtype(args)).replace('torch.', '')} on "
         f"{args.device}{', 1 thread' if args.device == 'cpu' else ''}; "
-        f"{examples.lengths.size} real chitchat lengths capped at {args.cap}; micro "
+        + (
+            "trainer mode: the replay and every realized epoch run the bench factory's "
+            "trl.SFTTrainer; "
+            if args.trainer == "sft"
+            else ""
+        )
+        + f"{examples.lengths.size} real chitchat lengths capped at {args.cap}; micro "
         f"{args.micro_batch_size} × grad_accum {args.grad_accum}; {args.repeats} rounds of one "
         f"epoch each (transformers.Trainer train_runtime); load "
         f"{load[0]:.2f} → {os.getloadavg()[0]:.2f}; total {time.perf_counter() - started:.0f} s."
