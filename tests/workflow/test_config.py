@@ -52,6 +52,8 @@ def write_config(tmp_path: Path, **changes) -> Path:
         ({"data.files": [{"path": "no/such/data.jsonl"}]}, "data.files[0].path"),
         # dropped with the project's own packer: the message says why and what to use
         ({"bucket.packing": ["ffd", "bfd"]}, "bucket.packing.0: packing strategy 'ffd'"),
+        ({"trainer.factory": "no/such/train.py:build_trainer"}, "config key trainer.factory"),
+        ({"trainer.factory": "examples/sft_trainer.py"}, "a module, a colon"),
     ],
 )
 def test_bad_config_fails_before_any_job_naming_the_key(tmp_path, changes, expected):

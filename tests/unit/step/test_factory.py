@@ -90,3 +90,16 @@ def test_a_factory_must_return_a_trainer_with_a_train_dataset(tmp_path, tiny_mod
     spec = _write(tmp_path, text, "no_data.py")
     with pytest.raises(FactoryError, match="has no train_dataset"):
         build_trainer(load_factory(spec), {"output_dir": str(tmp_path / "out")})
+
+
+def test_a_stage_whose_factory_raises_names_it_and_writes_nothing(tmp_path):
+    from conftest import workflow_config
+    from probes.contracts import STAGE_OUTPUTS
+    from probes.padding import stage as padding
+
+    spec = _write(tmp_path, "def build_trainer(settings):\n    raise ValueError('bad path')\n")
+    cfg = workflow_config(trainer={"factory": spec})
+    outputs = {k: str(tmp_path / "out" / Path(v).name) for k, v in STAGE_OUTPUTS["padding"].items()}
+    with pytest.raises(FactoryError, match=r"trainer.factory .*ValueError: bad path at train.py:2"):
+        padding.run({"tokenizer": ["unused"], "model_config": "unused"}, outputs, cfg)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
