@@ -35,7 +35,7 @@ from probes.stage import all_or_nothing
 
 LOG = logging.getLogger("probes.dp")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["data_parallel"])
-WORKER = Path(__file__).resolve().parent / "worker.py"
+WORKER = "probes.dp.worker"  # run by torchrun as a module (`-m`), from SCRIPTS_DIR
 SCRIPTS_DIR = Path(__file__).resolve().parents[2]
 
 
@@ -110,7 +110,8 @@ def launch(job: dict[str, Any], world: int, threads: int, timeout_s: float) -> l
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={world}",
-        str(WORKER),
+        "-m",
+        WORKER,
         str(job_path),
     ]
     env = {

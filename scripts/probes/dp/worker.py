@@ -1,4 +1,5 @@
-"""One rank of the data_parallel stage, launched by torchrun (``python worker.py JOB.json``).
+"""One rank of the data_parallel stage, launched by torchrun as a module
+(``torchrun ... -m probes.dp.worker JOB.json``, with ``scripts/`` on PYTHONPATH).
 
 Each rank loads the real model through the user's harness (``probes.step``: the profiled dtype,
 the harness's adapters and optimizer), wraps ``compute_loss`` in ``DistributedDataParallel`` (so
@@ -26,9 +27,6 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
-
-if __name__ == "__main__":  # run as a file by torchrun: make `probes` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
