@@ -284,7 +284,15 @@ def realized_table(
             row.update(
                 promised_saving=p_save, promised_saving_ci_low=p_low, promised_saving_ci_high=p_high
             )
-            verdict = vd.verdict(saving[0], p_save, p_low, p_high, agree_within)
+            verdict = vd.verdict(
+                saving[0],
+                p_save,
+                p_low,
+                p_high,
+                agree_within,
+                realized_low=saving[1],
+                realized_high=saving[2],
+            )
             shares = vd.phase_shares(promise, base_promise, phases, base_phases)
             differed = vd.what_differed(shares) if verdict == vd.DISAGREES else ""
             if failed:
