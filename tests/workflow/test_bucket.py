@@ -27,10 +27,22 @@ def _snakemake(work: Path, *args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.fixture(scope="module")
+def bucket_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One `snakemake bucket_sweep` in a copy of the workflow, without --cores: the workflow's
+    default profile (profiles/default) supplies them, as a user who types none relies on."""
+    work = _workflow_copy(tmp_path_factory.mktemp("bucket"))
+    if not (work / "profiles" / "default").exists():
+        pytest.skip(
+            "snakemake finds a default profile only in profiles/default beside a root Snakefile; "
+            "workflow/profiles/default is not searched"
+        )
+    return work, _snakemake(work, "bucket_sweep")
+
+
 @pytest.mark.slow
-def test_snakemake_bucket_sweep_end_to_end(tmp_path):
-    work = _workflow_copy(tmp_path)
-    run = _snakemake(work, "--cores", "1", "bucket_sweep")
+def test_snakemake_bucket_sweep_end_to_end(bucket_run):
+    work, run = bucket_run
     assert run.returncode == 0, run.stderr[-3000:]
     results = work / "results" / "bucket"
     for name in ("sweep.parquet", "summary.parquet", "recommendation.json", "control.json"):
@@ -45,12 +57,8 @@ def test_snakemake_bucket_sweep_end_to_end(tmp_path):
 
 
 @pytest.mark.slow
-def test_snakemake_bucket_sweep_without_cores(tmp_path):
-    work = _workflow_copy(tmp_path)
-    if not (work / "profiles" / "default").exists():
-        pytest.skip(
-            "snakemake finds a default profile only in profiles/default beside a root Snakefile; "
-            "workflow/profiles/default is not searched"
-        )
-    run = _snakemake(work, "bucket_sweep")
+def test_snakemake_bucket_sweep_without_cores(bucket_run):
+    # the same run (one Snakemake run for both): no --cores on its command line
+    work, run = bucket_run
+    assert "--cores" not in run.args
     assert run.returncode == 0, run.stderr[-3000:]
