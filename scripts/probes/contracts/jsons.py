@@ -1,0 +1,36 @@
+"""JSON files: the keys each must have (the report reads them); every control's keys."""
+
+from __future__ import annotations
+
+CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
+# JSON outputs and the keys the report reads (a not-run stage may carry only status + reason).
+JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "mask_gate": ("mask", ("passed", "confirm", "target")),
+    "bucket_recommendation": ("bucket", ("status", "recommended", "thresholds")),
+    # dtype/dtype_reason: probes.step.dtype; mfu_convention: probes.profile.flops.MFU_CONVENTION
+    "profile_provenance": (
+        "profile",
+        ("device", "cpu_only", "harness", "dtype", "dtype_reason", "mfu_convention"),
+    ),
+    "mask_control": ("mask", CONTROL_KEYS),
+    "padding_control": ("padding", CONTROL_KEYS),
+    "bucket_control": ("bucket", CONTROL_KEYS),
+    "profile_control": ("profile", CONTROL_KEYS),
+    # the synthetic busy-wait harness: savings within 5%, a, b, c within 10%; plus "coverage"
+    # (the intervals' coverage control), "instrument" (CV of repeated identical micro-batches)
+    # and "stopping" (why the timing stopped)
+    "replay_control": ("replay", CONTROL_KEYS),
+    # what realize checked and its verdicts; {"status": "not_run", "reason": ...} when it did not
+    "realize_summary": ("realize", ("status", "verdicts")),
+    # the virtual-clock harness of known cost: epoch time and optimizer phase within 5%
+    "realize_control": ("realize", CONTROL_KEYS),
+    # per strategy real vs predicted, communication share, straggler wait; where each rank ran
+    "data_parallel_summary": (
+        "data_parallel",
+        ("world_size", "backend", "strategies", "ranks", "tolerance"),
+    ),
+    "memory_summary": ("memory", ("target_gib", "target", "dtype", "gradient_checkpointing")),
+    # a peak known by construction, real CPU steps within ±memory.tolerance, the check failing
+    # a prediction without the optimizer state (probes.memory.control)
+    "memory_control": ("memory", CONTROL_KEYS),
+}

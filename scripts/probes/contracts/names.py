@@ -1,0 +1,37 @@
+"""Names every stage shares: example statuses and batching strategies (one name per concept)."""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------------------------
+# Example statuses (one row per example in lengths.parquet, none ever dropped)
+# ---------------------------------------------------------------------------------------------
+
+OK, TRUNCATED, EMPTY, ERROR = "OK", "TRUNCATED", "EMPTY", "ERROR"
+STATUSES = (OK, TRUNCATED, EMPTY, ERROR)
+# The examples that train (TRUNCATED ones train on their first max_seq_len tokens).
+TRAINING_STATUSES = (OK, TRUNCATED)
+# Counted in their own buckets, never folded into a distribution.
+SKIPPED_STATUSES = (EMPTY, ERROR)
+
+# The source label of an example whose file gives none.
+UNKNOWN_SOURCE = "none"
+
+# ---------------------------------------------------------------------------------------------
+# Batching strategies (one name per strategy in every stage, table and figure)
+# ---------------------------------------------------------------------------------------------
+
+RANDOM = "random"
+LENGTH_GROUPED = "length_grouped"
+# Every example sorted by length before batching (a bucket as large as the dataset).
+GLOBAL_SORT = "global_sort"
+PACKING = "packing"
+# transformers' BatchRebalanceSampler (variable micro-batch size): a comparison row in the sweep.
+BATCH_REBALANCE = "batch_rebalance"
+PAD_TO_MAX_SEQ_LEN = "pad_to_max_seq_len"
+# random batching without the examples that carry no loss token (the replay's candidates)
+RANDOM_NO_IDLE = "random_no_idle"
+# the padding stage's reference orders: the data as given, and one global length sort
+DATASET_ORDER = "dataset_order"
+SORTED = "sorted"
+
+STRATEGY_ORDER = (RANDOM, LENGTH_GROUPED, GLOBAL_SORT, PACKING, BATCH_REBALANCE)
