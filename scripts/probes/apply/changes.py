@@ -498,3 +498,61 @@ def drop_no_loss_change(no_loss_examples: int | None, base: Baseline) -> dict[st
             "with packing on it keeps them: filter the data before the trainer"
         ),
     }
+
+
+def step_level_changes(
+    step_changes: list[Mapping[str, Any]] | None, base: Baseline
+) -> list[dict[str, Any]]:
+    """The replay's step-level changes (probes.step.changes, its provenance's ``step_changes``)
+    as settings that paste: TrainingArguments / SFTConfig fields, or the model's
+    ``attn_implementation`` (``from_pretrained``; SFTConfig's ``model_init_kwargs`` where the
+    trainer loads the model by name)."""
+    out = []
+    for change in step_changes or []:
+        settings = dict(change.get("settings") or {})
+        attention = settings.pop("attn_implementation", None)
+        ta = {**base.training_arguments(), **settings}
+        sft = {**base.sft_config(), **settings}
+        model_line = []
+        if attention:
+            sft["model_init_kwargs"] = {"attn_implementation": attention}
+            model_line = [
+                "model = AutoModelForCausalLM.from_pretrained(model_dir, "
+                f"attn_implementation={attention!r})"
+            ]
+        out.append(
+            {
+                "id": str(change["strategy"]),
+                "applies": True,
+                "step_level": True,
+                "title": str(change.get("title") or change["strategy"]),
+                "expressible_in_training_arguments": not attention,
+                "how": str(change.get("title") or change["strategy"]),
+                "training_arguments": ta,
+                "sft_config": sft,
+                "sampler": None,
+                "snippets": config_snippets(
+                    ta,
+                    sft,
+                    {
+                        "transformers": "trainer = Trainer(model=model, args=args, "
+                        "train_dataset=train_dataset, data_collator=data_collator)",
+                        "trl": "trainer = SFTTrainer(model=model, args=args, "
+                        "train_dataset=train_dataset)",
+                    },
+                    data_lines=model_line,
+                ),
+                "tokens_per_update": _tokens_per_update(
+                    base.tokens_per_update,
+                    base.tokens_per_update,
+                    "unchanged: micro-batch size × gradient accumulation is kept",
+                ),
+                "estimate": None,
+                "caveat": (
+                    "a step-level change: measured on the baseline's micro-batches with the "
+                    "step set as the trainer sets it; its memory is not predicted by the memory "
+                    "stage (which prices batching plans)"
+                ),
+            }
+        )
+    return out

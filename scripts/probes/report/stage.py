@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from probes.apply import changes as apply_changes
 from probes.apply import document as apply
 from probes.config import REPO_ROOT
 from probes.io import run_metadata
@@ -50,6 +51,17 @@ def recommendations_document(
         raise ReportInputError(
             f"bucket recommendation.json: {error.args[0]}; rerun the bucket_sweep rule"
         ) from error
+    replay = loaded.get("provenance", {}).get("replay") or {}
+    document["changes"] = [
+        *document.get("changes", []),
+        *apply_changes.step_level_changes(
+            replay.get("step_changes"), apply_changes.baseline_from(recommendation, training)
+        ),
+    ]
+    strategy_of = {
+        **CHANGE_STRATEGY,
+        **{c["id"]: c["id"] for c in document["changes"] if c.get("step_level")},
+    }
     # the report's order: by the replay's measured saving (Summary and "Apply it" agree)
     measurements = {
         i: change_measurement(change, loaded["tables"], loaded["not_run"])
@@ -63,10 +75,10 @@ def recommendations_document(
     memory = memory_table(loaded)
     return apply.with_checks(
         ordered,
-        CHANGE_STRATEGY,
+        strategy_of,
         realize["by_strategy"] if ok else None,
         realize["rule"] if ok else None,
-        None if memory is None else {s: memory_check(memory, s) for s in CHANGE_STRATEGY.values()},
+        None if memory is None else {s: memory_check(memory, s) for s in strategy_of.values()},
     )
 
 

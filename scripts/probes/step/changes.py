@@ -140,6 +140,18 @@ def change_plans(
     return pd.concat(frames, ignore_index=True) if frames else plans.iloc[0:0]
 
 
+def title_of(name: str) -> str | None:
+    """A step-level change in the Summary's words (None for any other strategy)."""
+    if name in (GC_ON, GC_OFF):
+        return f"Turn gradient checkpointing {'on' if name == GC_ON else 'off'}"
+    if name.startswith(ATTENTION_PREFIX):
+        return f"Use the {name[len(ATTENTION_PREFIX) :]} attention implementation"
+    if name.startswith(MICRO_BATCH_PREFIX):
+        size = name[len(MICRO_BATCH_PREFIX) :]
+        return f"Micro-batch size {size} at the same tokens per update"
+    return None
+
+
 def is_step_change(name: str) -> bool:
     return name in (GC_ON, GC_OFF) or name.startswith((ATTENTION_PREFIX, MICRO_BATCH_PREFIX))
 

@@ -89,7 +89,9 @@ def change_title(strategy: str, bucket_size: Any, max_seq_len: Any, idle: int | 
         return "Pad each batch to its longest member, not to max_seq_len"
     if strategy == RANDOM:
         return "Random batches (the baseline)"
-    return strategy
+    from probes.step.changes import title_of
+
+    return title_of(strategy) or strategy
 
 
 def verdict(low: float | None, high: float | None) -> str:
@@ -335,6 +337,8 @@ def change_measurement(
     """The replay's measured saving of one change of recommendations.json, or None when the
     replay did not measure that change (then the report gives the estimate, labelled)."""
     strategy = CHANGE_STRATEGY.get(str(change.get("id")))
+    if strategy is None and change.get("step_level"):
+        strategy = str(change.get("id"))  # a step-level change is its own strategy
     if strategy is None or replay_problem(tables, not_run):
         return None
     rows = tables["replay_estimates"]

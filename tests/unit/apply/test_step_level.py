@@ -1,0 +1,29 @@
+"""Step-level changes as settings that paste (probes.apply.changes.step_level_changes)."""
+
+from __future__ import annotations
+
+import transformers
+
+from probes.apply.changes import Baseline, step_level_changes
+from probes.apply.document import settings_line
+from probes.step.changes import StepConfig, step_changes
+
+
+def test_each_step_level_change_pastes_and_says_what_differs():
+    base = Baseline(2, 8, 4096, 100, 40_000, 900)
+    priced = step_changes(StepConfig(False, "sdpa"), 2, 8)
+    provenance = [
+        {"strategy": c.strategy, "title": c.title, "settings": c.settings} for c in priced
+    ]
+    changes = {c["id"]: c for c in step_level_changes(provenance, base)}
+    baseline = {"training_arguments": base.training_arguments(), "sft_config": base.sft_config()}
+    gc = changes["gradient_checkpointing_on"]
+    assert gc["training_arguments"]["gradient_checkpointing"] is True
+    assert "gradient_checkpointing=True" in settings_line(gc, baseline)
+    transformers.TrainingArguments(output_dir="x", **gc["training_arguments"])  # it constructs
+    eager = changes["attention_eager"]
+    assert "attn_implementation='eager'" in settings_line(eager, baseline)
+    assert eager["sft_config"]["model_init_kwargs"] == {"attn_implementation": "eager"}
+    micro = changes["micro_batch_size_4"]
+    line = settings_line(micro, baseline)
+    assert "per_device_train_batch_size=4" in line and "gradient_accumulation_steps=4" in line
