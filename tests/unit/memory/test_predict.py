@@ -135,3 +135,22 @@ def test_real_vs_predicted_passes_and_fails(functions):
     assert passed["passed"] and passed["rows"][0]["passed"]
     wrong = real_vs_predicted(config, functions, "float32", {(shape.rows, shape.length): real * 2})
     assert not wrong["passed"]
+
+
+def test_a_kernels_own_temporary_is_counted():
+    """logsumexp forms exp(x - max) at the input's size inside its kernel: no op returns it,
+    the profiler's allocator events see it, and so must the prediction."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from probes.memory.real import cpu_allocator_peak
+    from probes.memory.tracker import StepTracker
+
+    real_x = torch.randn(256, 1000)
+    real = cpu_allocator_peak(lambda: torch.logsumexp(real_x, dim=-1))
+    with FakeTensorMode():
+        x = torch.empty(256, 1000)
+        tracker = StepTracker()
+        with tracker:
+            tracker.phase("forward")
+            torch.logsumexp(x, dim=-1)
+    assert tracker.peak().total == real
