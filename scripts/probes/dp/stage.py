@@ -165,6 +165,20 @@ def summarise(
     return out
 
 
+def timed_step_note(raw: Mapping[str, Any]) -> str | None:
+    """With trainer.factory set, what this stage times instead, and what it would need."""
+    factory = (raw.get("trainer") or {}).get("factory")
+    if not factory:
+        return None
+    return (
+        f"data_parallel: trainer.factory '{factory}' is not run under torchrun yet: the ranks "
+        f"time the profile.harness module ({raw['profile']['harness']}) on the plans' shapes. "
+        "Running the trainer per rank needs the factory to build it inside each torchrun "
+        "process (its Accelerator then shards the data); until then this stage prices the "
+        "straggler wait, not your trainer's own step."
+    )
+
+
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
     """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
     from probes.distributed import check_launch
@@ -184,6 +198,9 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         device = resolve_device(profile["device"], profile["allow_cpu"])
     except ProbeError as error:
         raise DataParallelError(f"data_parallel: {error}") from error
+    timed_step = timed_step_note(raw)
+    if timed_step:
+        LOG.warning("%s", timed_step)
     cpu_only = device.type != "cuda"
     backend = backend_for(dp_cfg["backend"], device.type)
     check_launch(world, backend)
@@ -249,7 +266,12 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         "prediction": "max over ranks of one-process micro-batch time + optimizer + collective",
         "wall_s": time.perf_counter() - started,
     }
-    provenance = {**run_metadata(dict(raw)), "world_size": world, "backend": backend}
+    provenance = {
+        **run_metadata(dict(raw)),
+        "world_size": world,
+        "backend": backend,
+        "timed_step": timed_step or f"profile.harness {profile['harness']}",
+    }
     with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
         out.parquet("steps", records, provenance)
         out.json("summary", summary)
