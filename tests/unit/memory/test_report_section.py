@@ -71,3 +71,23 @@ def test_memory_block_is_silent_without_its_context_key_and_says_not_run():
     assert "## Memory" not in render(figures={})
     section = memory_report_section({}, {}, {"memory": "memory.enabled false"})
     assert "**Not run.** memory.enabled false" in render(memory_report=section, figures={})
+
+
+def test_stub_outputs_follow_the_contract_and_load(tmp_path):
+    from probes.contracts import check_table_columns, optional_report_inputs
+    from probes.io import read_json, read_parquet
+    from probes.report.load import check_keys
+
+    from .stage_outputs import write_memory_stage
+
+    paths = {
+        k: tmp_path / v
+        for k, v in optional_report_inputs({"training": {}, "memory": {"enabled": True}}).items()
+    }
+    for path in paths.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    write_memory_stage(paths)
+    for name in ("memory_shapes", "memory_changes", "memory_fit"):
+        check_table_columns(read_parquet(paths[name]).columns, name, paths[name])
+    for name in ("memory_summary", "memory_control"):
+        check_keys(read_json(paths[name]), name, paths[name])
