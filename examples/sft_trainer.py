@@ -8,11 +8,13 @@ applied to its ``SFTConfig`` by ``probes.trainer.apply_settings``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-MODEL_DIR = Path("resources/model/gemma-3-270m")
-DATA_FILE = Path("resources/data/chitchat.parquet")
+# where the embedded default lies (the GPU evidence script points them at a random-init copy)
+MODEL_DIR = Path(os.environ.get("PROBES_DEFAULT_MODEL", "resources/model/gemma-3-270m"))
+DATA_FILE = Path(os.environ.get("PROBES_DEFAULT_DATA", "resources/data/chitchat.parquet"))
 
 
 def build_trainer(settings: dict[str, Any]):

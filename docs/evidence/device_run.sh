@@ -39,6 +39,23 @@ python3 -m pytest -q -p no:cacheprovider tests/unit/mask/test_backend.py 2>&1 | 
 OUT="$EVIDENCE/gpu-run" MODEL=/tmp/gemma-3-270m-random RESULTS=.device/results \
   bash docs/evidence/run_gpu_profile.sh 2>&1 | tee "$EVIDENCE/gpu_console.txt"
 
+# 1b) the embedded default as users train it (issue 27): the SFTTrainer of examples/sft_trainer.py
+# through profile + replay (its step-level changes included: gradient checkpointing, eager vs
+# sdpa, the micro-batch size; flash/flex where installed) + realize (trainer.train() itself), on
+# the random-init weights and the carried chitchat data, with the CPU trainer run's lengths and
+# plans (.device/results-trainer: the trainer's row numbers as example ids). The device image has
+# no trl/datasets: their wheels travel in .device/wheels (docs/evidence/README.md says how).
+pip install -q --no-index --no-deps .device/wheels/*.whl > "$EVIDENCE/wheels.txt" 2>&1 \
+  || echo "wheels: not installed (see wheels.txt)"
+if python3 -c "import trl, datasets" 2>/dev/null && [[ -d .device/results-trainer ]]; then
+  PROBES_DEFAULT_MODEL=/tmp/gemma-3-270m-random PROBES_DEFAULT_DATA=.device/chitchat.parquet \
+    OUT="$EVIDENCE/gpu-trainer" MODEL=/tmp/gemma-3-270m-random RESULTS=.device/results-trainer \
+    EXTRA_SETTINGS="--set trainer.factory=examples/sft_trainer.py:build_trainer" \
+    bash docs/evidence/run_gpu_profile.sh 2>&1 | tee "$EVIDENCE/gpu_trainer_console.txt"
+else
+  echo "trainer run skipped: trl/datasets not importable or .device/results-trainer missing"
+fi
+
 # 2) the mask gate with CUDA confirmation of the predicted backends (default and 27B configs)
 for name in gemma-3-270m:.device/model/config.json gemma-3-27b:config/models/gemma-3-27b-it/config.json; do
   timeout 120 python3 scripts/run_mask.py --set "model.config_path=${name#*:}" \
@@ -70,6 +87,18 @@ timeout 240 python3 bench/realized_vs_promised.py --device cuda --architecture .
   --examples 300 --cap 2048 --repeats 2 --budget-s 45 --out "$EVIDENCE/realized_vs_promised.md" \
   > "$EVIDENCE/realized_vs_promised.log" 2>&1
 echo "realized_vs_promised: exit $?"; cat "$EVIDENCE/realized_vs_promised.md" 2>/dev/null
+
+# 4b) the same headline in trainer mode (issues 27, 29): the promise is the replay through an
+# SFTTrainer factory, every configuration (step-level changes too) realized by that trainer
+if python3 -c "import trl, datasets" 2>/dev/null; then
+  timeout 200 python3 bench/realized_vs_promised.py --trainer sft --device cuda \
+    --architecture .device/model --lengths .device/results/padding/lengths.parquet \
+    --recommendation .device/results/bucket/recommendation.json \
+    --examples 300 --cap 2048 --repeats 2 --budget-s 40 \
+    --out "$EVIDENCE/realized_vs_promised_sft.md" > "$EVIDENCE/realized_vs_promised_sft.log" 2>&1
+  echo "realized_vs_promised --trainer sft: exit $?"
+  cat "$EVIDENCE/realized_vs_promised_sft.md" 2>/dev/null
+fi
 
 # files back are limited (8 files, 2 folders down): one archive holds everything
 tar -czf "$OUT/evidence.tar.gz" -C "$OUT" evidence && rm -rf "$EVIDENCE"

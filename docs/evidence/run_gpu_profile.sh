@@ -52,6 +52,10 @@ cp -r "$RESULTS/mask" "$RESULTS/padding" "$RESULTS/bucket" "$OUT/results/"
 SETTINGS=(--results "$OUT/results" --set "model.path=$MODEL" --set "profile.device=$DEVICE"
   --set "profile.cuda.lengths=$CUDA_LENGTHS" --set "profile.cpu.lengths=$CPU_LENGTHS"
   --set "profile.idle.timeout_s=60" --allow-config-mismatch)
+# EXTRA_SETTINGS: more --set pairs, e.g. the trainer run's
+#   EXTRA_SETTINGS="--set trainer.factory=examples/sft_trainer.py:build_trainer"
+read -ra EXTRA <<< "${EXTRA_SETTINGS:-}"
+SETTINGS+=("${EXTRA[@]}")
 
 run_stage() {  # name, limit in seconds, script
   local name=$1 limit=$2 script=$3 start rc
