@@ -193,36 +193,15 @@ def run_scenario(
     probe: ProbeModel, scenario: Scenario, specs: list[LayerSpec], settings: GateSettings
 ) -> list[dict[str, Any]]:
     """Trace one scenario and return one layers.parquet row per decoder layer."""
-    mask_gib = scenario.batch * scenario.seq_len**2 / 2**30
-    if mask_gib > settings.max_mask_gib:
-        raise GateError(
-            f"scenario '{scenario.name}': one dense mask of {scenario.batch}x{scenario.seq_len}^2 "
-            f"is {mask_gib:.1f} GiB > mask.max_mask_gib={settings.max_mask_gib}; raise that limit "
-            "if this machine has the memory"
-        )
-    records = trace_attention(probe, scenario.inputs())
+    _check_mask_size(scenario, settings)
     by_layer: dict[int, list[AttentionRecord]] = {}
-    for record in records:
+    for record in trace_attention(probe, scenario.inputs()):
         by_layer.setdefault(record.layer_idx, []).append(record)
-    key_is_pad = scenario.key_is_pad()
-    n_docs = scenario.n_docs
     measured: dict[tuple, mask_band.RowIntervals] = {}  # per distinct mask (storage and view)
     rows = []
     for layer_idx, spec in enumerate(specs):
         layer_records = by_layer.get(layer_idx, [])
-        row: dict[str, Any] = {
-            "scenario": scenario.name,
-            "batch": scenario.batch,
-            "seq_len": scenario.seq_len,
-            "padding": scenario.padding,
-            "packed": scenario.packed,
-            "n_docs": n_docs,
-            "token_type_ids": scenario.token_type_ids,
-            "layer_idx": layer_idx,
-            "layer_type": spec.layer_type,
-            "expected_window": spec.window,
-            "attention_calls": len(layer_records),
-        }
+        row = _scenario_columns(scenario, layer_idx, spec, len(layer_records))
         if not layer_records:
             # a full or sliding layer that never called attention means the trace is broken
             missing = f"layer {layer_idx} ({spec.layer_type}) in scenario '{scenario.name}': "
@@ -235,88 +214,140 @@ def run_scenario(
             rows.append(row)
             continue
         record = layer_records[-1]
-        call = record.call
-        mask = record.mask
-        if mask is not None and tuple(mask.shape[-2:]) != (scenario.seq_len, scenario.seq_len):
-            raise GateError(
-                f"layer {layer_idx} in scenario '{scenario.name}': mask shape "
-                f"{tuple(mask.shape)} is not (..., {scenario.seq_len}, {scenario.seq_len}); "
-                "the gate only measures square training masks"
-            )
-        row.update(
-            attn_implementation=record.implementation,
-            module_sliding_window=record.module_sliding_window,
-            q_heads=record.q_heads,
-            kv_heads=record.kv_heads,
-            head_dim=record.head_dim,
-            head_dim_v=call.head_dim_v if call else None,
-            dtype=call.dtype if call else str(probe.dtype).removeprefix("torch."),
-            mask_present=mask is not None,
-            mask_shape="x".join(map(str, mask.shape)) if mask is not None else None,
-            mask_dtype=str(mask.dtype).removeprefix("torch.") if mask is not None else None,
-            is_causal=call.is_causal if call else False,
-            enable_gqa=call.enable_gqa if call else False,
-            gqa_path=_gqa_path(record),
-        )
-        row["fast_path"] = bool(call is not None and mask is None and call.is_causal)
-        # band: measured from the mask tensor, or SDPA's own semantics when there is no mask
-        if mask is not None:
-            key = mask_identity(mask)
-            if key not in measured:
-                measured[key] = mask_band.row_intervals(mask, key_is_pad)
-            intervals, band_source = measured[key], "mask"
-        else:
-            is_causal = bool(call.is_causal) if call else False
-            intervals = mask_band.implied_intervals(
-                scenario.batch, scenario.seq_len, scenario.seq_len, is_causal
-            )
-            band_source = "is_causal" if is_causal else "none"
-        summary = mask_band.summarise(
-            intervals, scenario.doc_ids, spec.window, check=spec.checkable
-        )
-        band_ok = (
-            None
-            if not spec.checkable
-            else (
-                summary.mismatched_rows == 0
-                and summary.noncontiguous_rows == 0
-                and summary.pad_keys_attended == 0
-            )
-        )
-        row.update(
-            band_source=band_source,
-            band_lower=summary.band_lower,
-            band_upper=summary.band_upper,
-            keys_min=summary.keys_min,
-            keys_max=summary.keys_max,
-            blocks=summary.blocks,
-            fully_masked_rows=summary.fully_masked_rows,
-            pad_keys_attended=summary.pad_keys_attended,
-            noncontiguous_rows=summary.noncontiguous_rows,
-            mismatched_rows=summary.mismatched_rows,
-            band_ok=band_ok,
-            violation=None
-            if band_ok in (True, None)
-            else _violation_text(scenario, layer_idx, spec, summary, band_source),
-        )
-        # backend on the target GPU
-        if call is None:
-            row.update(
-                backend=sdpa_backend.EAGER,
-                excluded_by=f"model runs eager, not SDPA: {probe.sdpa_unsupported_reason}",
-            )
-        else:
-            prediction = sdpa_backend.predict_backend(call, settings.target)
-            row.update(backend=prediction.backend, excluded_by=prediction.excluded_by() or None)
-            if settings.confirm and settings.confirm_target is not None:
-                local = sdpa_backend.predict_backend(call, settings.confirm_target)
-                confirmed = _confirm(call, settings)
-                if confirmed.get("ran", True):
-                    row.update(
-                        local_predicted_backend=local.backend,
-                        confirmed_backend=confirmed.get("backend"),
-                        confirm_agrees=confirmed.get("backend") == local.backend,
-                        confirm_can_use=str(confirmed.get("can_use")),
-                    )
+        row.update(_call_columns(probe, scenario, layer_idx, record))
+        row.update(_band_columns(scenario, layer_idx, spec, record, measured))
+        row.update(_backend_columns(probe, record, settings))
         rows.append(row)
     return rows
+
+
+def _check_mask_size(scenario: Scenario, settings: GateSettings) -> None:
+    mask_gib = scenario.batch * scenario.seq_len**2 / 2**30
+    if mask_gib > settings.max_mask_gib:
+        raise GateError(
+            f"scenario '{scenario.name}': one dense mask of {scenario.batch}x{scenario.seq_len}^2 "
+            f"is {mask_gib:.1f} GiB > mask.max_mask_gib={settings.max_mask_gib}; raise that limit "
+            "if this machine has the memory"
+        )
+
+
+def _scenario_columns(
+    scenario: Scenario, layer_idx: int, spec: LayerSpec, calls: int
+) -> dict[str, Any]:
+    """The row's scenario and layer, and what the layer's config asks for."""
+    return {
+        "scenario": scenario.name,
+        "batch": scenario.batch,
+        "seq_len": scenario.seq_len,
+        "padding": scenario.padding,
+        "packed": scenario.packed,
+        "n_docs": scenario.n_docs,
+        "token_type_ids": scenario.token_type_ids,
+        "layer_idx": layer_idx,
+        "layer_type": spec.layer_type,
+        "expected_window": spec.window,
+        "attention_calls": calls,
+    }
+
+
+def _call_columns(
+    probe: ProbeModel, scenario: Scenario, layer_idx: int, record: AttentionRecord
+) -> dict[str, Any]:
+    """The layer's last attention call: implementation, heads, mask, SDPA arguments."""
+    call, mask = record.call, record.mask
+    if mask is not None and tuple(mask.shape[-2:]) != (scenario.seq_len, scenario.seq_len):
+        raise GateError(
+            f"layer {layer_idx} in scenario '{scenario.name}': mask shape "
+            f"{tuple(mask.shape)} is not (..., {scenario.seq_len}, {scenario.seq_len}); "
+            "the gate only measures square training masks"
+        )
+    return {
+        "attn_implementation": record.implementation,
+        "module_sliding_window": record.module_sliding_window,
+        "q_heads": record.q_heads,
+        "kv_heads": record.kv_heads,
+        "head_dim": record.head_dim,
+        "head_dim_v": call.head_dim_v if call else None,
+        "dtype": call.dtype if call else str(probe.dtype).removeprefix("torch."),
+        "mask_present": mask is not None,
+        "mask_shape": "x".join(map(str, mask.shape)) if mask is not None else None,
+        "mask_dtype": str(mask.dtype).removeprefix("torch.") if mask is not None else None,
+        "is_causal": call.is_causal if call else False,
+        "enable_gqa": call.enable_gqa if call else False,
+        "gqa_path": _gqa_path(record),
+        "fast_path": bool(call is not None and mask is None and call.is_causal),
+    }
+
+
+def _band_columns(
+    scenario: Scenario,
+    layer_idx: int,
+    spec: LayerSpec,
+    record: AttentionRecord,
+    measured: dict[tuple, mask_band.RowIntervals],
+) -> dict[str, Any]:
+    """The band: measured from the mask tensor (once per distinct mask), or SDPA's own
+    semantics when there is no mask; checked against the layer's expected window."""
+    call, mask = record.call, record.mask
+    if mask is not None:
+        key = mask_identity(mask)
+        if key not in measured:
+            measured[key] = mask_band.row_intervals(mask, scenario.key_is_pad())
+        intervals, band_source = measured[key], "mask"
+    else:
+        is_causal = bool(call.is_causal) if call else False
+        intervals = mask_band.implied_intervals(
+            scenario.batch, scenario.seq_len, scenario.seq_len, is_causal
+        )
+        band_source = "is_causal" if is_causal else "none"
+    summary = mask_band.summarise(intervals, scenario.doc_ids, spec.window, check=spec.checkable)
+    band_ok = (
+        None
+        if not spec.checkable
+        else (
+            summary.mismatched_rows == 0
+            and summary.noncontiguous_rows == 0
+            and summary.pad_keys_attended == 0
+        )
+    )
+    return {
+        "band_source": band_source,
+        "band_lower": summary.band_lower,
+        "band_upper": summary.band_upper,
+        "keys_min": summary.keys_min,
+        "keys_max": summary.keys_max,
+        "blocks": summary.blocks,
+        "fully_masked_rows": summary.fully_masked_rows,
+        "pad_keys_attended": summary.pad_keys_attended,
+        "noncontiguous_rows": summary.noncontiguous_rows,
+        "mismatched_rows": summary.mismatched_rows,
+        "band_ok": band_ok,
+        "violation": None
+        if band_ok in (True, None)
+        else _violation_text(scenario, layer_idx, spec, summary, band_source),
+    }
+
+
+def _backend_columns(
+    probe: ProbeModel, record: AttentionRecord, settings: GateSettings
+) -> dict[str, Any]:
+    """The SDPA backend predicted for the target GPU, and its confirmation where asked."""
+    call = record.call
+    if call is None:
+        return {
+            "backend": sdpa_backend.EAGER,
+            "excluded_by": f"model runs eager, not SDPA: {probe.sdpa_unsupported_reason}",
+        }
+    prediction = sdpa_backend.predict_backend(call, settings.target)
+    columns = {"backend": prediction.backend, "excluded_by": prediction.excluded_by() or None}
+    if settings.confirm and settings.confirm_target is not None:
+        local = sdpa_backend.predict_backend(call, settings.confirm_target)
+        confirmed = _confirm(call, settings)
+        if confirmed.get("ran", True):
+            columns.update(
+                local_predicted_backend=local.backend,
+                confirmed_backend=confirmed.get("backend"),
+                confirm_agrees=confirmed.get("backend") == local.backend,
+                confirm_can_use=str(confirmed.get("can_use")),
+            )
+    return columns
