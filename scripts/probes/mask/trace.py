@@ -399,15 +399,11 @@ def _sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa) -
     )
 
 
-@contextmanager
-def _recording(probe: ProbeModel, records: list[AttentionRecord]) -> Iterator[None]:
-    """Patch SDPA and the attention interface, hook the decoder layers; undo everything after."""
+def _patch_helpers(probe: ProbeModel) -> list[tuple[Any, str, Any]]:
+    """Memoise MEMOISED_HELPERS in the attention modules' Python modules; what to restore."""
     import sys
 
-    from transformers.modeling_utils import AttentionInterface
-
-    state: dict[str, Any] = {"layer": None, "record": None}
-    helper_patches = []
+    patches = []
     for module_name in {
         type(m).__module__ for layer in probe.layers for m in layer.children() if _is_attention(m)
     }:
@@ -415,17 +411,24 @@ def _recording(probe: ProbeModel, records: list[AttentionRecord]) -> Iterator[No
         for helper in MEMOISED_HELPERS:
             function = getattr(python_module, helper, None)
             if callable(function):
-                helper_patches.append((python_module, helper, function))
+                patches.append((python_module, helper, function))
                 setattr(python_module, helper, probe.memo.wrap_function(function))
-    mapping = AttentionInterface._global_mapping
-    original_sdpa_interface = mapping["sdpa"]
-    had_eager = "eager" in mapping
-    original_eager = mapping.get("eager")
-    original_sdpa = F.scaled_dot_product_attention
+    return patches
 
-    def new_record(module: Any, implementation: str, query, key, kwargs) -> AttentionRecord:
+
+class _Recorder:
+    """The replacements _recording installs: they append an AttentionRecord per attention call
+    (the decoder layer it ran in, set by a pre-hook) and compute nothing."""
+
+    def __init__(self, records: list[AttentionRecord], original_sdpa_interface: Any) -> None:
+        self.records = records
+        self.original_sdpa_interface = original_sdpa_interface
+        self.layer: int | None = None
+        self.record: AttentionRecord | None = None
+
+    def new_record(self, implementation: str, query, key, kwargs) -> AttentionRecord:
         record = AttentionRecord(
-            layer_idx=state["layer"] if state["layer"] is not None else -1,
+            layer_idx=self.layer if self.layer is not None else -1,
             implementation=implementation,
             module_sliding_window=kwargs.get("sliding_window"),
             q_heads=int(query.shape[1]),
@@ -433,20 +436,20 @@ def _recording(probe: ProbeModel, records: list[AttentionRecord]) -> Iterator[No
             head_dim=int(query.shape[-1]),
             softcap=kwargs.get("softcap"),
         )
-        records.append(record)
+        self.records.append(record)
         return record
 
-    def sdpa_interface(module, query, key, value, attention_mask, *args, **kwargs):
-        state["record"] = new_record(module, "sdpa", query, key, kwargs)
+    def sdpa_interface(self, module, query, key, value, attention_mask, *args, **kwargs):
+        self.record = self.new_record("sdpa", query, key, kwargs)
         try:
-            return original_sdpa_interface(
+            return self.original_sdpa_interface(
                 module, query, key, value, attention_mask, *args, **kwargs
             )
         finally:
-            state["record"] = None
+            self.record = None
 
-    def eager_interface(module, query, key, value, attention_mask, *args, **kwargs):
-        record = new_record(module, "eager", query, key, kwargs)
+    def eager_interface(self, module, query, key, value, attention_mask, *args, **kwargs):
+        record = self.new_record("eager", query, key, kwargs)
         record.mask = attention_mask
         batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
         out = torch.empty(
@@ -455,6 +458,7 @@ def _recording(probe: ProbeModel, records: list[AttentionRecord]) -> Iterator[No
         return out, None
 
     def recorded_sdpa(
+        self,
         query,
         key,
         value,
@@ -464,34 +468,48 @@ def _recording(probe: ProbeModel, records: list[AttentionRecord]) -> Iterator[No
         scale=None,
         enable_gqa=False,
     ):
-        record = state["record"]
+        record = self.record
         if record is None:  # a model calling SDPA directly, not through the interface
-            record = new_record(None, "sdpa", query, key, {})
+            record = self.new_record("sdpa", query, key, {})
         record.call = _sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         record.mask = attn_mask
         shape = (*query.shape[:-1], value.shape[-1])
         return torch.empty(shape, dtype=query.dtype, device=query.device)
 
-    def pre_hook(index: int):
+    def pre_hook(self, index: int):
         def hook(module, args, kwargs):
-            state["layer"] = index
+            self.layer = index
             new_args = tuple(arg if _is_mask(None, arg) else _to_meta(arg) for arg in args)
             new_kwargs = {k: v if _is_mask(k, v) else _to_meta(v) for k, v in kwargs.items()}
             return new_args, new_kwargs
 
         return hook
 
+    @staticmethod
     def stop_hook(module, args, output):
         raise _StopAfterDecoder
 
+
+@contextmanager
+def _recording(probe: ProbeModel, records: list[AttentionRecord]) -> Iterator[None]:
+    """Patch SDPA and the attention interface, hook the decoder layers; undo everything after."""
+    from transformers.modeling_utils import AttentionInterface
+
+    helper_patches = _patch_helpers(probe)
+    mapping = AttentionInterface._global_mapping
+    original_sdpa_interface = mapping["sdpa"]
+    had_eager = "eager" in mapping
+    original_eager = mapping.get("eager")
+    original_sdpa = F.scaled_dot_product_attention
+    recorder = _Recorder(records, original_sdpa_interface)
     handles = [
-        layer.register_forward_pre_hook(pre_hook(index), with_kwargs=True)
+        layer.register_forward_pre_hook(recorder.pre_hook(index), with_kwargs=True)
         for index, layer in enumerate(probe.layers)
     ]
-    handles.append(probe.layers[-1].register_forward_hook(stop_hook))
-    mapping["sdpa"] = sdpa_interface
-    mapping["eager"] = eager_interface
-    F.scaled_dot_product_attention = recorded_sdpa
+    handles.append(probe.layers[-1].register_forward_hook(recorder.stop_hook))
+    mapping["sdpa"] = recorder.sdpa_interface
+    mapping["eager"] = recorder.eager_interface
+    F.scaled_dot_product_attention = recorder.recorded_sdpa
     try:
         yield
     finally:
