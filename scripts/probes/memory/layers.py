@@ -51,6 +51,13 @@ def layer_types(config: Any) -> list[str]:
     return [SINGLE_TYPE] * n
 
 
+def scaling_saves_work(config: Any) -> bool:
+    """Whether the K(K + 2) layers of the K + 1 reduced traces are fewer than the model's."""
+    full = layer_types(config)
+    k = len(set(full))
+    return k * (k + 2) < len(full)
+
+
 def reduced_types(full: list[str], counts: dict[str, int]) -> list[str]:
     """`counts[t]` layers of each type, in first-appearance order, the last layer's type last."""
     last = full[-1]

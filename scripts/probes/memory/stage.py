@@ -19,7 +19,7 @@ from probes.batching.plans import read_plans
 from probes.io import run_metadata
 from probes.mask.trace import config_from_dict, read_config_json
 from probes.memory.control import run_controls
-from probes.memory.layers import build_scaled_step, predict_scaled
+from probes.memory.layers import build_scaled_step, predict_scaled, scaling_saves_work
 from probes.memory.predict import (
     PredictError,
     Prediction,
@@ -61,7 +61,8 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     model_config = str(inputs["model_config"])
     config = config_from_dict(read_config_json(model_config), source=model_config)
     build, predict_fn = (build_fake_step, predict)
-    if cfg.memory.scale_layers:
+    scaled = cfg.memory.scale_layers and scaling_saves_work(config)
+    if scaled:  # fewer layers traced than the model has
         build, predict_fn = (build_scaled_step, predict_scaled)
     step = build(
         config,
@@ -86,7 +87,7 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         "harness": cfg.profile.harness,
         "gradient_checkpointing": gradient_checkpointing(cfg),
         "plans": "read" if plans is not None else "not given: training shape only",
-        "scale_layers": cfg.memory.scale_layers,
+        "scale_layers": scaled,
         "build_seconds": step.build_seconds,
         "predictions": predictor.count,
         "wall_seconds": time.perf_counter() - start,
