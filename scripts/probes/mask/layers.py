@@ -14,6 +14,7 @@ import torch
 from probes.errors import ProbeError
 from probes.mask import backend as sdpa_backend
 from probes.mask import band as mask_band
+from probes.mask import confirm as sdpa_confirm
 from probes.mask.scenarios import Scenario
 from probes.mask.trace import AttentionRecord, ProbeModel, trace_attention
 
@@ -167,7 +168,7 @@ def _violation_text(
 def _confirm(call: sdpa_backend.SdpaCall, settings: GateSettings) -> dict[str, Any]:
     if call not in settings.confirm_cache:
         try:
-            result = sdpa_backend.confirm_with_torch(call, "cuda", settings.target.requires_grad)
+            result = sdpa_confirm.confirm_with_torch(call, "cuda", settings.target.requires_grad)
         except Exception as error:  # noqa: BLE001 - a confirmation failure is reported, not fatal
             result = {"backend": None, "can_use": {}, "error": str(error).splitlines()[0][:200]}
         settings.confirm_cache[call] = result

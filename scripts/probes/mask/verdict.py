@@ -14,6 +14,7 @@ import torch
 
 from probes.config import fill_defaults, schema
 from probes.mask import backend as sdpa_backend
+from probes.mask import confirm as sdpa_confirm
 from probes.mask.layers import (
     GateSettings,
     LayerSpec,
@@ -112,12 +113,12 @@ def evaluate(
     settings = GateSettings(target=target, max_mask_gib=float(mask_cfg["max_mask_gib"]))
     confirm_note = NOT_REQUESTED
     if mask_cfg.get("confirm_on_cuda"):
-        if sdpa_backend.cuda_available():
+        if sdpa_confirm.cuda_available():
             settings.confirm = True
-            settings.confirm_target = sdpa_backend.local_target(requires_grad=True)
+            settings.confirm_target = sdpa_confirm.local_target(requires_grad=True)
             confirm_note = "ran on this machine's CUDA device"
         else:
-            confirm_note = sdpa_backend.NO_CUDA
+            confirm_note = sdpa_confirm.NO_CUDA
     rows: list[dict[str, Any]] = []
     with reuse_freed_memory():
         for scenario in tqdm(scenarios, desc="mask scenarios", disable=not progress):

@@ -6,6 +6,7 @@ import torch
 
 from conftest import REPO
 from probes.mask import backend as sb
+from probes.mask import confirm as sc
 
 
 def call(
@@ -134,12 +135,12 @@ def test_parse_compute_capability_rejects_garbage():
 def test_confirmation_without_cuda_is_a_not_run_record_with_its_reason(monkeypatch):
     # torch's CUDA dispatch cannot be asked on a CPU: nothing is run and the record says why
     small = call(q_heads=2, kv_heads=2, length=8, head_dim=16, mask=True)
-    result = sb.confirm_with_torch(small, device="cpu", requires_grad=True)
+    result = sc.confirm_with_torch(small, device="cpu", requires_grad=True)
     assert result["ran"] is False and result["backend"] is None and result["can_use"] == {}
-    assert result["reason"].startswith(sb.NO_CUDA) and "'cpu'" in result["reason"]
+    assert result["reason"].startswith(sc.NO_CUDA) and "'cpu'" in result["reason"]
     # asking for "cuda" on a machine without one gives the same record, not a crash
-    monkeypatch.setattr(sb, "cuda_available", lambda: False)
-    assert sb.confirm_with_torch(small, device="cuda")["ran"] is False
+    monkeypatch.setattr(sc, "cuda_available", lambda: False)
+    assert sc.confirm_with_torch(small, device="cuda")["ran"] is False
 
 
 EVIDENCE = REPO / "docs" / "evidence" / "h200-2026-11-30"
@@ -227,7 +228,7 @@ def test_release_newer_than_the_table_assumes_the_newest_bundle_and_says_so():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_prediction_matches_torch_on_this_gpu():
-    target = sb.local_target(requires_grad=True)
+    target = sc.local_target(requires_grad=True)
     for example in (
         call(),
         call(mask=True),
@@ -235,4 +236,4 @@ def test_prediction_matches_torch_on_this_gpu():
         call(q_heads=8, kv_heads=2, enable_gqa=True),
     ):
         predicted = sb.predict_backend(example, target).backend
-        assert sb.confirm_with_torch(example, "cuda")["backend"] == predicted, example
+        assert sc.confirm_with_torch(example, "cuda")["backend"] == predicted, example

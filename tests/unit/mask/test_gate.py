@@ -5,6 +5,7 @@ import pytest
 
 from conftest import REPO, TINY_GEMMA3_CONFIG
 from probes.mask import backend as sdpa_backend
+from probes.mask import confirm as sdpa_confirm
 from probes.mask import control as mask_control
 from probes.mask import gate as mask
 from probes.mask import layers as mask_layers
@@ -288,14 +289,14 @@ CONFIRM_SCENARIOS = ["train", "right_padded", "packed"]
 
 def stub_confirmation(monkeypatch, torch_chooses) -> None:
     """Pretend a CUDA device is here and torch picks `torch_chooses(call)` for every call."""
-    monkeypatch.setattr(sdpa_backend, "cuda_available", lambda: True)
+    monkeypatch.setattr(sdpa_confirm, "cuda_available", lambda: True)
     monkeypatch.setattr(
-        sdpa_backend,
+        sdpa_confirm,
         "local_target",
         lambda requires_grad=True: sdpa_backend.resolve_target((9, 0), "2.10.0"),
     )
     monkeypatch.setattr(
-        sdpa_backend,
+        sdpa_confirm,
         "confirm_with_torch",
         lambda call, device="cuda", requires_grad=True: {
             "ran": True,
@@ -340,7 +341,7 @@ def test_a_confirmation_disagreement_fails_the_gate(monkeypatch):
 
 
 def test_without_cuda_the_gate_says_not_confirmed(monkeypatch):
-    monkeypatch.setattr(sdpa_backend, "cuda_available", lambda: False)
+    monkeypatch.setattr(sdpa_confirm, "cuda_available", lambda: False)
     table, gate = run(GEMMA3, scenarios=["train"])
     confirm = gate["confirm"]
     assert confirm["ran"] is False and confirm["status"] == "not confirmed: no CUDA"
