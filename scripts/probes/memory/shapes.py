@@ -12,7 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from probes.batching.plans import BASELINE
 from probes.batching.plans import PACKED as PLAN_PACKED
+from probes.contracts import BATCH_REBALANCE
 from probes.errors import ProbeError
 from probes.memory.predict import PACKED, PADDED, Shape
 
@@ -40,12 +42,43 @@ def quantile_length(plans: pd.DataFrame, quantile: float, origin: str = "plans")
 def _example_lengths(plans: pd.DataFrame, origin: str) -> np.ndarray:
     if "example_lengths" not in plans.columns:
         raise ShapesError(f"{origin}: column 'example_lengths' missing; rerun the bucket stage")
-    first = plans["strategy"].iloc[0] if len(plans) else None
-    one = plans[plans["strategy"] == first]  # every strategy holds every example once
+    one = _one_epoch(plans)
     values = [int(x) for row in one["example_lengths"] for x in row]
     if not values:
         raise ShapesError(f"{origin}: no training example in the plans")
     return np.asarray(values)
+
+
+def rebalance_shape(
+    plans: pd.DataFrame, micro_batch_size: int, grad_accum: int, seed: int
+) -> Shape | str:
+    """batch_rebalance's largest micro-batch over an epoch (transformers' own sampler on the
+    plan's examples, each once), or why there is none. The plans hold no batch_rebalance plan:
+    its micro-batches vary in rows, up to micro_batch_size x grad_accum."""
+    from probes.batching import rebalance
+
+    one = _one_epoch(plans)
+    lengths = np.asarray([int(x) for row in one["example_lengths"] for x in row])
+    loss = np.asarray([int(x) for row in one["example_loss_tokens"] for x in row])
+    reason = rebalance.skip_reason(int(lengths.size), int(grad_accum))
+    if reason is not None:
+        return reason
+    batches = rebalance.rebalance_micro_batches(lengths, micro_batch_size, grad_accum, seed)
+    largest = max(batches, key=lambda b: (len(b) * int(lengths[b].max()), int(lengths[b].max())))
+    return Shape(
+        BATCH_REBALANCE,
+        len(largest),
+        int(lengths[largest].max()),
+        PADDED,
+        int(loss[largest].sum()),
+    )
+
+
+def _one_epoch(plans: pd.DataFrame) -> pd.DataFrame:
+    """The baseline plan (random batches): every training example once."""
+    names = set(plans["strategy"])
+    name = BASELINE if BASELINE in names else (plans["strategy"].iloc[0] if len(plans) else None)
+    return plans[plans["strategy"] == name]
 
 
 def quantile_shape(plans: pd.DataFrame, micro_batch_size: int, quantile: float) -> Shape:

@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from probes.batching.plans import read_plans
+from probes.contracts import BATCH_REBALANCE
 from probes.io import run_metadata
 from probes.mask.trace import config_from_dict, read_config_json
 from probes.memory.control import run_controls
@@ -34,6 +35,7 @@ from probes.memory.shapes import (
     TRAINING,
     largest_micro_batches,
     quantile_shape,
+    rebalance_shape,
     training_shape,
 )
 from probes.memory.tracker import CATEGORIES
@@ -140,6 +142,14 @@ def shapes_to_predict(cfg: WorkflowConfig, plans: pd.DataFrame | None) -> list[t
         )
         for strategy, shape in largest_micro_batches(plans).items():
             shapes.append((strategy, shape))
+        if BATCH_REBALANCE in {name for name, _ in shapes}:
+            return shapes
+        seed = int(cfg.bucket.seeds[0])
+        found = rebalance_shape(plans, training.micro_batch_size, training.grad_accum, seed)
+        if isinstance(found, Shape):
+            shapes.append((BATCH_REBALANCE, found))
+        else:
+            LOG.info("no batch_rebalance shape: %s", found)
     return shapes
 
 

@@ -119,3 +119,15 @@ def test_training_shape_that_does_not_fit_says_how_many_rows_would():
     table = stage.add_fitting_advice(table, fit, target, checkpointing=True)
     assert table.loc[0, "verdict"] == DOES_NOT_FIT
     assert "at most 2 rows per micro-batch" in table.loc[0, "reason"]
+
+
+def test_batch_rebalance_largest_micro_batch_from_transformers_sampler():
+    from probes.batching import rebalance
+    from probes.memory.shapes import rebalance_shape
+
+    frame = plans().assign(example_loss_tokens=lambda f: f["example_lengths"])
+    if rebalance.unavailable_reason():
+        pytest.skip(rebalance.unavailable_reason())
+    found = rebalance_shape(frame, micro_batch_size=1, grad_accum=2, seed=0)
+    assert found.name == "batch_rebalance" and found.rows >= 1 and found.length in (100, 30, 40)
+    assert "grad_accum" in rebalance_shape(frame, 1, grad_accum=50, seed=0)
