@@ -52,14 +52,19 @@ def test_workflow_profile_does_not_replace_the_cluster_resources(path):
     assert "default-resources" not in profile
 
 
-def dry_run_resources(args: list[str], cwd: Path, key: str = "resources") -> dict[str, str]:
-    """rule name -> its `resources:` (or `threads:`) line, from a dry run's job listing."""
+def dry_run(args: list[str], cwd: Path) -> str:
+    """A dry run's job listing (stdout and stderr)."""
     result = subprocess.run(
         [*SNAKEMAKE, "--dry-run", *args], cwd=cwd, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def listed(listing: str, key: str = "resources") -> dict[str, str]:
+    """rule name -> its `resources:` (or `threads:`) line in a dry run's job listing."""
     resources, rule = {}, None
-    for line in (result.stdout + result.stderr).splitlines():
+    for line in listing.splitlines():
         if match := re.match(r"(?:local)?rule (\w+):$", line):
             rule = match.group(1)
         elif rule and (match := re.match(rf"\s+{key}: (.*)$", line)):
@@ -67,15 +72,29 @@ def dry_run_resources(args: list[str], cwd: Path, key: str = "resources") -> dic
     return resources
 
 
+def dry_run_resources(args: list[str], cwd: Path, key: str = "resources") -> dict[str, str]:
+    """rule name -> its `resources:` (or `threads:`) line, from a dry run's job listing."""
+    return listed(dry_run(args, cwd), key)
+
+
+@pytest.fixture(scope="module")
+def default_cluster_listing(tmp_path_factory) -> str:
+    """`snakemake --dry-run --profile config/profiles/slurm report` on the default config, once
+    for the tests that read it."""
+    workdir = tmp_path_factory.mktemp("slurm-default") / "repo"
+    copy_workflow(workdir)
+    return dry_run(["--profile", "config/profiles/slurm", "report"], workdir)
+
+
 def resource_names(line: str) -> dict[str, str]:
     return dict(item.split("=", 1) for item in line.split(", "))
 
 
-def test_dry_run_under_the_cluster_profile_requests_a_gpu_for_gpu_rules_only(tmp_path):
-    workdir = tmp_path / "repo"
-    copy_workflow(workdir)
+def test_dry_run_under_the_cluster_profile_requests_a_gpu_for_gpu_rules_only(
+    default_cluster_listing,
+):
     # The default config: its model and data come from rules, so the DAG is complete.
-    resources = dry_run_resources(["--profile", "config/profiles/slurm", "report"], workdir)
+    resources = listed(default_cluster_listing)
     assert {"mask", "padding", "bucket_sweep", "report"} | GPU_RULES <= set(resources)
     for rule, line in resources.items():
         names = resource_names(line)
@@ -125,8 +144,9 @@ def test_data_parallel_asks_for_w_gpus_and_w_cores_in_one_task(tmp_path, device,
     capped = resource_names(dry_run_resources(args, workdir)["data_parallel"])
     assert capped.get("gpu", "0") == ("1" if gpus else "0")
     args += ["--resources", "gpu=2"]
-    resources = resource_names(dry_run_resources(args, workdir)["data_parallel"])
-    threads = int(dry_run_resources(args, workdir, key="threads")["data_parallel"])
+    listing = dry_run(args, workdir)  # one dry run for both the resources and the threads
+    resources = resource_names(listed(listing)["data_parallel"])
+    threads = int(listed(listing, key="threads")["data_parallel"])
     assert threads == 2
     assert resources.get("gpu", "0") == (gpus or "0")
     options = sbatch_options({k: int(v) if v.isdigit() else v for k, v in resources.items()}, 2)
@@ -138,10 +158,8 @@ def test_data_parallel_asks_for_w_gpus_and_w_cores_in_one_task(tmp_path, device,
         assert "--gpus" not in options and "--ntasks=1" in options
 
 
-def test_world_size_1_submits_no_data_parallel_job(tmp_path):
-    workdir = tmp_path / "repo"
-    copy_workflow(workdir)
-    resources = dry_run_resources(["--profile", "config/profiles/slurm", "report"], workdir)
+def test_world_size_1_submits_no_data_parallel_job(default_cluster_listing):
+    resources = listed(default_cluster_listing)
     assert "report" in resources and "data_parallel" not in resources
 
 
