@@ -92,89 +92,35 @@ def load_model(job: dict[str, Any], device: torch.device):
 
 def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
-    from probes.step import batches as bt
-    from probes.step.cluster import slurm_environment
-
-    cuda = job["device_type"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        torch.set_num_threads(int(job["threads_per_rank"]))
-        device = torch.device("cpu")
-    dist.init_process_group(job["backend"], timeout=timedelta(seconds=float(job["timeout_s"])))
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-
+    device = _init_rank(job, local_rank)
     model, harness, optimizer, vocab, pad_id, described = load_model(job, device)
-    # broadcast_buffers=False: a causal LM's buffers (rotary frequencies) are constants, and a
-    # broadcast at every forward would be a collective inside the one-process timings and a
-    # meeting point per micro-batch; with it off the ranks meet only at the gradient all-reduce
-    ddp = DistributedDataParallel(
-        HarnessLoss(model, harness.compute_loss),
-        device_ids=[local_rank] if cuda else None,
-        broadcast_buffers=False,
-    )
-    record = {"wait": 0.0, "collective": 0.0}
-    hook = timed_allreduce_hook(record, world, sync)
-    ddp.register_comm_hook(None, hook)
+    timer = _StepTimer.wrap(model, harness, optimizer, device, local_rank, world)
     generator = torch.Generator().manual_seed(int(job["seed"]) + rank)
 
     def batch_of(micro: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+        from probes.step import batches as bt
+
         built = bt.padded_batch(micro["lengths"], micro["loss"], vocab, generator, pad_id=pad_id)
         return bt.to_device(built, device)
 
+    warmup = int(job["warmup_rounds"])
     records = []
-    for round_index in range(int(job["warmup_rounds"]) + int(job["rounds"])):
-        measured = round_index >= int(job["warmup_rounds"])
+    for round_index in range(warmup + int(job["rounds"])):
         for name, per_rank in job["strategies"].items():
             steps = per_rank[rank]
-            single = []
-            for step in steps:  # one process: no communication, each micro-batch alone
-                total = 0.0
-                for micro in step:
-                    batch = batch_of(micro)
-                    sync()
-                    start = time.perf_counter()
-                    with ddp.no_sync():
-                        ddp(batch).backward()
-                    sync()
-                    total += time.perf_counter() - start
-                optimizer.zero_grad(set_to_none=True)
-                single.append(total)
+            # one process: no communication, each micro-batch alone
+            single = [timer.single_s([batch_of(micro) for micro in step]) for step in steps]
             for index, step in enumerate(steps):  # DDP: every rank starts the step together
-                built = [batch_of(micro) for micro in step]
-                record.update(wait=0.0, collective=0.0)
-                dist.barrier()
-                sync()
-                start = time.perf_counter()
-                for k, batch in enumerate(built):
-                    if k < len(built) - 1:
-                        with ddp.no_sync():
-                            ddp(batch).backward()
-                    else:
-                        ddp(batch).backward()
-                sync()
-                before_optimizer = time.perf_counter()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                sync()
-                end = time.perf_counter()
-                if measured:
+                timed = timer.ddp_step([batch_of(micro) for micro in step])
+                if round_index >= warmup:
                     records.append(
                         {
                             "strategy": name,
-                            "round": round_index - int(job["warmup_rounds"]),
+                            "round": round_index - warmup,
                             "step": int(job["step_indices"][name][index]),
                             "rank": rank,
-                            "step_s": end - start,
-                            "wait_s": record["wait"],
-                            "collective_s": record["collective"],
-                            "optimizer_s": end - before_optimizer,
+                            **timed,
                             "single_s": single[index],
                             "n_micro_batches": len(step),
                             "padded_tokens": sum(
@@ -183,7 +129,102 @@ def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dic
                             "real_tokens": sum(sum(m["lengths"]) for m in step),
                         }
                     )
-    where = {
+    where = _where(rank, local_rank, device, timer.ddp)
+    dist.barrier()
+    dist.destroy_process_group()
+    return {"records": records, "where": where, "harness": described}
+
+
+def _init_rank(job: dict[str, Any], local_rank: int) -> torch.device:
+    """This rank's device (its threads on CPU) and the process group."""
+    import torch.distributed as dist
+
+    if job["device_type"] == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        torch.set_num_threads(int(job["threads_per_rank"]))
+        device = torch.device("cpu")
+    dist.init_process_group(job["backend"], timeout=timedelta(seconds=float(job["timeout_s"])))
+    return device
+
+
+class _StepTimer:
+    """The harness's loss in DDP with the timed all-reduce hook; times a step both ways."""
+
+    def __init__(self, ddp: Any, optimizer: Any, record: dict[str, float], device: Any) -> None:
+        self.ddp, self.optimizer, self.record, self.device = ddp, optimizer, record, device
+
+    @classmethod
+    def wrap(cls, model, harness, optimizer, device, local_rank: int, world: int) -> _StepTimer:
+        from torch.nn.parallel import DistributedDataParallel
+
+        cuda = device.type == "cuda"
+        # broadcast_buffers=False: a causal LM's buffers (rotary frequencies) are constants, and a
+        # broadcast at every forward would be a collective inside the one-process timings and a
+        # meeting point per micro-batch; with it off the ranks meet only at the gradient all-reduce
+        ddp = DistributedDataParallel(
+            HarnessLoss(model, harness.compute_loss),
+            device_ids=[local_rank] if cuda else None,
+            broadcast_buffers=False,
+        )
+        record = {"wait": 0.0, "collective": 0.0}
+        timer = cls(ddp, optimizer, record, device)
+        ddp.register_comm_hook(None, timed_allreduce_hook(record, world, timer.sync))
+        return timer
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def single_s(self, batches: list[dict[str, torch.Tensor]]) -> float:
+        """One optimizer step's micro-batches, forward + backward each alone under no_sync."""
+        total = 0.0
+        for batch in batches:
+            self.sync()
+            start = time.perf_counter()
+            with self.ddp.no_sync():
+                self.ddp(batch).backward()
+            self.sync()
+            total += time.perf_counter() - start
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def ddp_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """One DDP step after a barrier (no_sync on all but the last micro-batch), then the
+        optimizer: the step, this rank's wait, the all-reduce and the optimizer's time."""
+        import torch.distributed as dist
+
+        self.record.update(wait=0.0, collective=0.0)
+        dist.barrier()
+        self.sync()
+        start = time.perf_counter()
+        for k, batch in enumerate(batches):
+            if k < len(batches) - 1:
+                with self.ddp.no_sync():
+                    self.ddp(batch).backward()
+            else:
+                self.ddp(batch).backward()
+        self.sync()
+        before_optimizer = time.perf_counter()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.sync()
+        end = time.perf_counter()
+        return {
+            "step_s": end - start,
+            "wait_s": self.record["wait"],
+            "collective_s": self.record["collective"],
+            "optimizer_s": end - before_optimizer,
+        }
+
+
+def _where(rank: int, local_rank: int, device: torch.device, ddp: Any) -> dict[str, Any]:
+    """Where this rank ran: host, process, device, threads, DDP settings, SLURM job."""
+    from probes.step.cluster import slurm_environment
+
+    cuda = device.type == "cuda"
+    return {
         "rank": rank,
         "local_rank": local_rank,
         "hostname": socket.gethostname(),
@@ -197,9 +238,6 @@ def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dic
         },
         "slurm": slurm_environment(),
     }
-    dist.barrier()
-    dist.destroy_process_group()
-    return {"records": records, "where": where, "harness": described}
 
 
 def main(argv: list[str]) -> int:
