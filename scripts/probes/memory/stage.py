@@ -62,24 +62,14 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     plans = _plans(inputs.get("plans"))
     model_config = str(inputs["model_config"])
     config = config_from_dict(read_config_json(model_config), source=model_config)
-    build, predict_fn = (build_fake_step, predict)
-    scaled = cfg.memory.scale_layers and scaling_saves_work(config)
-    if scaled:  # fewer layers traced than the model has
-        build, predict_fn = (build_scaled_step, predict_scaled)
-    step = build(
-        config,
-        functions,
-        cfg.mask.dtype,
-        grad_accum=cfg.training.grad_accum,
-        round_to=cfg.memory.allocator_round_bytes,
-    )
-    LOG.info("model on fake tensors in %.1f s", step.build_seconds)
+    predictor, scaled = build_predictor(cfg, config, functions)
+    LOG.info("model on fake tensors in %.1f s", predictor.step.build_seconds)
     shapes = shapes_to_predict(cfg, plans)
-    predictor = CachedPredictor(step, predict_fn)
     target = int(cfg.memory.target_gib * GIB)
     shape_table = shapes_frame(shapes, predictor, target, gradient_checkpointing(cfg))
     fit_table = fitting_frame(shapes, predictor, target, cfg)
     shape_table = add_fitting_advice(shape_table, fit_table, target, gradient_checkpointing(cfg))
+    shape_table = with_checkpointing_checked(cfg, config, shapes, shape_table, target)
     changes = changes_frame(shape_table)
     summary = {
         "target_gib": cfg.memory.target_gib,
@@ -90,7 +80,7 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         "gradient_checkpointing": gradient_checkpointing(cfg),
         "plans": "read" if plans is not None else "not given: training shape only",
         "scale_layers": scaled,
-        "build_seconds": step.build_seconds,
+        "build_seconds": predictor.step.build_seconds,
         "predictions": predictor.count,
         "wall_seconds": time.perf_counter() - start,
     }
@@ -110,15 +100,72 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     LOG.info("memory stage in %.1f s (%d predictions)", summary["wall_seconds"], predictor.count)
 
 
-def load_functions(cfg: WorkflowConfig) -> StepFunctions:
-    """The profile's harness with its options (probes.step.harness), as the profile loads it."""
+def load_functions(cfg: WorkflowConfig, **overrides: Any) -> StepFunctions:
+    """The profile's harness with its options (probes.step.harness), as the profile loads it;
+    `overrides` replace options (a harness that refuses them raises its own error)."""
     from probes.step.harness import load_harness
 
     harness = load_harness(cfg.profile.harness)
     configure = harness.hook("configure")
+    options = {"ce_chunk_tokens": cfg.profile.ce_chunk_tokens, **cfg.profile.harness_options}
     if configure is not None:
-        configure({"ce_chunk_tokens": cfg.profile.ce_chunk_tokens, **cfg.profile.harness_options})
+        configure({**options, **overrides})
+    elif overrides:
+        raise PredictError(f"profile.harness {cfg.profile.harness}: no configure() for {overrides}")
     return functions_of(harness)
+
+
+def build_predictor(
+    cfg: WorkflowConfig, config: Any, functions: StepFunctions
+) -> tuple[CachedPredictor, bool]:
+    """The fake step (scaled per layer type where that traces fewer layers) and its predictor."""
+    build, predict_fn = (build_fake_step, predict)
+    scaled = cfg.memory.scale_layers and scaling_saves_work(config)
+    if scaled:
+        build, predict_fn = (build_scaled_step, predict_scaled)
+    step = build(
+        config,
+        functions,
+        cfg.mask.dtype,
+        grad_accum=cfg.training.grad_accum,
+        round_to=cfg.memory.allocator_round_bytes,
+    )
+    return CachedPredictor(step, predict_fn), scaled
+
+
+def with_checkpointing_checked(
+    cfg: WorkflowConfig,
+    config: Any,
+    shapes: list[tuple[str, Shape]],
+    table: pd.DataFrame,
+    target: int,
+) -> pd.DataFrame:
+    """Checkpointing off and a shape that does not fit: predict it with checkpointing on (the
+    harness's `gradient_checkpointing` option) and say whether that fits."""
+    over = set(table.index[table["verdict"] == DOES_NOT_FIT])
+    if gradient_checkpointing(cfg) or not over:
+        return table
+    try:
+        functions = load_functions(cfg, gradient_checkpointing=True)
+        predictor, _ = build_predictor(cfg, config, functions)
+    except (ValueError, PredictError) as error:
+        LOG.info("checkpointing not checked: %s", error)
+        return table
+    finally:
+        load_functions(cfg)  # the harness's own options back
+    table = table.copy()
+    for index in sorted(over):
+        try:
+            peak = predictor(shapes[index][1]).peak_bytes
+        except PredictError as error:
+            LOG.info("checkpointing not checked for %s: %s", shapes[index][1].name, error)
+            continue
+        words = "fits" if peak <= target else "still does not fit"
+        before = table.at[index, "reason"]
+        table.at[index, "reason"] = (
+            f"with gradient checkpointing {peak / GIB:.1f} GiB, {words}; {before}"
+        )
+    return table
 
 
 def gradient_checkpointing(cfg: WorkflowConfig) -> bool:

@@ -42,9 +42,9 @@ def advice(
     if not gradient_checkpointing:
         parts.append("turn on gradient checkpointing (profile.harness_options)")
     if fitting_rows:
-        parts.append(f"at most {fitting_rows} rows per micro-batch at this length")
+        parts.append(f"as configured, at most {fitting_rows} rows per micro-batch at this length")
     elif fitting_rows == 0:
-        parts.append("not even one row fits at this length: shorten max_seq_len")
+        parts.append("as configured, not even one row fits at this length")
     parts.append("a chunked loss if the harness holds full logits")
     return "; ".join(parts)
 

@@ -74,6 +74,8 @@ def test_stage_writes_every_table_with_verdicts(tmp_path, tiny_inputs, monkeypat
     assert changes.loc["training", "verdict"] == FITS
     assert changes.loc["random", "verdict"] == FITS
     assert changes.loc["length_grouped", "verdict"] == DOES_NOT_FIT
+    # checkpointing is off: the stage predicts the shape with it on and says whether that fits
+    assert changes.loc["length_grouped", "reason"].startswith("with gradient checkpointing ")
     # transformers' BatchRebalanceSampler on the plan's examples (micro_batch_size x grad_accum
     # = 4 rows at most): its largest micro-batch is predicted too
     assert changes.loc["batch_rebalance", "shape_rows"] <= 4
