@@ -20,6 +20,7 @@ STAGE_SCRIPTS = {
     "mask": "run_mask.py",
     "padding": "run_padding.py",
     "bucket": "run_bucket_sweep.py",
+    "memory": "run_memory.py",
     "profile": "run_profile.py",
     "realize": "run_realize.py",
     "data_parallel": "run_data_parallel.py",

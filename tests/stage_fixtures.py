@@ -582,6 +582,11 @@ def write_stage(
 ) -> None:
     """Write one stage's outputs (keys as in contracts.report_inputs) as the stage would."""
     meta = run_metadata({"fixture": True})
+    if stage == "memory":  # an optional stage (memory.enabled): its outputs as the stage writes
+        from unit.memory.stage_outputs import write_memory_stage
+
+        write_memory_stage(paths)
+        return
     if stage == "mask":
         write_parquet(mask_layers(), paths["mask_layers"], meta)
         gate = {

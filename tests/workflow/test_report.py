@@ -100,7 +100,7 @@ def test_report_rule_and_snakemake_report(tmp_path):
     snakemake(work, "--cores", "1", "report")
     markdown = (work / "results/report/playbook-evidence.md").read_text()
     figures = sorted(p.name for p in (work / "results/report/figures").glob("*.png"))
-    expected = ["bucket.png", "dp.png", "kernels.png", "lengths.png"]
+    expected = ["bucket.png", "dp.png", "kernels.png", "lengths.png", "memory.png"]
     expected += ["replay_epoch.png", "replay_fit.png", "scaling.png"]
     assert figures == expected
     assert sorted(Path(link).name for link in linked_figures(markdown)) == expected

@@ -241,6 +241,7 @@ FIGURES = (
     "kernels",
     "replay_epoch",
     "replay_fit",
+    "memory",
 )
 
 
@@ -295,4 +296,9 @@ def draw_all(
                 tables["replay_fit"], tables["replay_steps"], directory / "replay_fit.png", dpi
             )
             drawn["replay_fit"] = "replay_fit.png"
+    if "memory" not in not_run and tables.get("memory_shapes") is not None:
+        from probes.report.sections.memory import memory_figure
+
+        if memory_figure(tables["memory_shapes"], directory / "memory.png", dpi) is not None:
+            drawn["memory"] = "memory.png"
     return drawn

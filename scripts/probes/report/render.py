@@ -36,6 +36,7 @@ from probes.report.sections.data_parallel import data_parallel_section
 from probes.report.sections.data_parallel_measured import data_parallel_measured_section
 from probes.report.sections.kernels import kernels_section
 from probes.report.sections.mask import mask_section
+from probes.report.sections.memory import memory_report_section
 from probes.report.sections.padding import padding_section
 from probes.report.sections.provenance import provenance_section
 from probes.report.sections.realize import realize_section
@@ -94,6 +95,7 @@ def build_context(
         "data_parallel_measured": data_parallel_measured_section(tables, not_run, jsons),
         "apply": apply_section(recommendations_document, tables, not_run),
         "mask": mask,
+        "memory_report": memory_report_section(tables, jsons, not_run),
         "controls": controls_section(jsons, not_run),
         "provenance": provenance_section(inputs["provenance"], jsons, not_run, report_meta),
         "figures": dict(figures),
@@ -113,6 +115,7 @@ SECTION_TITLES = (
     "Kernels",
     "Bucketing",
     "Mask gate",
+    "Memory",
     "Controls",
     "How these numbers were measured",
 )

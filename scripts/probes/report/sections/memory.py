@@ -40,8 +40,9 @@ def memory_report_section(
     control = jsons.get("memory_control") or {}
     rows = records(shapes, table_columns("memory_shapes"))
     for row in rows:
-        row["reason"] = stage_text(row.get("reason") or "", 160)
-        row["assumptions"] = stage_text(row.get("assumptions") or "", 200)
+        reason, assumed = row.get("reason"), row.get("assumptions")
+        row["reason"] = stage_text(reason, 160) if isinstance(reason, str) and reason else ""
+        row["assumptions"] = stage_text(assumed, 600) if isinstance(assumed, str) else ""
     assumptions = sorted({a.strip() for r in rows for a in r["assumptions"].split(";") if a})
     fit = tables.get("memory_fit")
     return {
