@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from probes.contracts import STAGE_OUTPUTS
-from probes.errors import ControlFailedError
+from probes.errors import ControlFailedError, ProbeError
 from probes.io import run_metadata
 from probes.lengths import LengthsError, read_training_lengths
 from probes.profile import flops as fl
@@ -266,6 +266,55 @@ def probe_point(settings: Settings, ok: Any, fit: Any) -> tuple[int, float, bool
     return probe_length, step_at_probe, measured
 
 
+def real_peak_control(
+    step: ProfiledStep,
+    settings: Settings,
+    model_path: str | Path,
+    config: Mapping[str, Any],
+    lengths: list[int],
+    loss_share: float,
+) -> dict[str, Any] | None:
+    """The memory stage's prediction against the real peak of the same steps (issue 28): one
+    more untimed step at each scaling length, its peak from an instrument other than the
+    predictor (max_memory_allocated on CUDA, the profiler's allocator events on CPU); a failed
+    check fails the stage. None where it does not apply: memory off, or the user's trainer (the
+    predictor follows a harness's step)."""
+    memory = config.get("memory") or {}
+    if step.harness is None or not memory.get("enabled", True):
+        return None
+    from probes.mask.trace import config_from_dict, read_config_json
+    from probes.memory.check import real_vs_predicted
+    from probes.memory.predict import functions_of
+    from probes.memory.real import measure_step_peak
+
+    generator = torch.Generator().manual_seed(settings.seed + 6)
+    real = {}
+    for length in lengths:
+        batch = bt.to_device(
+            bt.uniform_batch(settings.micro_batch, length, loss_share, step.vocab_size, generator),
+            settings.device,
+        )
+        peak = measure_step_peak(
+            step.model, step.runner.optimizer, step.harness.compute_loss, batch
+        )
+        real[(settings.micro_batch, int(length))] = int(peak["peak_bytes"])
+    model_config = config_from_dict(read_config_json(Path(model_path) / "config.json"))
+    try:
+        control = real_vs_predicted(
+            model_config,
+            functions_of(step.harness),
+            str(settings.dtype).replace("torch.", ""),
+            real,
+            float(memory.get("tolerance", 0.10)),
+            round_to=512 if settings.device.type == "cuda" else 1,
+        )
+    except ProbeError as error:  # fake tensors cannot follow this harness: said, not checked
+        LOG.warning("memory check skipped: the predictor cannot trace this step (%s)", error)
+        return None
+    LOG.info("memory check: %s", control["observed"])
+    return control
+
+
 def control_record(controls: list[dict[str, Any]], provenance: dict[str, Any]) -> dict[str, Any]:
     """A control may guard one derived figure only (the FLOP count guards MFU): its failure
     marks that figure, not the stage. Raises when a control that gates the stage failed."""
@@ -413,6 +462,11 @@ def run_profile(
             step.flop_model,
         )
     )
+    peak_check = real_peak_control(
+        step, settings, model_path, config, [int(v) for v in ok["seq_len"]], loss_share
+    )
+    if peak_check is not None:
+        controls.append(peak_check)
     penalty = measure_penalty(step, settings, train, profile, fit, ok)
     probe_length, step_at_probe, measured = probe_point(settings, ok, fit)
     ce = run_ce(

@@ -104,6 +104,10 @@ apply_adapters = reference_harness.apply_adapters
 """
 
 
+def control_checks(out) -> list[dict]:
+    return json.loads(Path(out["control"]).read_text())["checks"]
+
+
 def test_stage_calls_the_users_harness_for_every_timed_step(tmp_path, lengths_path, tiny_model_dir):
     harness_dir = tmp_path / "user"
     harness_dir.mkdir()
@@ -122,11 +126,15 @@ def test_stage_calls_the_users_harness_for_every_timed_step(tmp_path, lengths_pa
     assert provenance["trainable_params"] == 4 * 16 * (64 + 64)
 
     calls = (harness_dir / "calls.txt").read_text().splitlines()
-    # scaling 3 x (0 warm-up + 1 repeat); the FLOP count: 1 step; padding: 3 batches x
-    # (padded 1 + one-by-one 2 + packed 1); kernel table: 1 warm-up + 1 profiled step. The CE
-    # probe times the head on hidden states.
-    assert len(calls) == 3 + 1 + 3 * 4 + 2
+    # scaling 3 x (0 warm-up + 1 repeat); the FLOP count: 1 step; the memory check: per length
+    # one real step and one trace on fake tensors; padding: 3 batches x (padded 1 + one-by-one 2
+    # + packed 1); kernel table: 1 warm-up + 1 profiled step. The CE probe times the head on
+    # hidden states.
+    assert len(calls) == 3 + 1 + 3 * 2 + 3 * 4 + 2
     assert calls[:3] == ["(2, 8)", "(2, 16)", "(2, 24)"]
+    # the memory stage's prediction against the real peak of the same steps (issue 28)
+    memory = next(c for c in control_checks(out) if c["name"] == "memory_real_steps")
+    assert memory["passed"] and len(memory["rows"]) == 3, memory
     # the harness has no loss_from_hidden: the CE probe says whose chunked loss it timed
     ce = pd.read_parquet(out["ce"])
     assert "harness has none" in ce.loc[ce["variant"] == "loss_positions_chunked", "source"].item()
@@ -205,6 +213,7 @@ def test_reference_run_writes_every_output_and_leaks_no_data(
     assert {c["name"] for c in control["checks"]} == {
         "scaling_fit_recovers_known_coefficients",
         "analytic_flops_match_flop_counter",
+        "memory_real_steps",
         "kernel_sum_within_wall_time",
     }
     flops = control["observed"]["analytic_flops_match_flop_counter"]
