@@ -32,7 +32,10 @@ def load_step(
         from probes.step.trainer import load_trainer_step, probe_settings
 
         output_dir = tempfile.mkdtemp(prefix="probes-trainer-")
-        step = load_trainer_step(spec, probe_settings(output_dir, device, dtype, max_length, seed))
+        # built at its own max_length (its rows and their numbers stay those the padding stage
+        # counted); rows are cut at `max_length` as TRL's truncation cuts them
+        settings = probe_settings(output_dir, device, dtype, None, seed)
+        step = load_trainer_step(spec, settings, cap=max_length)
         text = ts.model_text_config(step.model)
         return step, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), step.describe()
     model, harness, optimizer, targets, options = ts.load_for_steps(

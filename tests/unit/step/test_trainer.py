@@ -163,3 +163,20 @@ def current_config_of(step):
     from probes.step.changes import current_config
 
     return current_config(step.model, step.trainer.args)
+
+
+def test_load_step_keeps_the_padding_stages_rows_at_a_cpu_cap(factory_dir):
+    """The cap cuts rows; it is not the trainer's max_length (where TRL would drop the rows whose
+    loss tokens all lie past the cap, and every later row number would shift)."""
+    from probes.step.load import load_step
+
+    directory, model_dir, data = factory_dir
+    spec = write_factory(directory, model_dir, data, "sft", micro=MICRO)
+    step, *_ = load_step(
+        {"trainer": {"factory": spec}}, model_dir, torch.device("cpu"), torch.float32, 8
+    )
+    full = _step(factory_dir, "sft")
+    assert len(step.dataset) == len(full.dataset)
+    assert step.plan_batch(SimpleNamespace(example_ids=["3"], layout=pl.PADDED))[
+        "input_ids"
+    ].shape == (1, 8)
