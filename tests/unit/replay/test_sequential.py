@@ -127,13 +127,16 @@ class SpikyRunner(KnownCostRunner):
 
 
 def run_with_one_spiked_unit(plans, runner_class, budget_s):
-    """run_sequential on a known-cost runner whose 4th first-round unit is `spiked`: the
-    result, the spiked unit's key and the cost."""
+    """run_sequential on a known-cost runner whose 4th first-round unit in a shared stratum is
+    `spiked`: the result, the spiked unit's key and the cost."""
     design = build_design(plans, 3, seed=0)
     first = new_units(
         design, {k: min(v, 2) for k, v in design.sizes.items()}, {}, np.random.default_rng(11)
     )
-    spiked = (first.iloc[3]["strategy"], int(first.iloc[3]["micro_batch_index"]))
+    # a unit whose stratum holds other micro-batches too (the estimate needs one timed unit
+    # per stratum; the 4th first-round unit of a stratum of its own would leave it none)
+    shared = first[first["stratum_size"] > 2].iloc[3]
+    spiked = (shared["strategy"], int(shared["micro_batch_index"]))
     clock, cost = [0.0], SimulatedCost.scaled_to(plans)
     runner = runner_class(cost, clock, [spiked])
     settings = ReplaySettings(3, 2, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
