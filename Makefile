@@ -6,7 +6,7 @@ TORCH ?= torch==2.13.0
 CORES ?= 8
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint
+.PHONY: setup run run-trainer test lint
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,10 @@ $(VENV)/.installed: pyproject.toml
 
 run: setup
 	. $(BIN)/activate && snakemake --cores $(CORES) report
+
+# the embedded default's SFTTrainer (examples/sft_trainer.py) instead of the reference harness
+run-trainer: setup
+	. $(BIN)/activate && snakemake --cores $(CORES) report --configfile config/trainer.yaml
 
 test: setup
 	. $(BIN)/activate && pytest
