@@ -87,7 +87,12 @@ def exact_epoch_s(plans: pd.DataFrame, cost: SyntheticCost, grad_accum: int) -> 
     totals = {}
     for name, plan in plans.groupby("strategy", sort=False):
         micro = sum(cost.micro_batch_s(*batch_shape(r)) for r in plan.itertuples())
-        steps = -(-len(plan) // grad_accum)
+        # a plan's own optimizer steps where it numbers them (a micro-batch-size change keeps
+        # tokens per update with its own gradient accumulation), else grad_accum micro-batches each
+        if "optimizer_step_index" in plan:
+            steps = int(plan["optimizer_step_index"].nunique())
+        else:
+            steps = -(-len(plan) // grad_accum)
         totals[name] = micro + steps * cost.optimizer_s
     return pd.Series(totals)
 
