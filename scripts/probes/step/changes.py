@@ -5,10 +5,10 @@ coverage control): its micro-batches are the baseline's (or, for the micro-batch
 trainer's own random order at the new size, tokens per update kept) and its step is the user's
 step with one setting changed, applied the way the trainer applies it:
 
-- gradient checkpointing on/off (the user's setting is the baseline): the model's own
-  ``gradient_checkpointing_enable`` / ``_disable`` as ``Trainer.train()`` calls it, with
-  ``enable_input_require_grads`` for adapters (what TRL/peft do); the trainer's args follow so
-  its own loop keeps the setting;
+- gradient (activation) checkpointing on/off (the user's setting is the baseline): the model's
+  own ``activation_checkpointing_enable`` / ``_disable`` as ``Trainer.train()`` calls it (its
+  kwargs from the args), with ``enable_input_require_grads`` for adapters (what TRL/peft do);
+  the trainer's args follow so its own loop keeps the setting;
 - the attention implementation (eager, sdpa; flash/flex where the device has them): the
   model's ``set_attn_implementation``;
 - the micro-batch size at equal tokens per update: ``per_device_train_batch_size`` doubled,
@@ -50,11 +50,31 @@ class StepChange:
     grad_accum: int | None = None
 
 
+def checkpointing_field() -> str:
+    """The installed TrainingArguments' name for it (transformers 5 renamed
+    ``gradient_checkpointing`` to ``activation_checkpointing``, keeping the old one deprecated)."""
+    import transformers
+
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    return (
+        "activation_checkpointing"
+        if "activation_checkpointing" in fields
+        else "gradient_checkpointing"
+    )
+
+
+def is_checkpointing(base: Any) -> bool:
+    return bool(
+        getattr(base, "is_activation_checkpointing", None)
+        or getattr(base, "is_gradient_checkpointing", False)
+    )
+
+
 def current_config(model: Any, args: Any = None) -> StepConfig:
     """The step as the model (and the trainer's args) are set now."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    gc = bool(getattr(base, "is_gradient_checkpointing", False))
-    if args is not None and getattr(args, "gradient_checkpointing", False):
+    gc = is_checkpointing(base)
+    if args is not None and getattr(args, checkpointing_field(), False):
         gc = True
     return StepConfig(gc, str(getattr(base.config, "_attn_implementation", None) or "eager"))
 
@@ -68,7 +88,7 @@ def step_changes(base: StepConfig, micro: int, grad_accum: int) -> list[StepChan
             GC_ON if flipped else GC_OFF,
             f"gradient checkpointing {'on' if flipped else 'off'}",
             dataclasses.replace(base, gradient_checkpointing=flipped),
-            {"gradient_checkpointing": flipped},
+            {checkpointing_field(): flipped},
         )
     ]
     for name in PORTABLE_ATTENTION:
@@ -105,21 +125,39 @@ def gpu_only(device_type: str) -> list[str]:
     return [] if device_type == "cuda" else [ATTENTION_PREFIX + n for n in GPU_ONLY_ATTENTION]
 
 
+def enable_checkpointing(base: Any, args: Any = None) -> None:
+    """As ``Trainer.train()`` turns it on (transformers 5.24): its kwargs from the args, with
+    ``every_n_layers`` and ``offload`` taken out; adapters get input gradients (peft/TRL)."""
+    kwargs = dict(
+        getattr(args, "activation_checkpointing_kwargs", None)
+        or getattr(args, "gradient_checkpointing_kwargs", None)
+        or {}
+    )
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    if hasattr(base, "activation_checkpointing_enable"):
+        base.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=kwargs or None,
+            every_n_layers=every_n_layers,
+            offload=offload,
+        )
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+    if hasattr(base, "enable_input_require_grads"):
+        base.enable_input_require_grads()  # frozen embeddings under adapters
+
+
 def apply_config(model: Any, config: StepConfig, args: Any = None) -> None:
     """Set the step as `config` says, the way the trainer and the model set it themselves."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if bool(getattr(base, "is_gradient_checkpointing", False)) != config.gradient_checkpointing:
+    if is_checkpointing(base) != config.gradient_checkpointing:
         if config.gradient_checkpointing:
-            kwargs = getattr(args, "gradient_checkpointing_kwargs", None) or {
-                "use_reentrant": False
-            }
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-            if hasattr(base, "enable_input_require_grads"):
-                base.enable_input_require_grads()  # frozen embeddings under adapters
+            enable_checkpointing(base, args)
+        elif hasattr(base, "activation_checkpointing_disable"):
+            base.activation_checkpointing_disable()
         else:
             base.gradient_checkpointing_disable()
-    if args is not None:
-        args.gradient_checkpointing = config.gradient_checkpointing
+    if args is not None:  # the trainer's own loop (realize) keeps the setting
+        setattr(args, checkpointing_field(), config.gradient_checkpointing)
     current = getattr(base.config, "_attn_implementation", None)
     if current != config.attn_implementation:
         base.set_attn_implementation(config.attn_implementation)

@@ -18,8 +18,8 @@ def test_each_step_level_change_pastes_and_says_what_differs():
     changes = {c["id"]: c for c in step_level_changes(provenance, base)}
     baseline = {"training_arguments": base.training_arguments(), "sft_config": base.sft_config()}
     gc = changes["gradient_checkpointing_on"]
-    assert gc["training_arguments"]["gradient_checkpointing"] is True
-    assert "gradient_checkpointing=True" in settings_line(gc, baseline)
+    assert gc["training_arguments"]["activation_checkpointing"] is True
+    assert "activation_checkpointing=True" in settings_line(gc, baseline)
     transformers.TrainingArguments(output_dir="x", **gc["training_arguments"])  # it constructs
     eager = changes["attention_eager"]
     assert "attn_implementation='eager'" in settings_line(eager, baseline)

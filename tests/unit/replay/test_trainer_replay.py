@@ -41,7 +41,7 @@ class KnownCostTrainer(transformers.Trainer):
     def compute_loss(self, model, inputs, **kwargs):
         rows, length = inputs["input_ids"].shape
         cost = C + OVERHEAD + B * rows * length + A * rows * length * length
-        if model.is_gradient_checkpointing:
+        if model.is_activation_checkpointing:
             cost *= FACTOR
         if model.config._attn_implementation == "eager":
             cost += EAGER

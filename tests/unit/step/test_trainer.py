@@ -149,10 +149,10 @@ def test_a_step_level_change_is_set_the_way_the_trainer_sets_it_and_kept_by_its_
     base = step.model.get_base_model()
     row = SimpleNamespace(example_ids=["0", "1"], layout=pl.PADDED, strategy=sc.GC_ON)
     assert timer.time_step([row])["status"] == OK  # trainer.train() with checkpointing on
-    assert base.is_gradient_checkpointing and step.trainer.args.gradient_checkpointing
+    assert base.is_activation_checkpointing and step.trainer.args.activation_checkpointing
     eager = SimpleNamespace(example_ids=["0", "1"], layout=pl.PADDED, strategy="attention_eager")
     assert timer.time_step([eager])["status"] == OK
-    assert not base.is_gradient_checkpointing and base.config._attn_implementation == "eager"
+    assert not base.is_activation_checkpointing and base.config._attn_implementation == "eager"
     timer.configure([SimpleNamespace(strategy=pl.BASELINE)])
     assert current_config_of(step) == switch.base
     with pytest.raises(Exception, match="another base step"):
