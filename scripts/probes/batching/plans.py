@@ -12,6 +12,8 @@ Strategies:
 
 - ``random``: shuffled micro-batches, each padded to its longest row (the baseline);
 - ``length_grouped``: HF length grouping at the bucket stage's recommended bucket size;
+- ``group_by_length_builtin``: transformers' own ``train_sampling_strategy="group_by_length"``
+  (its sampler at the Trainer's default megabatch), the setting recommendations.json emits;
 - ``global_sort``: length grouping with one megabatch holding the whole dataset;
 - ``packing``: whole examples packed into ``max_seq_len`` rows by TRL's
   ``pack_dataset(strategy="bfd")``, rows shuffled, ``micro_batch_size`` rows per micro-batch, the
@@ -35,6 +37,7 @@ import pandas as pd
 from probes.batching import orders, packing
 from probes.contracts import (
     GLOBAL_SORT,
+    GROUP_BY_LENGTH_BUILTIN,
     LENGTH_GROUPED,
     PACKING,
     RANDOM,
@@ -45,7 +48,15 @@ from probes.contracts import PAD_TO_MAX_SEQ_LEN as PAD_TO_MAX
 from probes.errors import ProbeError
 from probes.lengths import read_lengths
 
-STRATEGIES = (RANDOM, LENGTH_GROUPED, GLOBAL_SORT, PACKING, PAD_TO_MAX, RANDOM_NO_IDLE)
+STRATEGIES = (
+    RANDOM,
+    LENGTH_GROUPED,
+    GROUP_BY_LENGTH_BUILTIN,
+    GLOBAL_SORT,
+    PACKING,
+    PAD_TO_MAX,
+    RANDOM_NO_IDLE,
+)
 BASELINE = RANDOM
 PADDED, PACKED = "padded", "packed"
 
@@ -212,6 +223,15 @@ def build_plans(
         examples,
         micro_batch_size,
     )
+    # transformers' own group_by_length (recommendations.json emits it): its sampler's order at
+    # the Trainer's default megabatch (micro × grad_accum × min(n // (4 × that), 50))
+    m_hf = min(orders.hf_trainer_mega_batch_mult(n, micro_batch_size, grad_accum), m_all)
+    rows += _padded_plan(
+        GROUP_BY_LENGTH_BUILTIN,
+        orders.length_grouped_order(lengths, perm, micro_batch_size, m_hf),
+        examples,
+        micro_batch_size,
+    )
     rows += _padded_plan(
         GLOBAL_SORT,
         orders.length_grouped_order(lengths, perm, micro_batch_size, m_all),
@@ -222,12 +242,8 @@ def build_plans(
     rows += _padded_plan(PAD_TO_MAX, random_order, examples, micro_batch_size, pad_to=max_seq_len)
     kept = np.flatnonzero(examples.loss_tokens > 0)
     if kept.size:
-        kept_perm = kept[orders.seeded_permutation(kept.size, seed)]
-        no_idle = kept_perm[
-            orders.length_grouped_order(
-                lengths[kept_perm], np.arange(kept.size), micro_batch_size, 1
-            )
-        ]
+        # the Trainer's random sampler over the filtered dataset
+        no_idle = kept[orders.seeded_permutation(kept.size, seed)]
         rows += _padded_plan(RANDOM_NO_IDLE, no_idle, examples, micro_batch_size)
     frame = pd.DataFrame(rows)
     frame["optimizer_step_index"] = frame["micro_batch_index"] // grad_accum

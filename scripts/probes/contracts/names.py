@@ -22,6 +22,9 @@ UNKNOWN_SOURCE = "none"
 
 RANDOM = "random"
 LENGTH_GROUPED = "length_grouped"
+# transformers' own train_sampling_strategy="group_by_length" (its LengthGroupedSampler at the
+# Trainer's default megabatch): the setting recommendations.json emits beside ours
+GROUP_BY_LENGTH_BUILTIN = "group_by_length_builtin"
 # Every example sorted by length before batching (a bucket as large as the dataset).
 GLOBAL_SORT = "global_sort"
 PACKING = "packing"

@@ -155,7 +155,13 @@ def test_summary_ranks_changes_by_measured_saving(tmp_path):
         | {"rank": 1, "tie_group": 1},
         length_grouped={"saving_vs_random": 0.30, "saving_ci_low": 0.25, "saving_ci_high": 0.35}
         | {"rank": 2, "tie_group": 2},
-        random={"rank": 4, "tie_group": 4},
+        group_by_length_builtin={
+            "saving_vs_random": 0.05,
+            "saving_ci_low": 0.03,
+            "saving_ci_high": 0.07,
+        }
+        | {"rank": 4, "tie_group": 4},
+        random={"rank": 5, "tie_group": 5},
     )
     rows = summary_rows(markdown)
     # the bold title of each change (a note such as "not checked by real training steps" follows)
@@ -163,10 +169,11 @@ def test_summary_ranks_changes_by_measured_saving(tmp_path):
         "**Sort the whole dataset by length (one bucket)**",
         "**Group batches by length: buckets of 4 micro-batches**",
         "**Pack whole examples into 4,096-token rows**",
+        "**transformers' built-in group_by_length**",
         "**Random batches (the baseline)**",
         "**Pad each batch to its longest member, not to max_seq_len**",
     ]
-    assert [r[0] for r in rows] == ["1", "2", "3", "4", "—"]
+    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5", "—"]
     assert rows[0][2] == "50.0% [45.0%, 55.0%]" and rows[0][3] == "random batches"
     assert rows[-1][3] == "padding to max_seq_len"
     summary = section(markdown, "Measured savings")
@@ -185,7 +192,13 @@ def test_overlapping_intervals_are_reported_as_a_tie(tmp_path):
         | {"rank": 1, "tie_group": 1},
         length_grouped={"saving_vs_random": 0.10, "saving_ci_low": 0.05, "saving_ci_high": 0.15}
         | {"rank": 3, "tie_group": 2},
-        random={"rank": 4, "tie_group": 3},
+        group_by_length_builtin={
+            "saving_vs_random": 0.01,
+            "saving_ci_low": 0.005,
+            "saving_ci_high": 0.02,
+        }
+        | {"rank": 4, "tie_group": 3},
+        random={"rank": 5, "tie_group": 4},
     )
     rows = summary_rows(markdown)
     assert [r[0] for r in rows[:3]] == ["1 (tie)", "1 (tie)", "3"]
@@ -706,9 +719,12 @@ def test_recommendations_json_is_written_beside_the_report(rendered):
     }
     # the report's order: measured changes by measured saving (with rank), then unmeasured ones
     measured = [c for c in applies if c["measured_saving"] is not None]
-    assert [c["id"] for c in measured] == ["packing", "length_grouped"]
-    assert measured[0]["measured_saving"] > measured[1]["measured_saving"]
-    assert [c["rank"] for c in measured] == [1, 2] and "measured saving" in document["order"]
+    # transformers' built-in group_by_length is replayed too (its own plan: the Trainer's sampler)
+    assert [c["id"] for c in measured] == ["packing", "group_by_length_builtin", "length_grouped"]
+    savings = [c["measured_saving"] for c in measured]
+    assert savings == sorted(savings, reverse=True)
+    ranks = [c["rank"] for c in measured]
+    assert ranks == sorted(ranks) and ranks[0] == 1 and "measured saving" in document["order"]
     assert applies[: len(measured)] == measured
     assert all(c["rank"] is None for c in applies[len(measured) :])
     assert document["baseline"]["micro_batch_size"] == 2
@@ -721,8 +737,8 @@ def test_apply_section_lists_each_change_with_snippets_and_savings(rendered):
     titles = re.findall(r"^### \d+\. (.+)$", applied, re.M)
     assert titles == [
         "Pack whole examples into 4096-token rows (TRL, best-fit decreasing)",
-        "Group batches by length: buckets of 4 micro-batches",
         "Built-in alternative: group_by_length (its fixed bucket of 24 micro-batches)",
+        "Group batches by length: buckets of 4 micro-batches",
         "transformers' batch_rebalance sampler (variable micro-batch size)",
     ]
     assert "train_sampling_strategy='batch_rebalance')" in applied
@@ -730,12 +746,15 @@ def test_apply_section_lists_each_change_with_snippets_and_savings(rendered):
     assert applied.count("```python") == 7  # packing has no plain-Trainer setting
     assert "Tokens per update: 9,888 tokens → 9,888 tokens" in applied
     assert "`drop_no_loss_examples` (no example without a loss token)" in applied
-    # the length-grouping saving is the Summary's, measured by the replay; the built-in
-    # alternative (another bucket size) was not replayed: no estimated price beside measurements
-    row = next(r for r in summary_rows(markdown) if "Group batches by length" in r[1])
-    first, second = applied.split("### 3.")[0].split("### 2.")[1], applied.split("### 3.")[1]
-    assert f"Saving of training time: **measured** {row[2]} versus random batches" in first
-    assert "Saving of training time: not measured: the replay did not time this ordering" in second
+    # the length-grouping savings are the Summary's, measured by the replay, the built-in
+    # group_by_length's too (its own plan); batch_rebalance was not replayed: no estimated price
+    # stands beside the measurements
+    for title, number in (("Group batches by length", "3"), ("built-in group_by_length", "2")):
+        row = next(r for r in summary_rows(markdown) if title in r[1])
+        part = applied.split(f"### {number}.")[1].split("###")[0]
+        assert f"Saving of training time: **measured** {row[2]} versus random batches" in part
+    rebalance = applied.split("### 4.")[1]
+    assert "Saving of training time: not measured: the replay did not time this" in rebalance
     assert "Saving of training time: **estimated**" not in applied
     # batch_rebalance has its own row in the bucketing table
     assert re.search(r"^\| batch_rebalance \| — \| 80\.2% \|", section(markdown, "Bucketing"), re.M)
@@ -790,6 +809,12 @@ def test_summary_and_apply_agree_and_a_slower_change_is_never_recommended(tmp_pa
         | {"rank": 1, "tie_group": 1},
         length_grouped={"saving_vs_random": -0.2, "saving_ci_low": -0.3, "saving_ci_high": -0.1}
         | {"rank": 3, "tie_group": 2},
+        group_by_length_builtin={
+            "saving_vs_random": -0.25,
+            "saving_ci_low": -0.35,
+            "saving_ci_high": -0.15,
+        }
+        | {"rank": 4, "tie_group": 3},
     )
     applied = section(markdown, "Apply it")
     titles = re.findall(r"^### \d+\. (.+)$", applied, re.M)

@@ -180,3 +180,30 @@ def test_load_step_keeps_the_padding_stages_rows_at_a_cpu_cap(factory_dir):
     assert step.plan_batch(SimpleNamespace(example_ids=["3"], layout=pl.PADDED))[
         "input_ids"
     ].shape == (1, 8)
+
+
+def test_the_builtin_group_by_length_plan_is_that_trainers_sampler(factory_dir):
+    """recommendations.json emits train_sampling_strategy="group_by_length": the replay prices
+    the order that trainer's own sampler gives for the same shuffle. (Its sampler shuffles with
+    the global torch RNG, drawn after the DataLoader's own seed draw, so the test hands both the
+    same generator instead of replaying the global state.)"""
+    from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+
+    from probes.contracts import GROUP_BY_LENGTH_BUILTIN
+
+    directory, model_dir, data = factory_dir
+    spec = write_factory(directory, model_dir, data, "sft", micro=MICRO)
+    extra = {"train_sampling_strategy": "group_by_length"}
+    settings = probe_settings(
+        str(directory / "o"), torch.device("cpu"), torch.float32, None, 0, extra
+    )
+    step = load_trainer_step(spec, settings)
+    sampler = step.trainer.get_train_dataloader().batch_sampler.sampler
+    assert isinstance(sampler, LengthGroupedSampler)
+    theirs = get_length_grouped_indices(
+        sampler.lengths, sampler.batch_size, generator=torch.Generator().manual_seed(0)
+    )
+    plans = pl.build_plans(_examples(step), MICRO, 2, 128, 1, seed=0)
+    grouped = plans[plans["strategy"] == GROUP_BY_LENGTH_BUILTIN].sort_values("micro_batch_index")
+    ours = [int(i) for ids in grouped["example_ids"] for i in ids]
+    assert ours == [int(i) for i in theirs]

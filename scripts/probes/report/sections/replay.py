@@ -18,6 +18,7 @@ import pandas as pd
 
 from probes.contracts import (
     GLOBAL_SORT,
+    GROUP_BY_LENGTH_BUILTIN,
     LENGTH_GROUPED,
     PACKING,
     PAD_TO_MAX_SEQ_LEN,
@@ -30,6 +31,7 @@ from probes.report.format import finite, fmt_count, fmt_pct
 # recommendations.json change id (probes.apply.document) -> the replayed strategy that measured it
 CHANGE_STRATEGY = {
     "length_grouped": LENGTH_GROUPED,
+    GROUP_BY_LENGTH_BUILTIN: GROUP_BY_LENGTH_BUILTIN,
     PACKING: PACKING,
     "drop_no_loss_examples": RANDOM_NO_IDLE,
 }
@@ -75,6 +77,8 @@ def change_title(strategy: str, bucket_size: Any, max_seq_len: Any, idle: int | 
         return "Group batches by length" + (
             f": buckets of {size:g} micro-batches" if size is not None else ""
         )
+    if strategy == GROUP_BY_LENGTH_BUILTIN:
+        return "transformers' built-in group_by_length"
     if strategy == GLOBAL_SORT:
         return "Sort the whole dataset by length (one bucket)"
     if strategy == PACKING:
