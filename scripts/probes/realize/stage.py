@@ -366,7 +366,7 @@ def with_step_change_plans(
 ) -> pd.DataFrame:
     """The device's plans with the rows of the step-level changes among `changes` (the replay's
     own builder: probes.replay.stage.change_plans_for)."""
-    from probes.replay.stage import change_plans_for
+    from probes.replay.step_changes import change_plans_for
     from probes.step import changes as sc
 
     shapes = sc.plan_shapes(changes, int(training["micro_batch_size"]), int(training["grad_accum"]))
@@ -378,7 +378,7 @@ def with_step_change_plans(
 
 def step_switch(runner: Any, changes: Sequence[str], training: Mapping[str, Any]) -> Any:
     """The loaded step set per strategy: each step-level change the replay priced, by name."""
-    from probes.replay.stage import step_changes_for
+    from probes.replay.step_changes import step_changes_for
     from probes.step import changes as sc
 
     wanted = [name for name in changes if sc.is_step_change(name)]

@@ -31,6 +31,7 @@ from probes.io import read_json, read_provenance, run_metadata
 from probes.replay.control import run_coverage_control, run_synthetic_control
 from probes.replay.estimate import FitPricing, strategy_table
 from probes.replay.sequential import build_design, run_sequential
+from probes.replay.step_changes import StepChanges, add_step_changes
 from probes.replay.timing import (
     OPTIMIZER_STEP,
     ReplayRunner,
@@ -111,69 +112,6 @@ def plans_for_device(
     return capped, cap
 
 
-@dataclass(frozen=True)
-class StepChanges:
-    """The step-level changes the replay prices (probes.step.changes), their plan rows, and
-    what this device cannot measure."""
-
-    changes: list[Any]
-    plans: pd.DataFrame
-    not_measured: list[str]
-
-    def __bool__(self) -> bool:
-        return bool(self.changes)
-
-
-def add_step_changes(
-    runner: ReplayRunner,
-    plans: pd.DataFrame,
-    inputs: Mapping[str, Any],
-    training: Mapping[str, Any],
-    replay_cfg: Mapping[str, Any],
-    cpu_only: bool,
-    max_len: int,
-) -> StepChanges:
-    """The step-level changes to price against the loaded step (set on `runner`), their plan
-    rows beside `plans` (the device's plans), and what this device cannot measure."""
-    from probes.step import changes as sc
-
-    switch = sc.StepSwitch(runner.runner)
-    runner.switch = switch
-    if not replay_cfg.get("step_changes", True):
-        return StepChanges([], pd.DataFrame(), [])
-    changes = step_changes_for(switch.base, training)
-    switch.configs = {c.strategy: c.config for c in changes}
-    added = change_plans_for(changes, plans, inputs, training, cpu_only, max_len)
-    LOG.info("step-level changes: %s (base %s)", [c.strategy for c in changes], switch.base)
-    return StepChanges(changes, added, sc.gpu_only("cpu" if cpu_only else "cuda"))
-
-
-def step_changes_for(base: Any, training: Mapping[str, Any]) -> list[Any]:
-    from probes.step import changes as sc
-
-    return sc.step_changes(base, int(training["micro_batch_size"]), int(training["grad_accum"]))
-
-
-def change_plans_for(
-    changes: list[Any],
-    plans: pd.DataFrame,
-    inputs: Mapping[str, Any],
-    training: Mapping[str, Any],
-    cpu_only: bool,
-    max_len: int,
-) -> pd.DataFrame:
-    """The plan rows of the step-level changes: the baseline's micro-batches, or the trainer's
-    random order at a changed micro-batch size (the lengths capped as the device's plans are)."""
-    from probes.step import changes as sc
-
-    examples = pl.read_examples(inputs["lengths"], int(training["max_seq_len"]))
-    if cpu_only:
-        examples = pl.cap_examples(examples, max_len)
-    seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
-    micro = sc.micro_batch_plans(changes, examples, max_len, seed)
-    return sc.change_plans(plans, changes, micro)
-
-
 def settings_for(cfg: Mapping[str, Any], grad_accum: int, cpu_only: bool) -> ReplaySettings:
     section = cfg["cpu"] if cpu_only else cfg
     return ReplaySettings(
@@ -226,37 +164,43 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     LOG.info("replay summary: %s", summary)
 
 
-def run_replay(
-    inputs: Mapping[str, Any],
-    outputs: Mapping[str, str | Path],
-    cfg: Mapping[str, Any],
-    model_path: str | Path,
-    card_probe: Callable[[int], Any] | None = None,
-    sleep: Callable[[float], None] = time.sleep,
-    progress: bool = True,
-) -> dict[str, Any]:
-    """Run the stage and write every output, or none. `cfg` is the whole (default-filled)
-    workflow config: sections replay, training and profile are read."""
-    from probes.profile.evidence import device_description
+@dataclass
+class ReplayPlan:
+    """What the stage knows before any timing: the device, the plans it replays (capped on
+    CPU), the sampling settings and the scaling fit's lengths."""
+
+    device: torch.device
+    cpu_only: bool
+    plans: pd.DataFrame
+    max_len: int
+    settings: ReplaySettings
+    micro: int
+    grad_accum: int
+    fit_lengths: list[int]
+
+
+def prepare(inputs: Mapping[str, Any], cfg: Mapping[str, Any]) -> ReplayPlan:
     from probes.step.runner import resolve_device
 
-    missing = [k for k in OUTPUT_KEYS if k not in outputs] + [
-        k for k in INPUT_KEYS if k not in inputs
-    ]
+    missing = [k for k in INPUT_KEYS if k not in inputs]
     if missing:
         raise ReplayError(f"replay: missing path(s) for {missing}")
     replay_cfg, training, profile = cfg["replay"], cfg["training"], cfg["profile"]
-    started = time.perf_counter()
     device = resolve_device(profile["device"], profile["allow_cpu"])
     cpu_only = device.type != "cuda"
-    cap = int(replay_cfg["cpu"]["max_seq_len"])
-    plans, max_len = plans_for_device(inputs, training, cpu_only, cap)
+    plans, max_len = plans_for_device(
+        inputs, training, cpu_only, int(replay_cfg["cpu"]["max_seq_len"])
+    )
     grad_accum = int(training["grad_accum"])
-    micro = int(training["micro_batch_size"])
-    settings = settings_for(replay_cfg, grad_accum, cpu_only)
-    fit_lengths = fit_lengths_for(plans, replay_cfg, max_len, cpu_only)
-    fit_repeats = int(
-        replay_cfg["cpu"]["fit_repeats"] if cpu_only else replay_cfg["fit"]["repeats"]
+    plan = ReplayPlan(
+        device=device,
+        cpu_only=cpu_only,
+        plans=plans,
+        max_len=max_len,
+        settings=settings_for(replay_cfg, grad_accum, cpu_only),
+        micro=int(training["micro_batch_size"]),
+        grad_accum=grad_accum,
+        fit_lengths=fit_lengths_for(plans, replay_cfg, max_len, cpu_only),
     )
     LOG.info(
         "replay on %s%s: %d strategies, %d micro-batches; fit lengths %s",
@@ -266,124 +210,143 @@ def run_replay(
         else "",
         plans["strategy"].nunique(),
         len(plans),
-        fit_lengths,
+        plan.fit_lengths,
     )
+    return plan
 
-    # the positive control first: cheap, and a broken estimator must not cost a GPU run
-    control = synthetic_control_first(plans, replay_cfg, grad_accum, fit_lengths, micro)
 
-    invalid = {}
+def invalid_strategies(inputs: Mapping[str, Any]) -> dict[str, str]:
+    """Strategies the mask gate rules out, with why (packing where documents would mix)."""
     reason = packing_validity(read_json(inputs["gate"]), str(inputs["gate"]))
-    if reason:
-        invalid[pl.PACKING] = reason
+    return {pl.PACKING: reason} if reason else {}
 
-    idle = check_idle_card(profile, device, card_probe, sleep)
-    if cpu_only:
+
+def load_replay_step(
+    plan: ReplayPlan, cfg: Mapping[str, Any], inputs: Mapping[str, Any], model_path: str | Path
+) -> tuple[ReplayRunner, StepChanges, tuple[torch.dtype, str], dict[str, Any]]:
+    """The step (the user's trainer or harness) in the profiled dtype, its step-level changes
+    added to the plans."""
+    replay_cfg = cfg["replay"]
+    if plan.cpu_only:
         torch.set_num_threads(int(replay_cfg["cpu"]["threads"]))
-    torch.manual_seed(settings.seed)
-    dtype, dtype_reason = replay_dtype(profile["dtype"], device)
-    model_runner, vocab_size, pad_id, harness_info = load_step(
-        cfg, model_path, device, dtype, max_len if cpu_only else None, settings.seed
+    torch.manual_seed(plan.settings.seed)
+    dtype = replay_dtype(cfg["profile"]["dtype"], plan.device)
+    step, vocab_size, pad_id, described = load_step(
+        cfg, model_path, plan.device, dtype[0], plan.max_len if plan.cpu_only else None,
+        plan.settings.seed,
+    )  # fmt: skip
+    runner = ReplayRunner(step, vocab_size, pad_id, plan.settings.seed, int(replay_cfg["repeats"]))
+    changes = add_step_changes(
+        runner, plan.plans, inputs, cfg["training"], replay_cfg, plan.cpu_only, plan.max_len
     )
-    runner = ReplayRunner(
-        model_runner, vocab_size, pad_id, settings.seed, int(replay_cfg["repeats"])
-    )
-    changes = add_step_changes(runner, plans, inputs, training, replay_cfg, cpu_only, max_len)
     if changes:
-        plans = pd.concat([plans, changes.plans], ignore_index=True)
+        plan.plans = pd.concat([plan.plans, changes.plans], ignore_index=True)
+    return runner, changes, dtype, described
 
-    random_plan = plans[plans["strategy"] == pl.BASELINE]
+
+def measure_model(
+    runner: ReplayRunner, plan: ReplayPlan, cfg: Mapping[str, Any]
+) -> tuple[Any, pd.DataFrame, float, dict[str, Any]]:
+    """The scaling fit over the data's own lengths and the instrument's own spread on random's
+    median micro-batch (the model is warm from the fit): (fit, its points, loss share,
+    instrument)."""
+    replay_cfg, settings = cfg["replay"], plan.settings
+    random_plan = plan.plans[plan.plans["strategy"] == pl.BASELINE]
     loss_share = float(random_plan["loss_tokens"].sum()) / float(random_plan["real_tokens"].sum())
-    if training.get("loss_on") == "all":
+    if cfg["training"].get("loss_on") == "all":
         loss_share = 1.0
-    fit, fit_points = measure_fit(
-        runner,
-        fit_lengths,
-        micro,
-        loss_share,
-        fit_repeats,
-        settings.seed,
-        settings.bootstrap_resamples,
+    fit_repeats = int(
+        replay_cfg["cpu"]["fit_repeats"] if plan.cpu_only else replay_cfg["fit"]["repeats"]
     )
+    fit, fit_points = measure_fit(
+        runner, plan.fit_lengths, plan.micro, loss_share, fit_repeats, settings.seed,
+        settings.bootstrap_resamples,
+    )  # fmt: skip
     LOG.info("fit %s: a=%.3g b=%.3g c=%.3g", fit.fit.method, fit.fit.a, fit.fit.b, fit.fit.c)
-
-    # the instrument's own spread, on random's median micro-batch (the model is warm from the fit)
     instrument = measure_instrument(
         runner,
-        median_row(plans, pl.BASELINE),
+        median_row(plan.plans, pl.BASELINE),
         int(replay_cfg["instrument_repeats"]),
         max(settings.warmup, 1),
     )
-    cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
-    cv_df = max(instrument["repeats"] - 1.0, 1.0)
-    LOG.info("instrument CV %.3f over %d identical micro-batches", cv, instrument["repeats"])
+    LOG.info("instrument CV %.3f over %d identical micro-batches", instrument["cv"],
+             instrument["repeats"])  # fmt: skip
+    return fit, fit_points, loss_share, instrument
 
-    section = replay_cfg["cpu"] if cpu_only else replay_cfg
-    design = build_design(plans, settings.n_strata, settings.seed)
+
+def time_plans(
+    runner: ReplayRunner,
+    plan: ReplayPlan,
+    replay_cfg: Mapping[str, Any],
+    invalid: Mapping[str, str],
+    cv: tuple[float, float],
+    progress: bool,
+) -> tuple[Any, Any]:
+    """The sequential design over every valid strategy within the budget: (design, result)."""
+    settings = plan.settings
+    section = replay_cfg["cpu"] if plan.cpu_only else replay_cfg
+    design = build_design(plan.plans, settings.n_strata, settings.seed)
     valid = [name for name in design.strategies if name not in invalid]
     sequential = run_sequential(
-        runner,
-        design,
-        settings,
-        valid,
-        cv,
-        cv_df,
-        float(section["budget_s"]),
-        0,
-        int(section["round_size"]),
-        progress=progress,
+        runner, design, settings, valid, cv[0], cv[1], float(section["budget_s"]), 0,
+        int(section["round_size"]), progress=progress,
         per_strategy=settings.n_strata * settings.samples_per_stratum,
-    )
-    steps, optimizer_times = sequential.steps, sequential.optimizer_times
+    )  # fmt: skip
     LOG.info(
         "replayed %d micro-batches in %d round(s), stopped by %s",
-        len(steps),
+        len(sequential.steps),
         sequential.record["rounds"],
         sequential.record["stopped_by"],
     )
-    pricing = FitPricing(fit.fit, micro, fit.low, fit.high)
-    table = strategy_table(
-        plans,
-        steps,
-        optimizer_times,
-        settings,
-        invalid,
-        pricing,
-        cpu_only,
-        max_len,
-        greg=sequential.estimates,
-        stopped_by=sequential.record["stopped_by"],
-        instrument_cv=cv,
-    )
+    return design, sequential
 
-    # the coverage control: the same design and estimator on simulated timings of known cost
-    coverage = coverage_control(
-        design, sequential, cv, len(optimizer_times), replay_cfg, settings.seed
-    )
-    control["coverage"] = coverage
-    control["instrument"] = instrument
-    control["stopping"] = sequential.record
-    control["checks"] = control_checks(control, coverage)
+
+def price(
+    plan: ReplayPlan,
+    sequential: Any,
+    invalid: Mapping[str, str],
+    fit: Any,
+    cv: float,
+    changes: StepChanges,
+    max_seq_len: int,
+) -> pd.DataFrame:
+    """Each strategy's estimate with its interval, its notes (step-level change, CPU cap)."""
+    table = strategy_table(
+        plan.plans, sequential.steps, sequential.optimizer_times, plan.settings, invalid,
+        FitPricing(fit.fit, plan.micro, fit.low, fit.high), plan.cpu_only, plan.max_len,
+        greg=sequential.estimates, stopped_by=sequential.record["stopped_by"], instrument_cv=cv,
+    )  # fmt: skip
     titles = {c.strategy: f"step-level change: {c.title}" for c in changes.changes}
-    table["note"] = [
+    notes = [
         f"{titles[s]}; {n}" if s in titles and n else titles.get(s, n)
         for s, n in zip(table["strategy"], table["note"], strict=True)
     ]
-    if cpu_only:
-        note = CPU_NOTE.format(cap=max_len, max_seq_len=training["max_seq_len"])
-        table["note"] = [f"{note}; {n}" if n else note for n in table["note"]]
+    if plan.cpu_only:
+        cpu = CPU_NOTE.format(cap=plan.max_len, max_seq_len=max_seq_len)
+        notes = [f"{cpu}; {n}" if n else cpu for n in notes]
+    table["note"] = notes
+    return table
 
-    all_steps = steps_table(steps, optimizer_times, fit_points)
-    fit_row = fit_table_row(fit, micro, loss_share, cpu_only, max_len, replay_cfg)
-    run_info = run_metadata(dict(cfg))
-    provenance = {
-        **run_info,
-        "device": device_description(device),
-        "cpu_only": cpu_only,
-        "dtype": str(dtype).replace("torch.", ""),
-        "dtype_reason": dtype_reason,
-        "max_seq_len_replayed": max_len,
-        "harness": harness_info,
+
+def replay_provenance(
+    cfg: Mapping[str, Any],
+    plan: ReplayPlan,
+    dtype: tuple[torch.dtype, str],
+    described: dict[str, Any],
+    changes: StepChanges,
+    idle: Any,
+    started: float,
+) -> dict[str, Any]:
+    from probes.profile.evidence import device_description
+
+    return {
+        **run_metadata(dict(cfg)),
+        "device": device_description(plan.device),
+        "cpu_only": plan.cpu_only,
+        "dtype": str(dtype[0]).replace("torch.", ""),
+        "dtype_reason": dtype[1],
+        "max_seq_len_replayed": plan.max_len,
+        "harness": described,
         "step_changes": [
             {"strategy": c.strategy, "title": c.title, "settings": c.settings}
             for c in changes.changes
@@ -395,32 +358,75 @@ def run_replay(
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "wall_s": time.perf_counter() - started,
     }
-    control["observed"]["cpu_only"] = cpu_only
+
+
+SUMMARY_COLUMNS = (
+    "strategy",
+    "estimated_time_s",
+    "ci_low_s",
+    "ci_high_s",
+    "saving_vs_random",
+    "saving_ci_low",
+    "saving_ci_high",
+    "rank",
+    "valid",
+)
+
+
+def run_replay(
+    inputs: Mapping[str, Any],
+    outputs: Mapping[str, str | Path],
+    cfg: Mapping[str, Any],
+    model_path: str | Path,
+    card_probe: Callable[[int], Any] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run the stage and write every output, or none. `cfg` is the whole (default-filled)
+    workflow config: sections replay, training, profile and trainer are read."""
+    missing = [k for k in OUTPUT_KEYS if k not in outputs]
+    if missing:
+        raise ReplayError(f"replay: missing path(s) for {missing}")
+    started = time.perf_counter()
+    replay_cfg = cfg["replay"]
+    plan = prepare(inputs, cfg)
+    # the positive control first: cheap, and a broken estimator must not cost a GPU run
+    control = synthetic_control_first(
+        plan.plans, replay_cfg, plan.grad_accum, plan.fit_lengths, plan.micro
+    )
+    invalid = invalid_strategies(inputs)
+    idle = check_idle_card(cfg["profile"], plan.device, card_probe, sleep)
+    runner, changes, dtype, described = load_replay_step(plan, cfg, inputs, model_path)
+    fit, fit_points, loss_share, instrument = measure_model(runner, plan, cfg)
+    cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
+    cv_df = max(instrument["repeats"] - 1.0, 1.0)
+    design, sequential = time_plans(runner, plan, replay_cfg, invalid, (cv, cv_df), progress)
+    table = price(plan, sequential, invalid, fit, cv, changes, cfg["training"]["max_seq_len"])
+    # the coverage control: the same design and estimator on simulated timings of known cost
+    coverage = coverage_control(
+        design, sequential, cv, len(sequential.optimizer_times), replay_cfg, plan.settings.seed
+    )
+    control.update(coverage=coverage, instrument=instrument, stopping=sequential.record)
+    control["checks"] = control_checks(control, coverage)
+    control["observed"]["cpu_only"] = plan.cpu_only
     # the report shows and applies the threshold the replay used (its one home: the config)
     control["host_bound_threshold"] = float(replay_cfg["host_bound_threshold"])
+    provenance = replay_provenance(cfg, plan, dtype, described, changes, idle, started)
+    fit_row = fit_table_row(fit, plan.micro, loss_share, plan.cpu_only, plan.max_len, replay_cfg)
     with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
         out.parquet("estimates", table, provenance)
-        out.parquet("steps", all_steps, provenance)
+        out.parquet(
+            "steps", steps_table(sequential.steps, sequential.optimizer_times, fit_points),
+            provenance,
+        )  # fmt: skip
         out.parquet("fit", pd.DataFrame([fit_row]), provenance)
         out.json("control", control)
     return {
-        "cpu_only": cpu_only,
+        "cpu_only": plan.cpu_only,
         "wall_s": provenance["wall_s"],
         "load_average": provenance["load_average"],
         "control_passed": control["passed"],
-        "strategies": table[
-            [
-                "strategy",
-                "estimated_time_s",
-                "ci_low_s",
-                "ci_high_s",
-                "saving_vs_random",
-                "saving_ci_low",
-                "saving_ci_high",
-                "rank",
-                "valid",
-            ]
-        ].to_dict("records"),
+        "strategies": table[list(SUMMARY_COLUMNS)].to_dict("records"),
     }
 
 

@@ -1,0 +1,79 @@
+"""The replay's step-level changes (probes.step.changes): which to price against the loaded
+step, their plan rows beside the device's plans, and what this device cannot measure."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from probes.batching import plans as pl
+from probes.io import read_provenance
+
+LOG = logging.getLogger("probes.replay")
+
+
+@dataclass(frozen=True)
+class StepChanges:
+    """The step-level changes the replay prices (probes.step.changes), their plan rows, and
+    what this device cannot measure."""
+
+    changes: list[Any]
+    plans: pd.DataFrame
+    not_measured: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.changes)
+
+
+def add_step_changes(
+    runner: Any,
+    plans: pd.DataFrame,
+    inputs: Mapping[str, Any],
+    training: Mapping[str, Any],
+    replay_cfg: Mapping[str, Any],
+    cpu_only: bool,
+    max_len: int,
+) -> StepChanges:
+    """The step-level changes to price against the loaded step (set on `runner`), their plan
+    rows beside `plans` (the device's plans), and what this device cannot measure."""
+    from probes.step import changes as sc
+
+    switch = sc.StepSwitch(runner.runner)
+    runner.switch = switch
+    if not replay_cfg.get("step_changes", True):
+        return StepChanges([], pd.DataFrame(), [])
+    changes = step_changes_for(switch.base, training)
+    switch.configs = {c.strategy: c.config for c in changes}
+    added = change_plans_for(changes, plans, inputs, training, cpu_only, max_len)
+    LOG.info("step-level changes: %s (base %s)", [c.strategy for c in changes], switch.base)
+    return StepChanges(changes, added, sc.gpu_only("cpu" if cpu_only else "cuda"))
+
+
+def step_changes_for(base: Any, training: Mapping[str, Any]) -> list[Any]:
+    from probes.step import changes as sc
+
+    return sc.step_changes(base, int(training["micro_batch_size"]), int(training["grad_accum"]))
+
+
+def change_plans_for(
+    changes: list[Any],
+    plans: pd.DataFrame,
+    inputs: Mapping[str, Any],
+    training: Mapping[str, Any],
+    cpu_only: bool,
+    max_len: int,
+) -> pd.DataFrame:
+    """The plan rows of the step-level changes: the baseline's micro-batches, or the trainer's
+    random order at a changed micro-batch size (the lengths capped as the device's plans are)."""
+    from probes.step import changes as sc
+
+    examples = pl.read_examples(inputs["lengths"], int(training["max_seq_len"]))
+    if cpu_only:
+        examples = pl.cap_examples(examples, max_len)
+    seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
+    micro = sc.micro_batch_plans(changes, examples, max_len, seed)
+    return sc.change_plans(plans, changes, micro)
