@@ -396,6 +396,78 @@ def step_switch(runner: Any, changes: Sequence[str], training: Mapping[str, Any]
     return switch
 
 
+def device_plans(
+    inputs: Mapping[str, Any], raw: Mapping[str, Any], changes: Sequence[str], cpu_only: bool
+) -> tuple[pd.DataFrame, int]:
+    """The replay's plans on this device, the step-level changes' among them; every change
+    the replay ranks must have one."""
+    from probes.replay.stage import plans_for_device
+
+    training = raw["training"]
+    plans, max_len = plans_for_device(
+        inputs, training, cpu_only, int(raw["replay"]["cpu"]["max_seq_len"])
+    )
+    plans = with_step_change_plans(plans, changes, inputs, training, cpu_only, max_len)
+    unknown = sorted(set(changes) - set(plans["strategy"]))
+    if unknown:
+        raise RealizeError(
+            f"{inputs['plans']}: no plan for {unknown} that {inputs['estimates']} ranks; rerun "
+            "bucket_sweep and replay together"
+        )
+    return plans, max_len
+
+
+def control_first(
+    plans: pd.DataFrame,
+    strategies: Sequence[str],
+    settings: Any,
+    raw: Mapping[str, Any],
+    promises: Any,
+) -> dict[str, Any]:
+    """The positive control: no wall time, and a broken estimator must not cost a GPU run."""
+    control = run_control(
+        plans,
+        strategies,
+        settings.control_steps,
+        settings.seed,
+        int(raw["training"]["grad_accum"]),
+        settings.control_tolerance,
+        promises,
+    )
+    LOG.info("control %s", "passed" if control["passed"] else "FAILED")
+    if not control["passed"]:
+        raise ControlFailedError(
+            f"realize: positive control failed, no output written: {control['observed']}"
+        )
+    return control
+
+
+def realize_summary(
+    table: pd.DataFrame,
+    steps: pd.DataFrame,
+    changes: Sequence[str],
+    settings: Any,
+    cpu_only: bool,
+    sample_size: int,
+    budget_s: float,
+) -> dict[str, Any]:
+    """summary.json: each change's verdict and how many steps were sampled."""
+    verdicts = {
+        str(r.strategy): str(r.verdict) for r in table.itertuples() if r.role == vd.CHANGE_ROLE
+    }
+    return {
+        "status": RAN,
+        "verdicts": verdicts,
+        "changes": list(changes),
+        "cpu_only": cpu_only,
+        "sample_steps": int(steps.groupby("strategy").size().max()),
+        "first_sample_steps": sample_size,
+        "budget_s": budget_s,
+        "warmup": settings.warmup,
+        "agree_within": settings.agree_within,
+    }
+
+
 def run_realize(
     inputs: Mapping[str, Any],
     outputs: Mapping[str, str | Path],
@@ -409,7 +481,6 @@ def run_realize(
     (StepRunner, vocab_size, pad_id, harness description, dtype name, dtype reason) and may add
     a seventh item, the clock the steps are timed with (default perf_counter)."""
     from probes.profile.evidence import device_description
-    from probes.replay.stage import plans_for_device
     from probes.step.runner import resolve_device
 
     missing = [k for k in OUTPUT_KEYS if k not in outputs] + [
@@ -433,16 +504,7 @@ def run_realize(
     changes = select_changes(
         estimates, settings.cpu_max_changes if cpu_only else settings.max_changes
     )
-    plans, max_len = plans_for_device(
-        inputs, raw["training"], cpu_only, int(replay_cfg["cpu"]["max_seq_len"])
-    )
-    plans = with_step_change_plans(plans, changes, inputs, raw["training"], cpu_only, max_len)
-    unknown = sorted(set(changes) - set(plans["strategy"]))
-    if unknown:
-        raise RealizeError(
-            f"{inputs['plans']}: no plan for {unknown} that {inputs['estimates']} ranks; rerun "
-            "bucket_sweep and replay together"
-        )
+    plans, max_len = device_plans(inputs, raw, changes, cpu_only)
     promises = step_promises(plans, read_units(inputs["units"]))
     sample_size = settings.cpu_sample_steps if cpu_only else settings.sample_steps
     LOG.info(
@@ -453,20 +515,7 @@ def run_realize(
     )
     strategies = [RANDOM, *changes]
     # the positive control first: no wall time, and a broken estimator must not cost a GPU run
-    control = run_control(
-        plans,
-        strategies,
-        settings.control_steps,
-        settings.seed,
-        int(raw["training"]["grad_accum"]),
-        settings.control_tolerance,
-        promises,
-    )
-    LOG.info("control %s", "passed" if control["passed"] else "FAILED")
-    if not control["passed"]:
-        raise ControlFailedError(
-            f"realize: positive control failed, no output written: {control['observed']}"
-        )
+    control = control_first(plans, strategies, settings, raw, promises)
     idle = check_idle_card(profile, device, card_probe, sleep)
     if cpu_only:
         torch.set_num_threads(int(replay_cfg["cpu"]["threads"]))
@@ -498,21 +547,8 @@ def run_realize(
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "wall_s": time.perf_counter() - started,
     }
-    verdicts = {
-        str(r.strategy): str(r.verdict) for r in table.itertuples() if r.role == vd.CHANGE_ROLE
-    }
-    summary = {
-        "status": RAN,
-        "verdicts": verdicts,
-        "changes": list(changes),
-        "cpu_only": cpu_only,
-        "sample_steps": int(steps.groupby("strategy").size().max()),
-        "first_sample_steps": sample_size,
-        "budget_s": budget_s,
-        "warmup": settings.warmup,
-        "agree_within": settings.agree_within,
-        "wall_s": provenance["wall_s"],
-    }
+    summary = realize_summary(table, steps, changes, settings, cpu_only, sample_size, budget_s)
+    summary["wall_s"] = provenance["wall_s"]
     with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
         out.parquet("realized", table, provenance)
         out.parquet("steps", steps, provenance)
