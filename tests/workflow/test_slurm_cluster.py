@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 START = REPO / "tools" / "slurm" / "start-cluster.sh"
 STOP = REPO / "tools" / "slurm" / "stop-cluster.sh"
-CPU_RULES = {"mask", "padding", "bucket_sweep", "report"}
+CPU_RULES = {"mask", "padding", "bucket_sweep", "memory", "report"}
 GPU_RULES = {"profile", "replay", "realize"}
 # Settings for this test cluster, not for a user's: no slurmdbd (so squeue, not sacct, for job
 # status), no accounts, and a first status check after 1 s instead of 40 s.
