@@ -311,7 +311,16 @@ def real_peak_control(
     except ProbeError as error:  # fake tensors cannot follow this harness: said, not checked
         LOG.warning("memory check skipped: the predictor cannot trace this step (%s)", error)
         return None
-    LOG.info("memory check: %s", control["observed"])
+    # recorded beside the other controls but not gating the stage yet: in the profile's own
+    # bfloat16 step of the default Gemma on CPU the prediction came out 1.11x, 1.19x, 1.29x the
+    # allocator's peak at 2 x 32/64/128 (2026-12-02; cause not isolated), and no timing depends
+    # on it
+    control["gates_stage"] = False
+    LOG.info(
+        "memory check: %s %s",
+        control["observed"],
+        [(r["rows"], r["length"], r.get("ratio")) for r in control.get("rows", [])],
+    )
     return control
 
 
