@@ -22,6 +22,12 @@ from probes.contracts import BATCH_REBALANCE
 TRL_PACKING_STRATEGY = "bfd"  # TRL's best-fit decreasing; the sweep's packing_bfd mirrors it
 SWEEP_PACKING_ROW = "packing_bfd"
 IGNORE_INDEX = -100
+# the trainer line of a change that is settings alone (no sampler or wrapper of its own)
+PLAIN_TRAINER_LINES = {
+    "transformers": "trainer = Trainer(model=model, args=args, "
+    "train_dataset=train_dataset, data_collator=data_collator)",
+    "trl": "trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,11 +297,7 @@ def batch_rebalance_change(
         "snippets": config_snippets(
             ta,
             sft,
-            {
-                "transformers": "trainer = Trainer(model=model, args=args, "
-                "train_dataset=train_dataset, data_collator=data_collator)",
-                "trl": "trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset)",
-            },
+            PLAIN_TRAINER_LINES,
         ),
         "tokens_per_update": _tokens_per_update(
             base.tokens_per_update,
@@ -534,12 +536,7 @@ def step_level_changes(
                 "snippets": config_snippets(
                     ta,
                     sft,
-                    {
-                        "transformers": "trainer = Trainer(model=model, args=args, "
-                        "train_dataset=train_dataset, data_collator=data_collator)",
-                        "trl": "trainer = SFTTrainer(model=model, args=args, "
-                        "train_dataset=train_dataset)",
-                    },
+                    PLAIN_TRAINER_LINES,
                     data_lines=model_line,
                 ),
                 "tokens_per_update": _tokens_per_update(

@@ -13,12 +13,13 @@ is the collator TRL's ``padding_free`` / transformers' ``DataCollatorWithFlatten
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from probes.step.factory import QUIET_SETTINGS, Factory, build_trainer, load_factory
+from probes.step.runner import StepRunner
 
 IGNORE_INDEX = -100
 # steps the scheduler is built for: the probes take a few hundred steps at most, and a schedule
@@ -204,30 +205,9 @@ class TrainerStep:
         trainer.lr_scheduler.step()
         self.model.zero_grad()
 
-    def step(
-        self,
-        micro_batches: Iterable[dict[str, Any]],
-        mark: Callable[[str], None] | None = None,
-    ) -> None:
-        """One optimizer step; `mark` as in probes.step.runner.StepRunner.step."""
-        for batch in micro_batches:
-            if mark is not None:
-                mark("built")
-            self.forward_backward(batch)
-            if mark is not None:
-                mark("micro_batch")
-        self.optimizer_step()
-        if mark is not None:
-            mark("optimizer")
-
-    def timed(self, micro_batches: Any, warmup: int, repeats: int) -> Any:
-        """As StepRunner.timed: whole steps of these micro-batches, warmed, repeated."""
-        from probes.step.timing import OK, time_repeats
-
-        timing = time_repeats(lambda: self.step(micro_batches), self.device, warmup, repeats)
-        if timing.status != OK:
-            self.zero_grad()
-        return timing
+    # the same step and timing as the harness's runner: the same calls on this step's methods
+    step = StepRunner.step
+    timed = StepRunner.timed
 
     def run_rows(self, rows: Sequence[Any], mark: Callable[[str], None]) -> None:
         """One optimizer step of plan rows through ``trainer.train()`` itself: its dataloader
