@@ -324,6 +324,39 @@ def real_peak_control(
     return control
 
 
+def probe_at_one_length(
+    step: ProfiledStep,
+    settings: Settings,
+    profile: Mapping[str, Any],
+    length: int,
+    step_time: tuple[float, bool],
+    loss_share: float,
+) -> tuple[Any, Any, str, dict[str, Any]]:
+    """The CE variants beside the step at `length` (its time measured, or the fit's) and the
+    kernel table with its double-count check: (ce, kernels, raw table, check)."""
+    ce = run_ce(
+        step.model,
+        step.harness,
+        settings,
+        length,
+        step_time[0],
+        loss_share,
+        step.vocab_size,
+        int(profile["ce_chunk_tokens"]),
+        "measured" if step_time[1] else "predicted by the fit",
+    )
+    kernels, raw_table, check = run_kernel_profile(
+        step.runner,
+        settings,
+        length,
+        loss_share,
+        step.vocab_size,
+        profile["double_count_tolerance"],
+        step.has_experts,
+    )
+    return ce, kernels, raw_table, check
+
+
 def control_record(controls: list[dict[str, Any]], provenance: dict[str, Any]) -> dict[str, Any]:
     """A control may guard one derived figure only (the FLOP count guards MFU): its failure
     marks that figure, not the stage. Raises when a control that gates the stage failed."""
@@ -478,25 +511,8 @@ def run_profile(
         controls.append(peak_check)
     penalty = measure_penalty(step, settings, train, profile, fit, ok)
     probe_length, step_at_probe, measured = probe_point(settings, ok, fit)
-    ce = run_ce(
-        step.model,
-        step.harness,
-        settings,
-        probe_length,
-        step_at_probe,
-        loss_share,
-        step.vocab_size,
-        int(profile["ce_chunk_tokens"]),
-        "measured" if measured else "predicted by the fit",
-    )
-    kernels, raw_table, check = run_kernel_profile(
-        step.runner,
-        settings,
-        probe_length,
-        loss_share,
-        step.vocab_size,
-        profile["double_count_tolerance"],
-        step.has_experts,
+    ce, kernels, raw_table, check = probe_at_one_length(
+        step, settings, profile, probe_length, (step_at_probe, measured), loss_share
     )
     controls.append(check)
 
