@@ -513,9 +513,10 @@ def step_level_changes(
     for change in step_changes or []:
         settings = dict(change.get("settings") or {})
         attention = settings.pop("attn_implementation", None)
+        harness = settings.pop("harness_options", None)  # the harness's own (loss kernel)
         ta = {**base.training_arguments(), **settings}
         sft = {**base.sft_config(), **settings}
-        model_line = []
+        model_line = [f"# profile.harness_options: {harness!r}"] if harness else []
         if attention:
             sft["model_init_kwargs"] = {"attn_implementation": attention}
             model_line = [
@@ -528,7 +529,7 @@ def step_level_changes(
                 "applies": True,
                 "step_level": True,
                 "title": str(change.get("title") or change["strategy"]),
-                "expressible_in_training_arguments": not attention,
+                "expressible_in_training_arguments": not (attention or harness),
                 "how": str(change.get("title") or change["strategy"]),
                 "training_arguments": ta,
                 "sft_config": sft,

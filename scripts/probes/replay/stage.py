@@ -351,9 +351,7 @@ def replay_provenance(
             {"strategy": c.strategy, "title": c.title, "settings": c.settings}
             for c in changes.changes
         ],
-        "not_measured": {
-            name: "GPU only: not measured on this device" for name in changes.not_measured
-        },
+        "not_measured": dict(changes.not_measured),  # name: why (probes.replay.step_changes)
         "idle_check": idle,
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "wall_s": time.perf_counter() - started,

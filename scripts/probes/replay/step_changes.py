@@ -14,16 +14,17 @@ from probes.batching import plans as pl
 from probes.io import read_provenance
 
 LOG = logging.getLogger("probes.replay")
+GPU_ONLY = "GPU only: not measured on this device"
 
 
 @dataclass(frozen=True)
 class StepChanges:
     """The step-level changes the replay prices (probes.step.changes), their plan rows, and
-    what this device cannot measure."""
+    what is not priced, each with why (this device cannot run it; not a setting of this step)."""
 
     changes: list[Any]
     plans: pd.DataFrame
-    not_measured: list[str]
+    not_measured: dict[str, str]
 
     def __bool__(self) -> bool:
         return bool(self.changes)
@@ -45,12 +46,25 @@ def add_step_changes(
     switch = sc.StepSwitch(runner.runner)
     runner.switch = switch
     if not replay_cfg.get("step_changes", True):
-        return StepChanges([], pd.DataFrame(), [])
+        return StepChanges([], pd.DataFrame(), {})
     changes = step_changes_for(switch.base, training)
     switch.configs = {c.strategy: c.config for c in changes}
     added = change_plans_for(changes, plans, inputs, training, cpu_only, max_len)
     LOG.info("step-level changes: %s (base %s)", [c.strategy for c in changes], switch.base)
-    return StepChanges(changes, added, sc.gpu_only("cpu" if cpu_only else "cuda"))
+    return StepChanges(changes, added, not_measured(runner.runner, cpu_only))
+
+
+def not_measured(step: Any, cpu_only: bool) -> dict[str, str]:
+    """What the replay does not price, with why: what this device cannot run, and the loss
+    kernels the loaded step cannot be set to (probes.step.loss_changes)."""
+    from probes.step import changes as sc
+    from probes.step.loss_changes import unpriced_losses
+
+    device_type = "cpu" if cpu_only else "cuda"
+    return {
+        **unpriced_losses(step, device_type),
+        **{name: GPU_ONLY for name in sc.gpu_only(device_type)},
+    }
 
 
 def step_changes_for(base: Any, training: Mapping[str, Any]) -> list[Any]:

@@ -12,7 +12,9 @@ step with one setting changed, applied the way the trainer applies it:
 - the attention implementation (eager, sdpa; flash/flex where the device has them): the
   model's ``set_attn_implementation``;
 - the micro-batch size at equal tokens per update: ``per_device_train_batch_size`` doubled,
-  ``gradient_accumulation_steps`` halved.
+  ``gradient_accumulation_steps`` halved;
+- the loss kernel (stock vs chunked) where the harness's ``configure`` sets it
+  (probes.step.loss_changes, which also says why a trainer's is not priced).
 
 Each carries the settings it pastes (TrainingArguments / SFTConfig fields, model kwargs).
 """
@@ -38,6 +40,7 @@ GPU_ONLY_ATTENTION = ("flash_attention_2", "flex_attention")
 class StepConfig:
     gradient_checkpointing: bool
     attn_implementation: str
+    loss: str | None = None  # the harness's loss kernel (None: not a setting of this step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,12 +120,20 @@ def step_changes(base: StepConfig, micro: int, grad_accum: int) -> list[StepChan
                 grad_accum // 2,
             )
         )
-    return changes
+    from probes.step import loss_changes
+
+    return changes + loss_changes.loss_step_changes(base)
 
 
 def gpu_only(device_type: str) -> list[str]:
     """What cannot be measured on this device: listed, never priced."""
-    return [] if device_type == "cuda" else [ATTENTION_PREFIX + n for n in GPU_ONLY_ATTENTION]
+    from probes.step.loss_changes import GPU_ONLY_LOSSES, LOSS_PREFIX
+
+    if device_type == "cuda":
+        return []
+    return [ATTENTION_PREFIX + n for n in GPU_ONLY_ATTENTION] + [
+        LOSS_PREFIX + n for n in GPU_ONLY_LOSSES
+    ]
 
 
 def enable_checkpointing(base: Any, args: Any = None) -> None:
@@ -187,11 +198,17 @@ def title_of(name: str) -> str | None:
     if name.startswith(MICRO_BATCH_PREFIX):
         size = name[len(MICRO_BATCH_PREFIX) :]
         return f"Micro-batch size {size} at the same tokens per update"
-    return None
+    from probes.step import loss_changes
+
+    return loss_changes.title_of(name)
 
 
 def is_step_change(name: str) -> bool:
-    return name in (GC_ON, GC_OFF) or name.startswith((ATTENTION_PREFIX, MICRO_BATCH_PREFIX))
+    from probes.step.loss_changes import LOSS_PREFIX
+
+    return name in (GC_ON, GC_OFF) or name.startswith(
+        (ATTENTION_PREFIX, MICRO_BATCH_PREFIX, LOSS_PREFIX)
+    )
 
 
 def plan_shapes(names: Sequence[str], micro: int, grad_accum: int) -> list[StepChange]:
@@ -212,9 +229,13 @@ class StepSwitch:
     its strategy, the base config for every other (a setting changes only when it differs)."""
 
     def __init__(self, runner: Any, changes: Sequence[StepChange] = ()) -> None:
+        from probes.step import loss_changes
+
         self.runner = runner
         self.args = getattr(getattr(runner, "trainer", None), "args", None)
-        self.base = current_config(runner.model, self.args)
+        self.base = dataclasses.replace(
+            current_config(runner.model, self.args), loss=loss_changes.current_loss(runner)
+        )
         self.current = self.base
         self.configs = {c.strategy: c.config for c in changes}
 
@@ -222,6 +243,10 @@ class StepSwitch:
         config = self.configs.get(str(strategy), self.base)
         if config != self.current:
             apply_config(self.runner.model, config, self.args)
+            if config.loss != self.current.loss:
+                from probes.step import loss_changes
+
+                loss_changes.apply_loss(self.runner, config.loss)
             self.current = config
         return config
 

@@ -16,10 +16,15 @@ for every timed step (it never re-implements the step, because a probe that does
 - ``LM_HEAD_POSITIONS = "loss" | "all"`` (optional attribute, default "all") where compute_loss
   runs the LM head: on the loss positions only, or on every position (the stock causal-LM
   loss). MFU counts the head's FLOPs on these positions; a FLOP counter checks it.
+- ``LOSS_KERNELS = ("chunked", "stock", ...)`` (optional attribute) the values its configure
+  accepts under the option ``loss_kernel``, its default first: the replay prices the other one
+  as a step-level change (probes.step.loss_changes), flipping it through configure.
 
 This one: LoRA via peft on the attention and MLP projections (never embeddings, the LM head or
 MoE routers); loss over the labelled tokens only, with a chunked cross-entropy that never holds
-the full logits.
+the full logits (``loss_kernel: chunked``, the default), or the stock loss (``loss_kernel:
+stock``: the model's own forward with labels, full logits over every position, then its own
+loss function).
 """
 
 from __future__ import annotations
@@ -29,7 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from probes.step.ce import chunked_linear_cross_entropy, shifted_loss_positions
+from probes.step.ce import (
+    chunked_linear_cross_entropy,
+    full_logits_cross_entropy,
+    shifted_loss_positions,
+)
 
 # Leaf names of the attention and MLP projections across common decoder families.
 PROJECTION_NAMES = frozenset(
@@ -64,7 +73,11 @@ EXCLUDED_PARTS = frozenset(
 )
 EXCLUDED_SUBSTRINGS = ("vision", "audio", "multi_modal_projector", "router")
 
+LOSS_OPTION = "loss_kernel"
+CHUNKED, STOCK = "chunked", "stock"
+LOSS_KERNELS = (CHUNKED, STOCK)  # the default first
 DEFAULT_OPTIONS: dict[str, Any] = {
+    LOSS_OPTION: CHUNKED,
     "ce_chunk_tokens": 1024,
     "lora_r": 16,
     "lora_alpha": 32,
@@ -73,20 +86,29 @@ DEFAULT_OPTIONS: dict[str, Any] = {
     "gradient_checkpointing": False,
 }
 OPTIONS: dict[str, Any] = dict(DEFAULT_OPTIONS)
-# compute_loss runs the head on the loss positions only (chunked, never the full logits)
-LM_HEAD_POSITIONS = "loss"
+# where compute_loss runs the head: the chunked loss on the loss positions only (never the full
+# logits), the stock loss on every position; configure keeps it in step with loss_kernel
+HEAD_POSITIONS = {CHUNKED: "loss", STOCK: "all"}
+LM_HEAD_POSITIONS = HEAD_POSITIONS[CHUNKED]
 
 
 def configure(options: dict[str, Any]) -> None:
     """Reset to the defaults, then apply `options` (so a second run never inherits the first's)."""
+    global LM_HEAD_POSITIONS
     unknown = set(options) - set(DEFAULT_OPTIONS)
     if unknown:
         raise ValueError(
             f"profile.harness_options: unknown key(s) {sorted(unknown)} for the reference "
             f"harness; known: {sorted(DEFAULT_OPTIONS)}"
         )
+    kernel = options.get(LOSS_OPTION, DEFAULT_OPTIONS[LOSS_OPTION])
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(
+            f"profile.harness_options.{LOSS_OPTION}: {kernel!r} is not one of {list(LOSS_KERNELS)}"
+        )
     OPTIONS.clear()
     OPTIONS.update(DEFAULT_OPTIONS, **options)
+    LM_HEAD_POSITIONS = HEAD_POSITIONS[kernel]
 
 
 def discover_target_modules(model: nn.Module) -> list[str]:
@@ -143,8 +165,11 @@ def _softcap(model: nn.Module) -> float | None:
 
 
 def loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean CE over labelled tokens from the last hidden states, chunked through the LM head."""
+    """Mean CE over labelled tokens from the last hidden states: chunked through the LM head,
+    or (stock) the head over every position, then the mean CE of the full logits."""
     head = _base_model(model).get_output_embeddings()
+    if OPTIONS[LOSS_OPTION] == STOCK:
+        return full_logits_cross_entropy(hidden, head, labels, _softcap(model))
     loss_hidden, targets = shifted_loss_positions(hidden, labels)
     total = chunked_linear_cross_entropy(
         loss_hidden, head, targets, int(OPTIONS["ce_chunk_tokens"]), _softcap(model)
@@ -153,7 +178,16 @@ def loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tenso
 
 
 def compute_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The decoder without its head (so no full logits), then the chunked head + loss."""
+    """The decoder without its head (so no full logits), then the chunked head + loss; or
+    (stock) the model's own forward with labels: full logits, the model's own loss."""
+    if OPTIONS[LOSS_OPTION] == STOCK:
+        return model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch.get("attention_mask"),
+            position_ids=batch.get("position_ids"),
+            labels=batch["labels"],
+            use_cache=False,
+        ).loss
     decoder = _base_model(model).get_decoder()
     outputs = decoder(
         input_ids=batch["input_ids"],

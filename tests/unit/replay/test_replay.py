@@ -405,7 +405,12 @@ def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
     assert summary["control_passed"] and summary["cpu_only"]
     table = pd.read_parquet(outputs["estimates"])
     assert list(table.columns) == list(REPLAY_COLUMNS)
-    step_level = {"gradient_checkpointing_on", "attention_eager", "micro_batch_size_4"}
+    step_level = {
+        "gradient_checkpointing_on",
+        "attention_eager",
+        "micro_batch_size_4",
+        "loss_stock",
+    }
     assert set(table["strategy"]) == set(pl.STRATEGIES) | step_level
     changes = table[table["strategy"].isin(step_level)]
     assert changes["estimated_time_s"].notna().all()
