@@ -9,7 +9,9 @@ from typing import Any
 import pandas as pd
 
 from probes.mask import backend as sdpa_backend
+from probes.mask.implementations import with_all_ones_mask
 from probes.mask.layers import FULL, SLIDING
+from probes.mask.scenarios import flattening_collator
 from probes.mask.verdict import evaluate, merged_mask_config
 
 # --- positive control ----------------------------------------------------------------------------
@@ -63,6 +65,7 @@ CONTROL_EXPECTED: dict[str, Any] = {
     "packed.sliding.band_lower": 7,
     "violations": 0,
     "wrong_window_detected": True,
+    "cross_document_detected": True,
 }
 
 
@@ -74,6 +77,18 @@ def _first(table: pd.DataFrame, scenario: str, layer_type: str, column: str) -> 
         return f"differs across layers: {sorted({str(v) for v in values})}"
     value = values[0]
     return value.item() if hasattr(value, "item") else value
+
+
+def cross_document_detected() -> bool:
+    """The gate refuses packed documents that see each other: the packed row with an all-ones
+    2-D attention_mask beside its restarting position ids, where transformers skips its
+    packed-sequence detection (transformers#46634)."""
+    leaky = with_all_ones_mask(flattening_collator())
+    cfg = merged_mask_config({**CONTROL_MASK_CONFIG, "scenarios": ["packed"]})
+    _, summary = evaluate(
+        CONTROL_CONFIG, cfg, CONTROL_TRAINING, "control", progress=False, packed_collator=leaky
+    )
+    return summary["violations_total"] > 0
 
 
 def run_control() -> dict[str, Any]:
@@ -115,6 +130,7 @@ def run_control() -> dict[str, Any]:
     )
     _, wrong = evaluate(CONTROL_CONFIG, wrong_cfg, CONTROL_TRAINING, "control", progress=False)
     observed["wrong_window_detected"] = wrong["violations_total"] > 0
+    observed["cross_document_detected"] = cross_document_detected()
     mismatches = {
         k: (CONTROL_EXPECTED[k], observed.get(k))
         for k in CONTROL_EXPECTED
@@ -125,8 +141,9 @@ def run_control() -> dict[str, Any]:
         "description": (
             "A 6-layer Gemma 3 text config (5 sliding : 1 full, window 8, head_dim 32, GQA 4:2) "
             "traced at B=2, T=24 unpadded, right-padded and packed into 12+7+5 tokens, with "
-            "hand-written answers; then the same model against a wrong window (9), which the "
-            "gate must reject."
+            "hand-written answers; then the same model against a wrong window (9), and its "
+            "packed row with an all-ones 2-D attention_mask (documents see each other), both of "
+            "which the gate must reject."
         ),
         "expected": CONTROL_EXPECTED,
         "observed": observed,

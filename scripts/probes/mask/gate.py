@@ -7,6 +7,8 @@ Each distinct mask is measured row by row (probes.mask.band) and compared with w
 asks for: sliding layers see exactly their window, full layers are causal, padding and packed
 documents stay apart. The SDPA backend each call gets on the target GPU is predicted from the
 recorded arguments (probes.mask.backend) and, on a CUDA machine, confirmed by torch itself.
+Then every attention implementation a step-level change proposes is traced the same way
+(probes.mask.implementations): its verdict decides whether padding-free may use it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from probes.mask.control import run_control
+from probes.mask.implementations import check_implementations
 from probes.mask.layers import GateError
 from probes.mask.verdict import CONFIRM_DISAGREED, evaluate, merged_mask_config
 
@@ -31,7 +34,9 @@ def run_gate(
     source: str = "config.json",
     progress: bool = True,
 ) -> tuple[pd.DataFrame, dict[str, Any], dict[str, Any]]:
-    """Positive control first, then the user's model. Returns (layers, gate, control)."""
+    """Positive control first, then the user's model, then every attention implementation a
+    change proposes (probes.mask.implementations, into the gate's ``implementations``). Returns
+    (layers, gate, control)."""
     started = time.perf_counter()
     control = run_control()
     log.info("positive control %s", "passed" if control["passed"] else "FAILED")
@@ -50,6 +55,10 @@ def run_gate(
             f"{'; '.join(confirm['disagreements'][:3])}. The predictor's rules "
             "(probes.mask.backend) are out of date for this torch/cuDNN"
         )
+    primary = (str(gate["model"]["attn_implementation"]), table)
+    gate["implementations"] = check_implementations(
+        config_dict, merged, training_cfg, primary, source
+    )
     gate["control"] = {"name": control["name"], "passed": control["passed"]}
     gate["passed"] = bool(gate["passed"] and control["passed"])
     gate["wall_seconds"] = round(time.perf_counter() - started, 3)

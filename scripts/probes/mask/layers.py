@@ -34,7 +34,7 @@ LAYER_COLUMNS = {
     "layer_type": "string",  # from config.layer_types (or sliding_window)
     "expected_window": "Int64",  # the window the gate asserts; null for full layers
     "attention_calls": "Int64",
-    "attn_implementation": "string",  # sdpa | eager
+    "attn_implementation": "string",  # sdpa | eager | flex_attention
     "module_sliding_window": "Int64",  # what the attention module passed on
     "q_heads": "Int64",
     "kv_heads": "Int64",
@@ -134,7 +134,7 @@ def _gqa_path(record: AttentionRecord) -> str:
     if record.q_heads == record.kv_heads:
         return "mha"
     if record.call is None:
-        return "eager"
+        return record.implementation  # eager / flex: no SDPA call
     if record.call.enable_gqa:
         return "enable_gqa"
     if record.call.k_shape[-3] == record.q_heads:
@@ -335,10 +335,9 @@ def _backend_columns(
     """The SDPA backend predicted for the target GPU, and its confirmation where asked."""
     call = record.call
     if call is None:
-        return {
-            "backend": sdpa_backend.EAGER,
-            "excluded_by": f"model runs eager, not SDPA: {probe.sdpa_unsupported_reason}",
-        }
+        why = probe.sdpa_unsupported_reason or f"attn_implementation {probe.attn_implementation}"
+        backend = sdpa_backend.EAGER if record.implementation == "eager" else record.implementation
+        return {"backend": backend, "excluded_by": f"model runs {backend}, not SDPA: {why}"}
     prediction = sdpa_backend.predict_backend(call, settings.target)
     columns = {"backend": prediction.backend, "excluded_by": prediction.excluded_by() or None}
     if settings.confirm and settings.confirm_target is not None:

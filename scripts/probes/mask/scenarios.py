@@ -5,13 +5,43 @@ say which positions belong together.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from probes.errors import ProbeError
 from probes.mask import band as mask_band
+
+
+class CollatorError(ProbeError, ValueError):
+    """A packed scenario's collator did not lay the documents out as one row."""
+
+
+# A collator: per-document features in, one micro-batch out (what a Trainer's dataloader calls).
+Collate = Callable[[list[dict[str, Any]]], Mapping[str, Any]]
+# What the gate passes on from a collator's batch: the ids, what shapes the mask, and the
+# varlen kwargs flash attention reads (labels and the like never reach attention).
+MASK_INPUT_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+)
+
+
+def flattening_collator() -> Collate:
+    """transformers' DataCollatorWithFlattening (what TRL's ``padding_free`` lays out too): one
+    row, position ids restarting per document, no attention mask."""
+    from transformers import DataCollatorWithFlattening
+
+    return DataCollatorWithFlattening(return_position_ids=True)
+
 
 # --- scenarios -----------------------------------------------------------------------------------
 
@@ -26,6 +56,8 @@ class Scenario:
     padding: str = "none"  # none | right | left
     packed: bool = False
     token_type_ids: bool = False
+    # packed: the collator that lays the documents out (None: the project's own layout)
+    collator: Collate | None = None
 
     @property
     def batch(self) -> int:
@@ -44,6 +76,8 @@ class Scenario:
 
     def inputs(self) -> dict[str, torch.Tensor | None]:
         """What a collator hands the model: ids, a 2-D padding mask or restarting position ids."""
+        if self.packed and self.collator is not None:
+            return self.collated()
         ids = torch.ones(self.batch, self.seq_len, dtype=torch.long)
         inputs: dict[str, torch.Tensor | None] = {"input_ids": ids}
         if self.packed:
@@ -55,6 +89,31 @@ class Scenario:
             inputs["attention_mask"] = torch.from_numpy((self.doc_ids >= 0).astype(np.int64))
         if self.token_type_ids:
             inputs["token_type_ids"] = torch.zeros_like(ids)
+        return inputs
+
+    def document_lengths(self) -> list[int]:
+        """Tokens per document of a one-row packed scenario, in order."""
+        row = self.doc_ids[0]
+        starts = np.flatnonzero(np.diff(row, prepend=row[0] - 1))
+        return np.diff(np.append(starts, row.size)).tolist()
+
+    def collated(self) -> dict[str, Any]:
+        """The packed row as the scenario's collator builds it from one feature per document."""
+        assert self.collator is not None
+        features = [{"input_ids": [1] * n} for n in self.document_lengths()]
+        batch = self.collator(features)
+        inputs = {
+            key: torch.as_tensor(value) if isinstance(value, list) else value
+            for key, value in batch.items()
+            if key in MASK_INPUT_KEYS
+        }
+        shape = tuple(inputs["input_ids"].shape) if "input_ids" in inputs else None
+        if shape != (1, self.seq_len):
+            raise CollatorError(
+                f"scenario '{self.name}': the collator {type(self.collator).__name__} returned "
+                f"input_ids of shape {shape} for documents {self.document_lengths()}, not "
+                f"(1, {self.seq_len}); a padding-free collator flattens them into one row"
+            )
         return inputs
 
 
@@ -90,8 +149,10 @@ def build_scenarios(
     training_cfg: dict[str, Any],
     window: int | None,
     accepts_token_type_ids: bool,
+    packed_collator: Collate | None = None,
 ) -> tuple[list[Scenario], list[str]]:
-    """The scenarios asked for in mask.scenarios, and notes on the ones that do not apply."""
+    """The scenarios asked for in mask.scenarios, and notes on the ones that do not apply. The
+    packed one is laid out by `packed_collator` (default: transformers' flattening collator)."""
     batch = int(training_cfg["micro_batch_size"])
     seq_len = int(training_cfg["max_seq_len"])
     wanted = list(mask_cfg["scenarios"])
@@ -139,6 +200,7 @@ def build_scenarios(
                     f"one packed row, documents {lengths}",
                     packed_doc_ids(lengths),
                     packed=True,
+                    collator=packed_collator or flattening_collator(),
                 )
             )
         elif name == "token_type_ids":

@@ -1,4 +1,5 @@
-"""The mask stage: per decoder layer, the mask band and the SDPA backend, from config.json alone."""
+"""The mask stage: per decoder layer, the mask band and the SDPA backend, and per attention
+implementation whether documents stay apart, from config.json alone."""
 
 from __future__ import annotations
 
@@ -64,6 +65,12 @@ def log_gate(gate: Mapping[str, Any]) -> None:
             scenario["backends"],
             scenario["violations"],
         )
+    for name, verdict in gate.get("implementations", {}).items():
+        LOG.info(
+            "attention %-18s %s%s", name, verdict["status"],
+            f": {verdict['violation'] or verdict['reason']}"
+            if verdict["violation"] or verdict["reason"] else "",
+        )  # fmt: skip
     for note in gate["notes"]:
         LOG.info("note: %s", note)
     LOG.info("confirmation: %s", gate["confirm"]["note"])

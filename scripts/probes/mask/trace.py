@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from probes.errors import ProbeError
+from probes.mask import flex
 from probes.mask.backend import SdpaCall
 from probes.mask.memo import (  # noqa: F401  (_MetaMemo: bench/mask_large.py replaces the memo)
     MEMOISED_HELPERS,
@@ -56,9 +57,10 @@ class AttentionRecord:
     """One attention call of one decoder layer, as the model made it."""
 
     layer_idx: int
-    implementation: str  # "sdpa" or "eager"
+    implementation: str  # "sdpa", "eager" or "flex_attention"
     call: SdpaCall | None = None  # what reached scaled_dot_product_attention (None for eager)
-    mask: torch.Tensor | None = None  # the mask tensor SDPA (or eager attention) received
+    # the mask tensor SDPA (or eager attention) received; flex: what its BlockMask attends
+    mask: torch.Tensor | None = None
     module_sliding_window: int | None = None  # what the attention module passed as sliding_window
     q_heads: int | None = None
     kv_heads: int | None = None  # before any repeat_kv: the module's real KV heads
@@ -167,27 +169,43 @@ def _build(config: Any, dtype: torch.dtype, attn_implementation: str) -> torch.n
         return AutoModel.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
 
 
+def _build_default(config: Any, dtype: torch.dtype) -> tuple[torch.nn.Module, str | None]:
+    """SDPA, or eager where the architecture refuses SDPA: (model, why SDPA was refused)."""
+    try:
+        return _build(config, dtype, "sdpa"), None
+    except (ValueError, ImportError) as error:
+        if "scaled_dot_product_attention" not in str(error) and "sdpa" not in str(error).lower():
+            raise
+        # e.g. Gemma 2: softcapping is not expressible in SDPA, so transformers runs eager
+        return _build(config, dtype, "eager"), str(error).splitlines()[0][:300]
+
+
 def build_probe_model(
-    config_dict: dict[str, Any], dtype: torch.dtype = torch.bfloat16, source: str = "config.json"
+    config_dict: dict[str, Any],
+    dtype: torch.dtype = torch.bfloat16,
+    source: str = "config.json",
+    attn_implementation: str | None = None,
 ) -> ProbeModel:
-    """The model's real architecture on the meta device, pre-decoder parts on the CPU."""
+    """The model's real architecture on the meta device, pre-decoder parts on the CPU, with
+    `attn_implementation` (None: SDPA, or eager where the architecture refuses SDPA). An
+    implementation the architecture or this machine refuses raises transformers' own error."""
     config = config_from_dict(config_dict, source)
     text_config = config.get_text_config(decoder=True)
     for cfg in {id(config): config, id(text_config): text_config}.values():
         _shrink_vocab(cfg)
     notes: list[str] = []
-    sdpa_supported, reason = True, None
-    try:
-        model = _build(config, dtype, "sdpa")
-    except (ValueError, ImportError) as error:
-        if "scaled_dot_product_attention" not in str(error) and "sdpa" not in str(error).lower():
-            raise
-        # e.g. Gemma 2: softcapping is not expressible in SDPA, so transformers runs eager
-        sdpa_supported, reason = False, str(error).splitlines()[0][:300]
-        notes.append(
-            f"SDPA unsupported by this architecture in transformers; traced eager: {reason}"
-        )
-        model = _build(config, dtype, "eager")
+    if attn_implementation is None:
+        model, reason = _build_default(config, dtype)
+        sdpa_supported = reason is None
+        if reason:
+            notes.append(
+                f"SDPA unsupported by this architecture in transformers; traced eager: {reason}"
+            )
+        implementation = "sdpa" if sdpa_supported else "eager"
+    else:
+        model = _build(config, dtype, attn_implementation)
+        sdpa_supported, reason = attn_implementation == "sdpa", None
+        implementation = attn_implementation
     layers_name, layers = _find_decoder_layers(model, text_config.num_hidden_layers)
     parent_name = layers_name.rsplit(".", 1)[0] if "." in layers_name else ""
     text_model = model.get_submodule(parent_name) if parent_name else model
@@ -207,7 +225,7 @@ def build_probe_model(
         config=config,
         text_config=text_config,
         layers=layers,
-        attn_implementation="sdpa" if sdpa_supported else "eager",
+        attn_implementation=implementation,
         sdpa_supported=sdpa_supported,
         sdpa_unsupported_reason=reason,
         accepts_token_type_ids=accepts_tti and config is not text_config,
@@ -285,6 +303,7 @@ class _Recorder:
         self.original_sdpa_interface = original_sdpa_interface
         self.layer: int | None = None
         self.record: AttentionRecord | None = None
+        self.flex_dense: dict[int, tuple[Any, torch.Tensor]] = {}  # BlockMask id -> dense
 
     def new_record(self, implementation: str, query, key, kwargs) -> AttentionRecord:
         record = AttentionRecord(
@@ -311,6 +330,20 @@ class _Recorder:
     def eager_interface(self, module, query, key, value, attention_mask, *args, **kwargs):
         record = self.new_record("eager", query, key, kwargs)
         record.mask = attention_mask
+        batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
+        out = torch.empty(
+            batch, q_len, heads, value.shape[-1], dtype=query.dtype, device=query.device
+        )
+        return out, None
+
+    def flex_interface(self, module, query, key, value, attention_mask, *args, **kwargs):
+        record = self.new_record(flex.FLEX, query, key, kwargs)
+        if attention_mask is not None:  # the same BlockMask for every layer of one type
+            cached = self.flex_dense.get(id(attention_mask))
+            if cached is None or cached[0] is not attention_mask:
+                cached = (attention_mask, flex.dense_allowed(attention_mask))
+                self.flex_dense[id(attention_mask)] = cached
+            record.mask = cached[1]
         batch, heads, q_len = query.shape[0], query.shape[1], query.shape[2]
         out = torch.empty(
             batch, q_len, heads, value.shape[-1], dtype=query.dtype, device=query.device
@@ -358,8 +391,7 @@ def _recording(probe: ProbeModel, records: list[AttentionRecord]) -> Iterator[No
     helper_patches = _patch_helpers(probe)
     mapping = AttentionInterface._global_mapping
     original_sdpa_interface = mapping["sdpa"]
-    had_eager = "eager" in mapping
-    original_eager = mapping.get("eager")
+    originals = {name: mapping.get(name) for name in ("eager", flex.FLEX)}
     original_sdpa = F.scaled_dot_product_attention
     recorder = _Recorder(records, original_sdpa_interface)
     handles = [
@@ -369,18 +401,21 @@ def _recording(probe: ProbeModel, records: list[AttentionRecord]) -> Iterator[No
     handles.append(probe.layers[-1].register_forward_hook(recorder.stop_hook))
     mapping["sdpa"] = recorder.sdpa_interface
     mapping["eager"] = recorder.eager_interface
+    mapping[flex.FLEX] = recorder.flex_interface
     F.scaled_dot_product_attention = recorder.recorded_sdpa
     try:
-        yield
+        with flex.uncompiled_block_masks():
+            yield
     finally:
         F.scaled_dot_product_attention = original_sdpa
         mapping["sdpa"] = original_sdpa_interface
         for python_module, helper, function in helper_patches:
             setattr(python_module, helper, function)
-        if had_eager:
-            mapping["eager"] = original_eager
-        else:
-            mapping.pop("eager", None)
+        for name, function in originals.items():
+            if function is None:
+                mapping.pop(name, None)
+            else:
+                mapping[name] = function
         for handle in handles:
             handle.remove()
 

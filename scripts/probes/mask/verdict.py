@@ -24,7 +24,7 @@ from probes.mask.layers import (
     run_scenario,
 )
 from probes.mask.memory import reuse_freed_memory
-from probes.mask.scenarios import Scenario, build_scenarios
+from probes.mask.scenarios import Collate, Scenario, build_scenarios
 from probes.mask.trace import ProbeModel, build_probe_model
 
 log = logging.getLogger("probes.mask.gate")
@@ -97,18 +97,23 @@ def evaluate(
     training_cfg: dict[str, Any],
     source: str = "config.json",
     progress: bool = True,
+    attn_implementation: str | None = None,
+    packed_collator: Collate | None = None,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
-    """Trace every scenario and return (layers table, gate summary without the control)."""
+    """Trace every scenario and return (layers table, gate summary without the control).
+
+    `attn_implementation`: the model's (None: SDPA, or eager where SDPA is refused);
+    `packed_collator`: what lays out the packed scenario (None: transformers' flattening one)."""
     from tqdm import tqdm
 
     started = time.perf_counter()
     target = make_target(mask_cfg)
-    probe = build_probe_model(config_dict, _dtype(mask_cfg["dtype"]), source)
+    probe = build_probe_model(config_dict, _dtype(mask_cfg["dtype"]), source, attn_implementation)
     specs = layer_specs(
         probe.text_config, probe.num_layers, mask_cfg.get("expected_sliding_window")
     )
     scenarios, notes = build_scenarios(
-        mask_cfg, training_cfg, model_window(specs), probe.accepts_token_type_ids
+        mask_cfg, training_cfg, model_window(specs), probe.accepts_token_type_ids, packed_collator
     )
     settings = GateSettings(target=target, max_mask_gib=float(mask_cfg["max_mask_gib"]))
     confirm_note = NOT_REQUESTED

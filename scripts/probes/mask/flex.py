@@ -1,0 +1,70 @@
+"""What ``flex_attention`` attends, as a dense boolean mask the band code can measure.
+
+transformers hands flex attention a ``BlockMask``: per (query block, key block) whether the block
+is skipped, full (every key attended, ``mask_mod`` never evaluated) or partial (``mask_mod``
+decides per position). The kernel attends exactly: full blocks, plus partial blocks where
+``mask_mod`` allows. ``dense_allowed`` rebuilds that, so a block wrongly marked full or skipped
+shows as a band violation just as a wrong ``mask_mod`` does.
+
+While tracing, transformers' ``create_block_mask(..., _compile=True)`` runs uncompiled: compiling
+evaluates the same ``mask_mod`` over the same blocks and on a CPU it costs a minute per shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+FLEX = "flex_attention"
+
+
+def _blocks_to_positions(
+    blocks: torch.Tensor, block_size: tuple[int, int], q_len: int, kv_len: int
+) -> torch.Tensor:
+    """(B, H, q blocks, kv blocks) flags as (B, H, q_len, kv_len) per position."""
+    rows = blocks.repeat_interleave(block_size[0], dim=-2)[..., :q_len, :]
+    return rows.repeat_interleave(block_size[1], dim=-1)[..., :kv_len].bool()
+
+
+def dense_allowed(block_mask: Any) -> torch.Tensor:
+    """(B, H, Q, KV) boolean: the positions flex attention attends under `block_mask`."""
+    from torch.nn.attention.flex_attention import _ordered_to_dense, create_mask
+
+    batch, heads, q_len, kv_len = (int(v) for v in block_mask.shape)
+    size = tuple(int(v) for v in block_mask.BLOCK_SIZE)
+    partial = _ordered_to_dense(
+        block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.kv_indices.shape[-1]
+    )
+    by_mod = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device="cpu")
+    allowed = _blocks_to_positions(partial, size, q_len, kv_len) & by_mod
+    if block_mask.full_kv_num_blocks is not None:
+        full = _ordered_to_dense(
+            block_mask.full_kv_num_blocks,
+            block_mask.full_kv_indices,
+            block_mask.full_kv_indices.shape[-1],
+        )
+        allowed = allowed | _blocks_to_positions(full, size, q_len, kv_len)
+    return allowed
+
+
+@contextmanager
+def uncompiled_block_masks() -> Iterator[None]:
+    """transformers' masking code builds its BlockMasks without torch.compile meanwhile."""
+    import transformers.masking_utils as masking_utils
+
+    original = getattr(masking_utils, "create_block_mask", None)
+    if original is None:  # a transformers without flex support: nothing to patch
+        yield
+        return
+
+    def create_block_mask(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **{**kwargs, "_compile": False})
+
+    masking_utils.create_block_mask = create_block_mask
+    try:
+        yield
+    finally:
+        masking_utils.create_block_mask = original
