@@ -14,7 +14,9 @@ step with one setting changed, applied the way the trainer applies it:
 - the micro-batch size at equal tokens per update: ``per_device_train_batch_size`` doubled,
   ``gradient_accumulation_steps`` halved;
 - the loss kernel (stock vs chunked) where the harness's ``configure`` sets it
-  (probes.step.loss_changes, which also says why a trainer's is not priced).
+  (probes.step.loss_changes, which also says why a trainer's is not priced);
+- padding-free per attention implementation, only where the mask gate keeps documents apart
+  (probes.step.padding_free).
 
 Each carries the settings it pastes (TrainingArguments / SFTConfig fields, model kwargs).
 """
@@ -120,20 +122,27 @@ def step_changes(base: StepConfig, micro: int, grad_accum: int) -> list[StepChan
                 grad_accum // 2,
             )
         )
-    from probes.step import loss_changes
+    from probes.step import loss_changes, padding_free
 
-    return changes + loss_changes.loss_step_changes(base)
+    return (
+        changes
+        + loss_changes.loss_step_changes(base)
+        + padding_free.padding_free_changes(base, PORTABLE_ATTENTION)
+    )
 
 
 def gpu_only(device_type: str) -> list[str]:
     """What cannot be measured on this device: listed, never priced."""
+    from probes.step import padding_free
     from probes.step.loss_changes import GPU_ONLY_LOSSES, LOSS_PREFIX
 
     if device_type == "cuda":
         return []
-    return [ATTENTION_PREFIX + n for n in GPU_ONLY_ATTENTION] + [
-        LOSS_PREFIX + n for n in GPU_ONLY_LOSSES
-    ]
+    return (
+        [ATTENTION_PREFIX + n for n in GPU_ONLY_ATTENTION]
+        + [LOSS_PREFIX + n for n in GPU_ONLY_LOSSES]
+        + padding_free.names(GPU_ONLY_ATTENTION)
+    )
 
 
 def enable_checkpointing(base: Any, args: Any = None) -> None:
@@ -178,13 +187,17 @@ def change_plans(
     plans: pd.DataFrame, changes: Sequence[StepChange], micro_plans: Mapping[str, pd.DataFrame]
 ) -> pd.DataFrame:
     """The plan rows of every step-level change: the baseline's micro-batches under the
-    change's name, or (micro-batch size) the new size's random plan from `micro_plans`."""
+    change's name, or (micro-batch size) the new size's random plan from `micro_plans`, or
+    (padding-free) the baseline's micro-batches each flattened into one row."""
     from probes.batching.plans import BASELINE
+    from probes.step import padding_free
 
     base = plans[plans["strategy"] == BASELINE]
     frames = []
     for change in changes:
         source = micro_plans[change.strategy] if change.micro_batch_size else base
+        if padding_free.is_padding_free(change.strategy):
+            source = padding_free.flattened(base)
         frames.append(source.assign(strategy=change.strategy))
     return pd.concat(frames, ignore_index=True) if frames else plans.iloc[0:0]
 
@@ -198,16 +211,17 @@ def title_of(name: str) -> str | None:
     if name.startswith(MICRO_BATCH_PREFIX):
         size = name[len(MICRO_BATCH_PREFIX) :]
         return f"Micro-batch size {size} at the same tokens per update"
-    from probes.step import loss_changes
+    from probes.step import loss_changes, padding_free
 
-    return loss_changes.title_of(name)
+    return loss_changes.title_of(name) or padding_free.title_of(name)
 
 
 def is_step_change(name: str) -> bool:
     from probes.step.loss_changes import LOSS_PREFIX
+    from probes.step.padding_free import PADDING_FREE_PREFIX
 
     return name in (GC_ON, GC_OFF) or name.startswith(
-        (ATTENTION_PREFIX, MICRO_BATCH_PREFIX, LOSS_PREFIX)
+        (ATTENTION_PREFIX, MICRO_BATCH_PREFIX, LOSS_PREFIX, PADDING_FREE_PREFIX)
     )
 
 
