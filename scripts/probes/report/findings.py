@@ -53,114 +53,128 @@ def recommendations(
     """What the padding and bucket stages found, as titles and the counts they rest on (no
     saving of time: the replay measures those), in a fixed order, the first `limit` of them;
     then changes that save memory rather than time (CE chunking)."""
+    trains = training_rows(tables, not_run)
     recs: list[dict[str, Any]] = []
-    trains = (
-        tables["padding_lengths"][tables["padding_lengths"]["status"].isin(TRAINING_STATUSES)]
-        if "padding" not in not_run
-        else pd.DataFrame()
-    )
-
     if "bucket" not in not_run and not tables["bucket_summary"].empty and len(trains):
-        # mean over seeds per strategy x bucket size, as the bucket stage wrote it
-        means = tables["bucket_summary"]
-        rec = jsons["bucket_recommendation"]
-        random = means[means["strategy"] == RANDOM]
-        size = finite((rec.get("recommended") or {}).get("bucket_size_batches"))
-        chosen = means[means["bucket_size_batches"] == size]
-        if not random.empty and size is not None and size > 1 and not chosen.empty:
-            base, row = random.iloc[0], chosen.iloc[0]
-            recs.append(
-                {
-                    "kind": "time",
-                    "title": f"Group batches by length: buckets of {size:g} micro-batches",
-                    "detail": (
-                        f"token efficiency {fmt_pct(base['token_efficiency'])} → "
-                        f"{fmt_pct(row['token_efficiency'])}; source diversity per "
-                        f"{diversity_level_name(rec)} "
-                        f"{fmt_pct(row['diversity_rel_random'], 0)} of random"
-                    ),
-                    "baseline": "random batches",
-                }
-            )
-        packed = means[means["strategy"].str.startswith(PACKING)]
-        if not random.empty and not packed.empty:
-            base = random.iloc[0]
-            row = packed.sort_values("token_efficiency", ascending=False).iloc[0]
-            recs.append(
-                {
-                    "kind": "time",
-                    "title": f"Pack whole examples into max_seq_len rows ({row['strategy']})",
-                    "detail": (
-                        f"token efficiency {fmt_pct(row['token_efficiency'])}, "
-                        f"{fmt_count(row['n_micro_batches'])} micro-batches instead of "
-                        f"{fmt_count(base['n_micro_batches'])}; attention counted dense (a varlen "
-                        "kernel would do better); needs attention that keeps documents apart "
-                        "(see the mask gate)"
-                    ),
-                    "baseline": "random batches",
-                }
-            )
-
+        recs += bucket_findings(tables["bucket_summary"], jsons["bucket_recommendation"])
     if "padding" not in not_run and len(trains):
-        waste = waste_table(tables["padding_summary"]).set_index("strategy")
-        needed = {"token_waste_value", "attention_waste_value"}
-        if {"pad_to_max_seq_len", "random"} <= set(waste.index) and needed <= set(waste.columns):
-            recs.append(
-                {
-                    "kind": "time",
-                    "title": "Pad each batch to its longest member, not to max_seq_len",
-                    "detail": (
-                        "token waste "
-                        f"{fmt_pct(waste.loc['pad_to_max_seq_len', 'token_waste_value'])} → "
-                        f"{fmt_pct(waste.loc['random', 'token_waste_value'])}; applies only if "
-                        "you pad to max_seq_len today"
-                    ),
-                    "baseline": "pad to max_seq_len",
-                }
-            )
-
-    if "padding" not in not_run and len(trains):
-        idle = (trains["n_loss_tokens"] == 0).to_numpy()
-        if idle.mean() >= MIN_IDLE_SHARE:
-            tokens = trains["n_tokens"].astype("float64")
-            recs.append(
-                {
-                    "kind": "time",
-                    "title": (
-                        f"Drop the {fmt_count(idle.sum())} examples that carry no loss token"
-                    ),
-                    "detail": (
-                        f"{fmt_pct(idle.mean())} of the examples that train, "
-                        f"{fmt_pct(tokens[idle].sum() / tokens.sum())} of their tokens: they cost "
-                        "compute and teach nothing (check training.loss_on and truncation)"
-                    ),
-                    "baseline": "every OK/TRUNCATED example",
-                }
-            )
-
+        recs += [pad_to_longest_finding(tables["padding_summary"]), idle_examples_finding(trains)]
     if "padding" not in not_run and not tables["padding_ce_chunks"].empty:
-        chunks = tables["padding_ce_chunks"]
-        train = chunks[chunks["shape"] == TRAINING_SHAPE]
-        row = (train if not train.empty else chunks).iloc[0]
-        fits = bool(row.get("stock_fits_budget", False))
-        if not fits:
-            recs.append(
-                {
-                    "kind": "memory",
-                    "title": f"Chunk the cross-entropy: {fmt_tokens(row['chunk_tokens'])} a chunk",
-                    "detail": (
-                        f"at {fmt_count(row['tokens'])} tokens × {fmt_count(row['vocab_size'])} "
-                        f"vocabulary the stock loss path holds {fmt_bytes(row['stock_loss_bytes'])}"
-                        f"; {fmt_count(row['n_chunks'])} chunks stay within the budget; Liger's "
-                        "heuristic "
-                        f"picks {fmt_tokens(row['liger_chunk_tokens'])}"
-                    ),
-                    "baseline": "unchunked loss",
-                    "memory_before": finite(row["stock_loss_bytes"]),
-                    "memory_after": finite(row.get("chunk_bytes")),
-                }
-            )
-
+        recs.append(ce_chunk_finding(tables["padding_ce_chunks"]))
+    recs = [r for r in recs if r is not None]
     # no ranking without a measurement: the stages' order, then what saves memory, not time
     timed = [r for r in recs if r["kind"] == "time"][:limit]
     return timed + [r for r in recs if r["kind"] != "time"]
+
+
+def training_rows(tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]) -> pd.DataFrame:
+    """The padding stage's examples that train (empty when the padding stage did not run)."""
+    if "padding" in not_run:
+        return pd.DataFrame()
+    lengths = tables["padding_lengths"]
+    return lengths[lengths["status"].isin(TRAINING_STATUSES)]
+
+
+def bucket_findings(means: pd.DataFrame, rec: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The bucket sweep's findings: grouping by length at the recommended bucket size, and the
+    best packing; `means` is the sweep's mean over seeds per strategy x bucket size."""
+    random = means[means["strategy"] == RANDOM]
+    if random.empty:
+        return []
+    base = random.iloc[0]
+    found: list[dict[str, Any]] = []
+    size = finite((rec.get("recommended") or {}).get("bucket_size_batches"))
+    chosen = means[means["bucket_size_batches"] == size]
+    if size is not None and size > 1 and not chosen.empty:
+        row = chosen.iloc[0]
+        found.append(
+            {
+                "kind": "time",
+                "title": f"Group batches by length: buckets of {size:g} micro-batches",
+                "detail": (
+                    f"token efficiency {fmt_pct(base['token_efficiency'])} → "
+                    f"{fmt_pct(row['token_efficiency'])}; source diversity per "
+                    f"{diversity_level_name(rec)} "
+                    f"{fmt_pct(row['diversity_rel_random'], 0)} of random"
+                ),
+                "baseline": "random batches",
+            }
+        )
+    packed = means[means["strategy"].str.startswith(PACKING)]
+    if not packed.empty:
+        row = packed.sort_values("token_efficiency", ascending=False).iloc[0]
+        found.append(
+            {
+                "kind": "time",
+                "title": f"Pack whole examples into max_seq_len rows ({row['strategy']})",
+                "detail": (
+                    f"token efficiency {fmt_pct(row['token_efficiency'])}, "
+                    f"{fmt_count(row['n_micro_batches'])} micro-batches instead of "
+                    f"{fmt_count(base['n_micro_batches'])}; attention counted dense (a varlen "
+                    "kernel would do better); needs attention that keeps documents apart "
+                    "(see the mask gate)"
+                ),
+                "baseline": "random batches",
+            }
+        )
+    return found
+
+
+def pad_to_longest_finding(padding_summary: pd.DataFrame) -> dict[str, Any] | None:
+    """Padding to each batch's longest member instead of max_seq_len, from the waste table."""
+    waste = waste_table(padding_summary).set_index("strategy")
+    needed = {"token_waste_value", "attention_waste_value"}
+    if not ({"pad_to_max_seq_len", "random"} <= set(waste.index) and needed <= set(waste.columns)):
+        return None
+    return {
+        "kind": "time",
+        "title": "Pad each batch to its longest member, not to max_seq_len",
+        "detail": (
+            "token waste "
+            f"{fmt_pct(waste.loc['pad_to_max_seq_len', 'token_waste_value'])} → "
+            f"{fmt_pct(waste.loc['random', 'token_waste_value'])}; applies only if "
+            "you pad to max_seq_len today"
+        ),
+        "baseline": "pad to max_seq_len",
+    }
+
+
+def idle_examples_finding(trains: pd.DataFrame) -> dict[str, Any] | None:
+    """Dropping the examples that carry no loss token, once they are MIN_IDLE_SHARE or more."""
+    idle = (trains["n_loss_tokens"] == 0).to_numpy()
+    if idle.mean() < MIN_IDLE_SHARE:
+        return None
+    tokens = trains["n_tokens"].astype("float64")
+    return {
+        "kind": "time",
+        "title": f"Drop the {fmt_count(idle.sum())} examples that carry no loss token",
+        "detail": (
+            f"{fmt_pct(idle.mean())} of the examples that train, "
+            f"{fmt_pct(tokens[idle].sum() / tokens.sum())} of their tokens: they cost "
+            "compute and teach nothing (check training.loss_on and truncation)"
+        ),
+        "baseline": "every OK/TRUNCATED example",
+    }
+
+
+def ce_chunk_finding(chunks: pd.DataFrame) -> dict[str, Any] | None:
+    """Chunking the cross-entropy at the training shape, when the stock loss path does not fit
+    the budget (a change that saves memory, not time)."""
+    train = chunks[chunks["shape"] == TRAINING_SHAPE]
+    row = (train if not train.empty else chunks).iloc[0]
+    if bool(row.get("stock_fits_budget", False)):
+        return None
+    return {
+        "kind": "memory",
+        "title": f"Chunk the cross-entropy: {fmt_tokens(row['chunk_tokens'])} a chunk",
+        "detail": (
+            f"at {fmt_count(row['tokens'])} tokens × {fmt_count(row['vocab_size'])} "
+            f"vocabulary the stock loss path holds {fmt_bytes(row['stock_loss_bytes'])}"
+            f"; {fmt_count(row['n_chunks'])} chunks stay within the budget; Liger's "
+            "heuristic "
+            f"picks {fmt_tokens(row['liger_chunk_tokens'])}"
+        ),
+        "baseline": "unchunked loss",
+        "memory_before": finite(row["stock_loss_bytes"]),
+        "memory_after": finite(row.get("chunk_bytes")),
+    }

@@ -30,11 +30,6 @@ def apply_section(
     reason = not_run_reason(document)
     if reason:
         return not_run_section(reason)
-    libraries = {
-        name: info.get("version") or f"not installed ({stage_text(info.get('reason'), 80)})"
-        for name, info in (document.get("libraries") or {}).items()
-        if isinstance(info, Mapping)
-    }
     # Measure the decision: a change the replay did not time gets no price at all
     replayed = "replay" not in not_run and not tables.get("replay_estimates", pd.DataFrame()).empty
     changes, skipped = [], []
@@ -42,51 +37,12 @@ def apply_section(
         if not change.get("applies"):
             skipped.append({"id": change.get("id"), "reason": stage_text(change.get("reason"))})
             continue
-        tokens = change.get("tokens_per_update") or {}
-        changes.append(
-            {
-                "id": change["id"],
-                "title": change.get("title"),
-                "how": change.get("how"),
-                "snippets": {
-                    library: snippet["text"]
-                    for library, snippet in (change.get("snippets") or {}).items()
-                    if isinstance(snippet, Mapping) and snippet.get("text")
-                },
-                "verification": {
-                    library: {
-                        "verified": result.get("verified"),
-                        "reason": stage_text(result.get("reason"), 160),
-                    }
-                    for library, result in (change.get("verification") or {}).items()
-                },
-                "saving": change_measurement(change, tables, not_run),
-                # the report's order and decision (probes.apply.document.order_changes)
-                "rank": change.get("rank"),
-                "tied": bool(change.get("tied")),
-                "decision": change.get("decision"),
-                "recommended": bool(change.get("recommended")),
-                "tokens_before": finite(tokens.get("before")),
-                "tokens_after": finite(tokens.get("after")),
-                "tokens_how": tokens.get("how"),
-                "caveat": change.get("caveat"),
-                # the first screen's checks (probes.apply.document.with_checks)
-                "settings_line": change.get("settings_line"),
-                "realized": change.get("realized") or {"verdict": None, "status": "not checked"},
-                "memory": memory_text(change.get("memory")),
-            }
-        )
+        changes.append(change_entry(change, tables, not_run))
     baseline = document.get("baseline") or {}
-    for entry in changes:
-        entry["tokens_not_time"] = (
-            None
-            if entry["recommended"] or entry["saving"] is None
-            else tokens_not_time(entry["saving"], str(entry["decision"] or ""))
-        )
     return {
         "status": "ok",
         "replayed": replayed,
-        "libraries": libraries,
+        "libraries": library_versions(document),
         "baseline": {
             "micro_batch_size": baseline.get("micro_batch_size"),
             "grad_accum": baseline.get("grad_accum"),
@@ -95,6 +51,59 @@ def apply_section(
         "changes": changes,
         "skipped": skipped,
     }
+
+
+def library_versions(document: Mapping[str, Any]) -> dict[str, str]:
+    """Each library the snippets were verified against: its version, or why it is missing."""
+    return {
+        name: info.get("version") or f"not installed ({stage_text(info.get('reason'), 80)})"
+        for name, info in (document.get("libraries") or {}).items()
+        if isinstance(info, Mapping)
+    }
+
+
+def change_entry(
+    change: Mapping[str, Any], tables: Mapping[str, pd.DataFrame], not_run: Mapping[str, str]
+) -> dict[str, Any]:
+    """One change that applies, as the section shows it, with the replay's measured saving."""
+    tokens = change.get("tokens_per_update") or {}
+    entry = {
+        "id": change["id"],
+        "title": change.get("title"),
+        "how": change.get("how"),
+        "snippets": {
+            library: snippet["text"]
+            for library, snippet in (change.get("snippets") or {}).items()
+            if isinstance(snippet, Mapping) and snippet.get("text")
+        },
+        "verification": {
+            library: {
+                "verified": result.get("verified"),
+                "reason": stage_text(result.get("reason"), 160),
+            }
+            for library, result in (change.get("verification") or {}).items()
+        },
+        "saving": change_measurement(change, tables, not_run),
+        # the report's order and decision (probes.apply.document.order_changes)
+        "rank": change.get("rank"),
+        "tied": bool(change.get("tied")),
+        "decision": change.get("decision"),
+        "recommended": bool(change.get("recommended")),
+        "tokens_before": finite(tokens.get("before")),
+        "tokens_after": finite(tokens.get("after")),
+        "tokens_how": tokens.get("how"),
+        "caveat": change.get("caveat"),
+        # the first screen's checks (probes.apply.document.with_checks)
+        "settings_line": change.get("settings_line"),
+        "realized": change.get("realized") or {"verdict": None, "status": "not checked"},
+        "memory": memory_text(change.get("memory")),
+    }
+    entry["tokens_not_time"] = (
+        None
+        if entry["recommended"] or entry["saving"] is None
+        else tokens_not_time(entry["saving"], str(entry["decision"] or ""))
+    )
+    return entry
 
 
 def memory_text(memory: Mapping[str, Any] | None) -> str:

@@ -158,17 +158,12 @@ def measured_changes(
     random is the baseline row; ``pad_to_max_seq_len`` is read the other way (the saving of
     padding to the longest member for someone who pads to max_seq_len) and listed last; an
     invalid strategy is never a row, it is listed under ``not_recommended`` with its reason."""
-    estimates = tables["replay_estimates"]
+    frame = ranked_estimates(tables["replay_estimates"])
     recommended = (jsons["bucket_recommendation"].get("recommended") or {}) if jsons else {}
     idle = idle_examples(tables, not_run)
-    frame = estimates.copy()
-    frame["_rank"] = pd.to_numeric(frame["rank"], errors="coerce")
-    frame["_saving"] = pd.to_numeric(frame["saving_vs_random"], errors="coerce")
-    frame = frame.sort_values(["_rank", "_saving"], ascending=[True, False], na_position="last")
     base = _row_dict(frame[frame["strategy"] == RANDOM].iloc[0])
     max_seq_len = finite(base.get("max_seq_len"))
-    rows, ties, not_recommended, disagreements, unpriced = [], [], [], [], []
-    conditional = []
+    rows, conditional, not_recommended, disagreements, unpriced = [], [], [], [], []
     for _, series in frame.iterrows():
         row = _row_dict(series)
         strategy = str(row["strategy"])
@@ -185,63 +180,13 @@ def measured_changes(
             continue
         if strategy == RANDOM_NO_IDLE and idle == 0:
             continue  # nothing to drop: the same micro-batches as random
-        inverted = strategy == PAD_TO_MAX_SEQ_LEN
-        saving, low, high = (
-            finite(row[k]) for k in ("saving_vs_random", "saving_ci_low", "saving_ci_high")
-        )
-        if inverted:
-            saving, low, high = invert_saving(saving), invert_saving(high), invert_saving(low)
-        fit_text, disagrees = _fit_text(row, inverted)
-        group = None if inverted else row.get("tie_group")
-        entry = {
-            "strategy": strategy,
-            "title": title,
-            "rank": None if inverted else finite(row["rank"]),
-            "tie_group": group,
-            "tied": False,
-            "baseline": strategy == RANDOM,
-            "saving": saving,
-            "saving_low": low,
-            "saving_high": high,
-            "versus": "padding to max_seq_len" if inverted else "random batches",
-            "verdict": "baseline" if strategy == RANDOM else verdict(low, high),
-            "estimated_time_s": finite(row["estimated_time_s"]),
-            "ci_low_s": finite(row["ci_low_s"]),
-            "ci_high_s": finite(row["ci_high_s"]),
-            "fit": fit_text,
-            "fit_disagrees": disagrees,
-            "fit_priced": finite(row["fit_predicted_saving"]) is not None,
-            "steps": None if inverted else _steps_text(row, base),
-            "host_bound_share": finite(row.get("host_bound_share")),
-            "gpu_busy_share": finite(row.get("gpu_busy_share")),
-            "sampled": finite(row["sampled"]),
-            "micro_batches": finite(row["micro_batches"]),
-        }
-        outside = finite(row.get("model_out_of_range_share"))
-        entry["out_of_range"] = outside if outside else None
-        entry["tokens_not_time"] = (
-            None
-            if inverted or strategy == RANDOM or entry["verdict"] == "faster"
-            else tokens_not_time(
-                {"computed_token_saving": token_saving(row, base)}, entry["verdict"]
-            )
-        )
-        if disagrees:
+        entry = summary_row(row, base, title)
+        if entry["fit_disagrees"]:
             disagreements.append(title)
         if not entry["fit_priced"] and strategy != RANDOM:
             unpriced.append({"title": title, "reason": row.get("fit_reason") or "no usable fit"})
-        (conditional if inverted else rows).append(entry)
-    # ranks among the rows shown (a hidden strategy leaves no gap); a tie shares its rank
-    first_position: dict[Any, int] = {}
-    for position, entry in enumerate(rows, 1):
-        key = entry["tie_group"] if entry["tie_group"] is not None else ("alone", position)
-        entry["rank"] = first_position.setdefault(key, position)
-    for group in dict.fromkeys(r["tie_group"] for r in rows if r["tie_group"] is not None):
-        members = [r for r in rows if r["tie_group"] == group]
-        if len(members) > 1:
-            for member in members:
-                member["tied"] = True
-            ties.append([m["title"] for m in members])
+        (conditional if strategy == PAD_TO_MAX_SEQ_LEN else rows).append(entry)
+    ties = rank_shown_rows(rows)
     recommended_rows = [r for r in rows if r["verdict"] == "faster"]
     cpu_only = bool(frame["cpu_only"].fillna(False).astype(bool).any())
     return {
@@ -262,6 +207,76 @@ def measured_changes(
         ],
         **replay_measurement_notes((jsons or {}).get("replay_control")),
     }
+
+
+def ranked_estimates(estimates: pd.DataFrame) -> pd.DataFrame:
+    """The replay's table in the stage's rank order, then by measured saving (NaN last)."""
+    frame = estimates.copy()
+    frame["_rank"] = pd.to_numeric(frame["rank"], errors="coerce")
+    frame["_saving"] = pd.to_numeric(frame["saving_vs_random"], errors="coerce")
+    return frame.sort_values(["_rank", "_saving"], ascending=[True, False], na_position="last")
+
+
+def summary_row(row: Mapping[str, Any], base: Mapping[str, Any], title: str) -> dict[str, Any]:
+    """One valid strategy of the replay as a Summary row (`base` is random's row);
+    ``pad_to_max_seq_len`` is read the other way, against padding to max_seq_len, unranked."""
+    strategy = str(row["strategy"])
+    inverted = strategy == PAD_TO_MAX_SEQ_LEN
+    saving, low, high = (
+        finite(row[k]) for k in ("saving_vs_random", "saving_ci_low", "saving_ci_high")
+    )
+    if inverted:
+        saving, low, high = invert_saving(saving), invert_saving(high), invert_saving(low)
+    fit_text, disagrees = _fit_text(row, inverted)
+    entry = {
+        "strategy": strategy,
+        "title": title,
+        "rank": None if inverted else finite(row["rank"]),
+        "tie_group": None if inverted else row.get("tie_group"),
+        "tied": False,
+        "baseline": strategy == RANDOM,
+        "saving": saving,
+        "saving_low": low,
+        "saving_high": high,
+        "versus": "padding to max_seq_len" if inverted else "random batches",
+        "verdict": "baseline" if strategy == RANDOM else verdict(low, high),
+        "estimated_time_s": finite(row["estimated_time_s"]),
+        "ci_low_s": finite(row["ci_low_s"]),
+        "ci_high_s": finite(row["ci_high_s"]),
+        "fit": fit_text,
+        "fit_disagrees": disagrees,
+        "fit_priced": finite(row["fit_predicted_saving"]) is not None,
+        "steps": None if inverted else _steps_text(row, base),
+        "host_bound_share": finite(row.get("host_bound_share")),
+        "gpu_busy_share": finite(row.get("gpu_busy_share")),
+        "sampled": finite(row["sampled"]),
+        "micro_batches": finite(row["micro_batches"]),
+    }
+    outside = finite(row.get("model_out_of_range_share"))
+    entry["out_of_range"] = outside if outside else None
+    entry["tokens_not_time"] = (
+        None
+        if inverted or strategy == RANDOM or entry["verdict"] == "faster"
+        else tokens_not_time({"computed_token_saving": token_saving(row, base)}, entry["verdict"])
+    )
+    return entry
+
+
+def rank_shown_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """Rank the rows shown in place (a hidden strategy leaves no gap; a tie shares its rank)
+    and mark the tied ones; returns the titles of each tie group of more than one row."""
+    first_position: dict[Any, int] = {}
+    for position, entry in enumerate(rows, 1):
+        key = entry["tie_group"] if entry["tie_group"] is not None else ("alone", position)
+        entry["rank"] = first_position.setdefault(key, position)
+    ties = []
+    for group in dict.fromkeys(r["tie_group"] for r in rows if r["tie_group"] is not None):
+        members = [r for r in rows if r["tie_group"] == group]
+        if len(members) > 1:
+            for member in members:
+                member["tied"] = True
+            ties.append([m["title"] for m in members])
+    return ties
 
 
 def replay_measurement_notes(control: Any) -> dict[str, Any]:
