@@ -58,14 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
     from probes.padding.data import OK, load_examples
-    from probes.padding.tokenize import (
-        encode_and_count,
+    from probes.padding.tokenize import encode_and_count, render_chats, tokenize_examples
+    from probes.padding.tokenizer import (
         load_tokenizer,
-        render_chats,
         resolve_chat_template,
         rust_backend,
         template_kwargs,
-        tokenize_examples,
     )
 
     config = yaml.safe_load(Path(args.configfile).read_text())

@@ -12,6 +12,7 @@ from itertools import permutations
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from probes.batching.metrics import batch_slots
 from probes.contracts import EMPTY, ERROR, OK, TRUNCATED
@@ -99,6 +100,17 @@ def _check(name: str, expected: Any, observed: Any, passed: bool) -> dict[str, A
 
 def synthetic_control(seeds: Sequence[int] = (0, 1, 2)) -> list[dict[str, Any]]:
     """Run the synthetic set through the stage's own functions; one check per known value."""
+    lengths = control_lengths()
+    return [
+        *status_checks(lengths),
+        *waste_checks(lengths, seeds),
+        *distribution_checks(lengths),
+        ce_chunk_check(),
+    ]
+
+
+def control_lengths() -> pd.DataFrame:
+    """The synthetic set (CONTROL_ROWS) as the stage's lengths table at CONTROL_MAX_SEQ_LEN."""
     from probes.padding.data import Example
     from probes.padding.tokenize import lengths_table
 
@@ -107,35 +119,41 @@ def synthetic_control(seeds: Sequence[int] = (0, 1, 2)) -> list[dict[str, Any]]:
         for i, (status, *_rest) in enumerate(CONTROL_ROWS)
     ]
     columns = np.asarray([row[1:] for row in CONTROL_ROWS], dtype=np.int64)
-    lengths = lengths_table(
+    return lengths_table(
         examples, columns[:, 0], columns[:, 1], columns[:, 2], set(), CONTROL_MAX_SEQ_LEN
     )
+
+
+def status_checks(lengths: pd.DataFrame) -> list[dict[str, Any]]:
+    """Every status counted in its own bucket, and the tokens and loss tokens truncation lost."""
     want = CONTROL_EXPECTED
-    checks = []
     counts = lengths["status"].value_counts().to_dict()
     counts = {status: int(counts.get(status, 0)) for status in want["status_counts"]}
-    checks.append(
-        _check("status_counts", want["status_counts"], counts, counts == want["status_counts"])
-    )
     truncated = lengths[lengths["status"] == TRUNCATED]
     lost = int(truncated["n_truncated_tokens"].sum())
     loss_lost = int((truncated["n_loss_tokens_full"] - truncated["n_loss_tokens"]).sum())
-    checks.append(_check("tokens_lost", want["tokens_lost"], lost, lost == want["tokens_lost"]))
-    checks.append(
+    return [
+        _check("status_counts", want["status_counts"], counts, counts == want["status_counts"]),
+        _check("tokens_lost", want["tokens_lost"], lost, lost == want["tokens_lost"]),
         _check(
             "loss_tokens_lost",
             want["loss_tokens_lost"],
             loss_lost,
             loss_lost == want["loss_tokens_lost"],
-        )
-    )
+        ),
+    ]
 
+
+def waste_checks(lengths: pd.DataFrame, seeds: Sequence[int]) -> list[dict[str, Any]]:
+    """Each strategy's padded slots at each batch size and metric against the hand-worked ones;
+    random's expected waste against the exact expectation and the brute force over orders."""
+    checks = []
     usable = usable_lengths(lengths)
-    for batch_size, by_metric in want["slots"].items():
+    for batch_size, by_metric in CONTROL_EXPECTED["slots"].items():
         summary = summary_table(lengths, batch_size, CONTROL_MAX_SEQ_LEN, seeds)
         waste = summary[summary["section"] == "waste"].set_index(["metric", "strategy"])
         for metric, by_strategy in by_metric.items():
-            real = want["real"][metric]
+            real = CONTROL_EXPECTED["real"][metric]
             for strategy, slots in by_strategy.items():
                 row = waste.loc[(metric, strategy)]
                 name = f"B={batch_size} {metric} {strategy}"
@@ -163,40 +181,38 @@ def synthetic_control(seeds: Sequence[int] = (0, 1, 2)) -> list[dict[str, Any]]:
                             and math.isclose(row["value"], 1 - real / slots, rel_tol=1e-12),
                         )
                     )
+    return checks
 
+
+def distribution_checks(lengths: pd.DataFrame) -> list[dict[str, Any]]:
+    """The length distribution's statistics, and a histogram that holds every usable example."""
+    want = CONTROL_EXPECTED["distribution"]
     distribution = distribution_table(lengths, n_bins=8, max_sources=10)
-    overall = distribution[
-        (distribution["scope"] == "overall")
-        & (distribution["measure"] == "n_tokens")
-        & (distribution["kind"] == "stat")
-    ].set_index("statistic")["value"]
-    observed_dist = {key: float(overall[key]) for key in want["distribution"]}
-    checks.append(
+    tokens = distribution[
+        (distribution["scope"] == "overall") & (distribution["measure"] == "n_tokens")
+    ]
+    overall = tokens[tokens["kind"] == "stat"].set_index("statistic")["value"]
+    observed = {key: float(overall[key]) for key in want}
+    bins = tokens[tokens["kind"] == "bin"]
+    return [
         _check(
             "distribution n_tokens",
-            want["distribution"],
-            observed_dist,
-            all(
-                math.isclose(observed_dist[k], v, rel_tol=1e-12)
-                for k, v in want["distribution"].items()
-            ),
-        )
-    )
-    bins = distribution[
-        (distribution["scope"] == "overall")
-        & (distribution["measure"] == "n_tokens")
-        & (distribution["kind"] == "bin")
-    ]
-    checks.append(
+            want,
+            observed,
+            all(math.isclose(observed[k], v, rel_tol=1e-12) for k, v in want.items()),
+        ),
         _check(
             "histogram holds every example", 6, int(bins["value"].sum()), bins["value"].sum() == 6
-        )
-    )
+        ),
+    ]
 
+
+def ce_chunk_check() -> dict[str, Any]:
+    """CE chunk sizing at a Gemma-3-sized vocabulary against the hand-worked sizes."""
     ce = ce_chunk_rows({"control": 4096}, 2, {"control": 262144}, 640, 2.0).iloc[0]
-    observed_ce = {
+    observed = {
         "liger_chunk_tokens": int(ce["liger_chunk_tokens"]),
         "chunk_tokens": int(ce["chunk_tokens"]),
     }
-    checks.append(_check("ce chunk sizing", want["ce"], observed_ce, observed_ce == want["ce"]))
-    return checks
+    want = CONTROL_EXPECTED["ce"]
+    return _check("ce chunk sizing", want, observed, observed == want)

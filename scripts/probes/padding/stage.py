@@ -24,12 +24,8 @@ from probes.io import run_metadata
 from probes.padding import trainer_rows as tr
 from probes.padding.control import synthetic_control
 from probes.padding.data import DataError, error_locations, load_examples, status_counts
-from probes.padding.tokenize import (
-    load_tokenizer,
-    reference_counts,
-    resolve_chat_template,
-    tokenize_examples,
-)
+from probes.padding.tokenize import reference_counts, tokenize_examples
+from probes.padding.tokenizer import load_tokenizer, resolve_chat_template
 from probes.padding.waste import (
     ce_chunk_rows,
     ce_shapes,

@@ -8,14 +8,16 @@ import pytest
 from conftest import CHAT_TEMPLATE, chat_rows, write_jsonl
 from probes.padding.data import load_file
 from probes.padding.tokenize import (
-    TokenizeError,
-    load_tokenizer,
     loss_token_counts,
     reference_counts,
-    resolve_chat_template,
-    rust_backend,
     span_counts_by_lookup,
     tokenize_examples,
+)
+from probes.padding.tokenizer import (
+    TokenizeError,
+    load_tokenizer,
+    resolve_chat_template,
+    rust_backend,
 )
 
 
@@ -160,21 +162,3 @@ def test_boundary_lookup_is_exact_or_declines(tokenizer):
                 decided += 1
                 assert found == naive_mask_counts(encoding.offsets, [(a, b)], max_seq_len)
     assert decided > 50
-
-
-def test_rust_backend_never_truncates_and_leaves_the_tokenizer_alone(tiny_model_dir):
-    tokenizer = load_tokenizer(tiny_model_dir)
-    assert rust_backend(tokenizer) is tokenizer.backend_tokenizer  # already as training uses it
-    tokenizer.backend_tokenizer.enable_truncation(3)
-    backend = rust_backend(tokenizer)
-    assert backend is not tokenizer.backend_tokenizer
-    assert backend.truncation is None and tokenizer.backend_tokenizer.truncation is not None
-    assert len(backend.encode("hello how are you today", add_special_tokens=False)) == 5
-
-
-def test_model_directory_without_tokenizer_json_is_named(tiny_model_dir, tmp_path):
-    import shutil
-
-    shutil.copy(tiny_model_dir / "config.json", tmp_path / "config.json")
-    with pytest.raises(TokenizeError, match="no tokenizer.json"):
-        load_tokenizer(tmp_path)
