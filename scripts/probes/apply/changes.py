@@ -18,6 +18,7 @@ from probes.apply.libraries import HF_BATCH_REBALANCE, HF_GROUP_BY_LENGTH, sampl
 from probes.apply.snippets import call_text, config_snippets, snippet
 from probes.batching import orders
 from probes.contracts import BATCH_REBALANCE
+from probes.step import padding_free
 
 TRL_PACKING_STRATEGY = "bfd"  # TRL's best-fit decreasing; the sweep's packing_bfd mirrors it
 SWEEP_PACKING_ROW = "packing_bfd"
@@ -514,8 +515,10 @@ def step_level_changes(
         settings = dict(change.get("settings") or {})
         attention = settings.pop("attn_implementation", None)
         harness = settings.pop("harness_options", None)  # the harness's own (loss kernel)
+        flat = settings.pop("padding_free", False)  # SFTConfig's only (probes.step.padding_free)
+        sft_flat, trainer_lines, flat_imports = padding_free.pasted(flat, PLAIN_TRAINER_LINES)
         ta = {**base.training_arguments(), **settings}
-        sft = {**base.sft_config(), **settings}
+        sft = {**base.sft_config(), **settings, **sft_flat}
         model_line = [f"# profile.harness_options: {harness!r}"] if harness else []
         if attention:
             sft["model_init_kwargs"] = {"attn_implementation": attention}
@@ -529,7 +532,7 @@ def step_level_changes(
                 "applies": True,
                 "step_level": True,
                 "title": str(change.get("title") or change["strategy"]),
-                "expressible_in_training_arguments": not (attention or harness),
+                "expressible_in_training_arguments": not (attention or harness or flat),
                 "how": str(change.get("title") or change["strategy"]),
                 "training_arguments": ta,
                 "sft_config": sft,
@@ -537,7 +540,8 @@ def step_level_changes(
                 "snippets": config_snippets(
                     ta,
                     sft,
-                    PLAIN_TRAINER_LINES,
+                    trainer_lines,
+                    extra_imports=flat_imports,
                     data_lines=model_line,
                 ),
                 "tokens_per_update": _tokens_per_update(

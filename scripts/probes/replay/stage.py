@@ -395,6 +395,7 @@ def run_replay(
     invalid = invalid_strategies(inputs)
     idle = check_idle_card(cfg["profile"], plan.device, card_probe, sleep)
     runner, changes, dtype, described = load_replay_step(plan, cfg, inputs, model_path)
+    invalid = {**invalid, **changes.invalid}  # padding-free where documents would mix
     fit, fit_points, loss_share, instrument = measure_model(runner, plan, cfg)
     cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
     cv_df = max(instrument["repeats"] - 1.0, 1.0)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
 
 from probes.batching import plans as pl
-from probes.io import read_provenance
+from probes.io import read_json, read_provenance
 
 LOG = logging.getLogger("probes.replay")
 GPU_ONLY = "GPU only: not measured on this device"
@@ -25,6 +25,8 @@ class StepChanges:
     changes: list[Any]
     plans: pd.DataFrame
     not_measured: dict[str, str]
+    # refused before timing, each with why (padding-free where documents would mix)
+    invalid: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.changes)
@@ -51,7 +53,43 @@ def add_step_changes(
     switch.configs = {c.strategy: c.config for c in changes}
     added = change_plans_for(changes, plans, inputs, training, cpu_only, max_len)
     LOG.info("step-level changes: %s (base %s)", [c.strategy for c in changes], switch.base)
-    return StepChanges(changes, added, not_measured(runner.runner, cpu_only))
+    refused = refused_changes(runner.runner, changes, added, inputs)
+    return StepChanges(changes, added, not_measured(runner.runner, cpu_only), refused)
+
+
+def refused_changes(
+    step: Any, changes: list[Any], added: pd.DataFrame, inputs: Mapping[str, Any]
+) -> dict[str, str]:
+    """The padding-free changes that must not be priced, each with why: the mask gate's verdict
+    on its attention implementation (gate.json), or the loaded step's own padding-free collator
+    letting the documents of a micro-batch see each other."""
+    from probes.step import padding_free as pf
+
+    names = [c.strategy for c in changes if pf.is_padding_free(c.strategy)]
+    if not names:
+        return {}
+    gate = inputs.get("gate")
+    if gate is None:
+        return {name: "the mask gate's gate.json is not an input of this run" for name in names}
+    refused = pf.invalid_changes(
+        read_json(gate), [pf.implementation_of(n) for n in names], str(gate)
+    )
+    leak = step_collator_leak(step, added[added["strategy"].isin(names)])
+    return {**{name: leak for name in names if leak}, **refused}
+
+
+def step_collator_leak(step: Any, rows: pd.DataFrame) -> str | None:
+    """Why the step's padding-free micro-batches let documents attend to each other, from one
+    of them with two or more documents as the step collates it (the trainer's own collator);
+    None where it keeps them apart, or the step builds them itself (the harness path)."""
+    from probes.step import padding_free as pf
+
+    collate = getattr(step, "collate", None)
+    several = rows[rows["n_examples"] >= 2] if len(rows) else rows
+    if collate is None or several.empty:
+        return None
+    row = several.iloc[0]
+    return pf.collator_leak(collate([str(i) for i in row["example_ids"]], True))
 
 
 def not_measured(step: Any, cpu_only: bool) -> dict[str, str]:
