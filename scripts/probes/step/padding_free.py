@@ -101,3 +101,20 @@ def collator_leak(batch: Mapping[str, Any]) -> str | None:
     if batch.get("attention_mask") is not None and batch.get("position_ids") is not None:
         return LEAK
     return None
+
+
+def pasted(
+    enabled: bool, trainer_lines: Mapping[str, str]
+) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    """What a padding-free change pastes beside the common settings (probes.apply): SFTConfig's
+    ``padding_free``, a plain Trainer's ``DataCollatorWithFlattening`` and its import."""
+    if not enabled:
+        return {}, dict(trainer_lines), []
+    plain = trainer_lines["transformers"].replace(
+        "data_collator=data_collator", "data_collator=DataCollatorWithFlattening()"
+    )
+    return (
+        {"padding_free": True},
+        {**trainer_lines, "transformers": plain},
+        ["from transformers import DataCollatorWithFlattening"],
+    )
