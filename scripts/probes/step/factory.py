@@ -16,12 +16,12 @@ import dataclasses
 import hashlib
 import importlib
 import importlib.util
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from probes.errors import ProbeError
+from probes.step.harness import UnimportableFileError, import_user_file
 
 FACTORY_KEY = "trainer.factory"
 MODEL_KEYS = ("dtype", "attn_implementation")
@@ -81,30 +81,22 @@ def _import_file(spec: str, path: Path) -> Any:
             f"{FACTORY_KEY} '{spec}': file '{path}' does not exist; give the .py file that "
             "defines your trainer factory, or an import path."
         )
-    name = "probes_user_factory_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise FactoryError(f"{FACTORY_KEY} '{spec}': cannot import '{path}' as a Python module.")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    sys.path.insert(0, str(path.resolve().parent))  # the factory may import its siblings
     try:
-        module_spec.loader.exec_module(module)
+        return import_user_file(path, "probes_user_factory_")
+    except UnimportableFileError:
+        raise FactoryError(
+            f"{FACTORY_KEY} '{spec}': cannot import '{path}' as a Python module."
+        ) from None
     except SyntaxError as error:
-        sys.modules.pop(name, None)
         raise FactoryError(
             f"{FACTORY_KEY} '{spec}': {path}:{error.lineno} does not parse ({error.msg}); "
             "fix the file."
         ) from error
     except Exception as error:
-        sys.modules.pop(name, None)
         raise FactoryError(
             f"{FACTORY_KEY} '{spec}': importing '{path}' raised {type(error).__name__}: "
             f"{error}{own_line(error, str(path))}."
         ) from error
-    finally:
-        sys.path.remove(str(path.resolve().parent))
-    return module
 
 
 def own_line(error: BaseException, source_file: str) -> str:

@@ -190,31 +190,47 @@ def is_file_spec(spec: str) -> bool:
     return spec.endswith(".py") or "/" in spec or "\\" in spec
 
 
+class UnimportableFileError(ImportError):
+    """The file cannot be loaded as a Python module at all (no loader for it)."""
+
+
+def import_user_file(path: Path, prefix: str) -> ModuleType:
+    """Import the user's .py file itself (never a copy) under a unique module name, `prefix` and
+    a hash of its path, so two files with the same name never collide; its directory is on
+    sys.path while it runs (it may import its siblings). An exception the file raises propagates
+    with the module unregistered; UnimportableFileError when it cannot be a module."""
+    name = prefix + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UnimportableFileError(f"cannot import '{path}' as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    directory = str(path.resolve().parent)
+    sys.path.insert(0, directory)
+    try:
+        spec.loader.exec_module(module)
+    except Exception:
+        sys.modules.pop(name, None)
+        raise
+    finally:
+        sys.path.remove(directory)
+    return module
+
+
 def _import_file(path: Path) -> ModuleType:
     if not path.is_file():
         raise HarnessError(
             f"profile.harness: file '{path}' does not exist; give a .py file or an import path "
             "(e.g. my_package.train) that defines discover_target_modules and compute_loss."
         )
-    # a unique module name per file, so two harnesses with the same file name never collide
-    name = "probes_user_harness_" + hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise HarnessError(f"profile.harness: cannot import '{path}' as a Python module.")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    # the harness may import siblings from its own directory
-    sys.path.insert(0, str(path.resolve().parent))
     try:
-        spec.loader.exec_module(module)
+        return import_user_file(path, "probes_user_harness_")
+    except UnimportableFileError:
+        raise HarnessError(f"profile.harness: cannot import '{path}' as a Python module.") from None
     except Exception as error:
-        sys.modules.pop(name, None)
         raise HarnessError(
             f"profile.harness: importing '{path}' failed ({type(error).__name__}: {error})."
         ) from error
-    finally:
-        sys.path.remove(str(path.resolve().parent))
-    return module
 
 
 def load_harness(spec: str | None) -> Harness:

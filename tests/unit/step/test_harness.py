@@ -66,3 +66,30 @@ def test_discover_target_modules_raising_is_named(tmp_path):
         HarnessCallError, match=r"discover_target_modules\(\) raised AttributeError"
     ):
         load_harness(str(path)).discover_target_modules(object())
+
+
+def test_user_files_import_apart_with_their_siblings_and_leave_sys_path_alone(tmp_path):
+    import sys
+
+    from probes.step.harness import import_user_file
+
+    before = list(sys.path)
+    modules = []
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"sibling_{folder}.py").write_text(f"VALUE = {folder!r}\n")
+        (tmp_path / folder / "train.py").write_text(f"from sibling_{folder} import VALUE\n")
+        modules.append(import_user_file(tmp_path / folder / "train.py", "probes_test_"))
+    assert [m.VALUE for m in modules] == ["a", "b"]  # same file name, two modules
+    assert modules[0].__name__ != modules[1].__name__
+    assert all(sys.modules[m.__name__] is m for m in modules)
+    assert sys.path == before
+
+    raising = tmp_path / "raising.py"
+    raising.write_text("raise ValueError('at import')\n")
+    with pytest.raises(ValueError, match="at import"):
+        import_user_file(raising, "probes_test_")
+    assert not [
+        name for name, m in sys.modules.items() if getattr(m, "__file__", None) == str(raising)
+    ]
+    assert sys.path == before
