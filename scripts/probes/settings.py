@@ -160,6 +160,7 @@ class ReplayCpuConfig:
     round_size: int
     fit_repeats: int
     threads: int
+    combined_budget_s: float
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,8 @@ class ReplayCoverageConfig:
 @dataclass(frozen=True)
 class ReplayConfig:
     step_changes: bool
+    combined: bool
+    combined_budget_s: float
     seed: int
     n_strata: int
     samples_per_stratum: int

@@ -366,33 +366,43 @@ def with_step_change_plans(
 ) -> pd.DataFrame:
     """The device's plans with the rows of the step-level changes among `changes` (the replay's
     own builder: probes.replay.stage.change_plans_for)."""
+    from probes.replay.combined import plans_at_shape
     from probes.replay.step_changes import change_plans_for
     from probes.step import changes as sc
+    from probes.step import combined as cb
 
-    shapes = sc.plan_shapes(changes, int(training["micro_batch_size"]), int(training["grad_accum"]))
-    if not shapes:
-        return plans
-    added = change_plans_for(shapes, plans, inputs, training, cpu_only, max_len)
-    return pd.concat([plans, added], ignore_index=True)
+    micro, accum = int(training["micro_batch_size"]), int(training["grad_accum"])
+    shapes = sc.plan_shapes(changes, micro, accum)
+    added = [change_plans_for(shapes, plans, inputs, training, cpu_only, max_len)] if shapes else []
+    for name in filter(cb.is_combined, changes):
+        shape = cb.micro_shape(sc.plan_shapes(cb.parse(name).steps, micro, accum), micro, accum)
+        at = {shape: plans_at_shape(inputs, training, max_len if cpu_only else None, shape)}
+        added.append(cb.combined_plan(cb.parse(name), plans, at, shape, (micro, accum)))
+    return pd.concat([plans, *added], ignore_index=True) if added else plans
 
 
 def step_switch(runner: Any, changes: Sequence[str], training: Mapping[str, Any]) -> Any:
     """The loaded step set per strategy: each step-level change the replay priced, by name."""
     from probes.replay.step_changes import step_changes_for
     from probes.step import changes as sc
+    from probes.step import combined as cb
 
-    wanted = [name for name in changes if sc.is_step_change(name)]
+    parts = {n: cb.parse(n).steps if cb.is_combined(n) else (n,) for n in changes}
+    wanted = {n: p for n, p in parts.items() if any(sc.is_step_change(s) for s in p)}
     if not wanted:
         return None
     switch = sc.StepSwitch(runner)
     known = {c.strategy: c for c in step_changes_for(switch.base, training)}
-    missing = [name for name in wanted if name not in known]
+    missing = sorted({s for p in wanted.values() for s in p} - set(known))
     if missing:
         raise RealizeError(
             f"realize: the replay priced {missing} against another base step than the one "
             f"loaded now ({switch.base}); rerun replay and realize together"
         )
-    switch.configs = {name: known[name].config for name in wanted}
+    switch.configs = {
+        name: cb.merged_config(switch.base, [known[s] for s in steps])
+        for name, steps in wanted.items()
+    }
     return switch
 
 

@@ -287,7 +287,7 @@ def strategy_table(
         },
     )
     rows = [_strategy_row(name, estimates.get(name), context) for name in summary.index]
-    return _ranked(pd.DataFrame(rows))
+    return ranked(pd.DataFrame(rows))
 
 
 @dataclass(frozen=True)
@@ -422,14 +422,15 @@ def _strategy_row(
     }
 
 
-def _ranked(table: pd.DataFrame) -> pd.DataFrame:
+def ranked(table: pd.DataFrame) -> pd.DataFrame:
     """Rank with ties among the valid strategies with a saving; REPLAY_COLUMNS, ranked first."""
-    ranked = table[table["valid"] & table["saving_vs_random"].notna()]
+    table = table.copy()
+    priced = table[table["valid"].astype(bool) & table["saving_vs_random"].notna()]
     ranks = rank_with_ties(
-        ranked["strategy"].tolist(),
-        ranked["saving_vs_random"].tolist(),
-        ranked["saving_ci_low"].tolist(),
-        ranked["saving_ci_high"].tolist(),
+        priced["strategy"].tolist(),
+        priced["saving_vs_random"].tolist(),
+        priced["saving_ci_low"].tolist(),
+        priced["saving_ci_high"].tolist(),
     )
     table["rank"] = table["strategy"].map(lambda s: ranks.get(s, (None, None))[0]).astype("Int64")
     table["tie_group"] = (

@@ -28,6 +28,7 @@ from probes.batching import plans as pl
 from probes.contracts import STAGE_OUTPUTS
 from probes.errors import ControlFailedError, ProbeError
 from probes.io import read_json, read_provenance, run_metadata
+from probes.replay.combined import all_steps, time_combined, with_combined
 from probes.replay.control import run_coverage_control, run_synthetic_control
 from probes.replay.estimate import FitPricing, strategy_table
 from probes.replay.sequential import build_design, run_sequential
@@ -401,11 +402,19 @@ def run_replay(
     cv_df = max(instrument["repeats"] - 1.0, 1.0)
     design, sequential = time_plans(runner, plan, replay_cfg, invalid, (cv, cv_df), progress)
     table = price(plan, sequential, invalid, fit, cv, changes, cfg["training"]["max_seq_len"])
+    pricing = FitPricing(fit.fit, plan.micro, fit.low, fit.high)
+    combined = time_combined(
+        runner, plan, table, changes.changes, inputs, cfg, pricing, (cv, cv_df), progress
+    )
+    table = with_combined(table, combined)
     # the coverage control: the same design and estimator on simulated timings of known cost
     coverage = coverage_control(
         design, sequential, cv, len(sequential.optimizer_times), replay_cfg, plan.settings.seed
     )
-    control.update(coverage=coverage, instrument=instrument, stopping=sequential.record)
+    control.update(
+        coverage=coverage, instrument=instrument, stopping=sequential.record,
+        combined=combined.record,
+    )  # fmt: skip
     control["checks"] = control_checks(control, coverage)
     control["observed"]["cpu_only"] = plan.cpu_only
     # the report shows and applies the threshold the replay used (its one home: the config)
@@ -415,7 +424,11 @@ def run_replay(
     with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
         out.parquet("estimates", table, provenance)
         out.parquet(
-            "steps", steps_table(sequential.steps, sequential.optimizer_times, fit_points),
+            "steps",
+            steps_table(
+                all_steps(sequential.steps, combined),
+                sequential.optimizer_times, fit_points,
+            ),
             provenance,
         )  # fmt: skip
         out.parquet("fit", pd.DataFrame([fit_row]), provenance)

@@ -7,6 +7,7 @@ step-level changes' included, lies inside its interval."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -29,7 +30,7 @@ import datasets
 import torch
 import transformers
 
-from probes.replay.control import busy_wait
+from probes.replay.synthetic import busy_wait
 from probes.trainer import apply_settings
 
 LENGTHS = json.loads({lengths!r})
@@ -68,8 +69,9 @@ def build_trainer(settings):
 """
 
 
-@pytest.mark.slow
-def test_a_trainers_known_cost_saving_lies_inside_every_interval(tmp_path, tiny_model_dir):
+def known_cost_replay(tmp_path, tiny_model_dir, eager_s: float = EAGER_S, **replay_cpu):
+    """The replay through the known-cost trainer: its plans, cost, lengths path, summary,
+    outputs, inputs and config."""
     frame = bucket_controls.synthetic_lengths_frame(150, seed=2, max_seq_len=128)
     frame = frame[frame["status"].isin(pl.TRAINING_STATUSES)].reset_index(drop=True)
     frame["example_id"] = [str(i) for i in range(len(frame))]  # the trainer's row numbers
@@ -91,7 +93,7 @@ def test_a_trainers_known_cost_saving_lies_inside_every_interval(tmp_path, tiny_
             c=cost.c,
             overhead=OVERHEAD_S,
             factor=CHECKPOINTING_FACTOR,
-            eager=EAGER_S,
+            eager=eager_s,
             micro=MICRO,
             accum=ACCUM,
             model_dir=str(tiny_model_dir),
@@ -99,7 +101,12 @@ def test_a_trainers_known_cost_saving_lies_inside_every_interval(tmp_path, tiny_
     )
     config = _config(tiny_model_dir)
     config["trainer"] = {"factory": f"{factory}:build_trainer"}
-    config["replay"]["cpu"] = {**config["replay"]["cpu"], "max_seq_len": 128, "budget_s": 6.0}
+    config["replay"]["cpu"] = {
+        **config["replay"]["cpu"],
+        "max_seq_len": 128,
+        "budget_s": 6.0,
+        **replay_cpu,
+    }
     inputs = {
         "plans": tmp_path / "plans.parquet",
         "lengths": lengths,
@@ -108,6 +115,18 @@ def test_a_trainers_known_cost_saving_lies_inside_every_interval(tmp_path, tiny_
     }
     outputs = {key: tmp_path / "out" / key for key in rs.OUTPUT_KEYS}
     summary = rs.run_replay(inputs, outputs, config, tiny_model_dir, progress=False)
+    return SimpleNamespace(
+        plans=plans, cost=cost, lengths=lengths, summary=summary, outputs=outputs, inputs=inputs,
+        config=config,
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_trainers_known_cost_saving_lies_inside_every_interval(tmp_path, tiny_model_dir):
+    run = known_cost_replay(tmp_path, tiny_model_dir)
+    plans, cost, lengths, summary, outputs = (
+        run.plans, run.cost, run.lengths, run.summary, run.outputs
+    )  # fmt: skip
     assert summary["control_passed"]
     table = pd.read_parquet(outputs["estimates"]).set_index("strategy")
     # the trainer's whole step costs the known cost plus its overhead; the optimizer is real

@@ -1,0 +1,139 @@
+"""The replay's combined configuration (probes.step.combined): chosen from the priced table,
+then timed as one strategy against the baseline in a second, shorter sequential replay through
+the same step, estimator and intervals.
+
+The second replay re-times the baseline beside it (interleaved, in the same minutes) rather than
+reusing the first replay's baseline, so the combination's saving is a comparison made at one
+time, as every other saving is. Its row joins the table; its timed micro-batches join the steps
+table; what ran (or why nothing did) is the control record's ``combined``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from probes.batching import plans as pl
+from probes.io import read_json, read_provenance
+from probes.replay.estimate import FitPricing, ranked, strategy_table
+from probes.replay.sequential import build_design, run_sequential
+from probes.step import combined as cb
+
+LOG = logging.getLogger("probes.replay")
+
+
+@dataclass(frozen=True)
+class CombinedResult:
+    row: pd.DataFrame  # the combination's estimate (REPLAY_COLUMNS), empty when not run
+    steps: pd.DataFrame  # its timed micro-batches
+    record: dict[str, Any]
+
+
+def not_run(why: str) -> CombinedResult:
+    LOG.info("combined configuration not measured: %s", why)
+    return CombinedResult(pd.DataFrame(), pd.DataFrame(), {"measured": False, "why": why})
+
+
+def plans_at_shape(
+    inputs: Mapping[str, Any], training: Mapping[str, Any], cap: int | None, shape: tuple[int, int]
+) -> pd.DataFrame:
+    """Every strategy's plan at another (micro-batch size, grad_accum), built as the device's
+    plans are (same seed, same bucket size; lengths capped at `cap` on CPU)."""
+    max_seq_len = int(training["max_seq_len"])
+    examples = pl.read_examples(inputs["lengths"], max_seq_len)
+    if cap is not None:
+        examples = pl.cap_examples(examples, cap)
+    return pl.build_plans(
+        examples,
+        micro_batch_size=shape[0],
+        grad_accum=shape[1],
+        max_seq_len=cap or max_seq_len,
+        bucket_size_batches=pl.recommended_bucket_size(read_json(inputs["recommendation"])),
+        seed=int(read_provenance(inputs["plans"]).get("plan_seed", 0)),
+    )
+
+
+def combination_plan(
+    combination: cb.Combination, changes: list[Any], plan: Any, inputs: Mapping[str, Any],
+    training: Mapping[str, Any],
+) -> pd.DataFrame:  # fmt: skip
+    """The baseline's rows and the combination's (its batching plan at its micro-batch size)."""
+    shape = cb.micro_shape(changes, plan.micro, plan.grad_accum)
+    base_shape = (plan.micro, plan.grad_accum)
+    plans_at = {}
+    if shape != base_shape:
+        cap = plan.max_len if plan.cpu_only else None
+        plans_at[shape] = plans_at_shape(inputs, training, cap, shape)
+    rows = cb.combined_plan(combination, plan.plans, plans_at, shape, base_shape)
+    baseline = plan.plans[plan.plans["strategy"] == pl.BASELINE]
+    return pd.concat([baseline, rows], ignore_index=True)
+
+
+def time_combined(
+    runner: Any,
+    plan: Any,
+    table: pd.DataFrame,
+    step_changes: list[Any],
+    inputs: Mapping[str, Any],
+    cfg: Mapping[str, Any],
+    pricing: FitPricing,
+    cv: tuple[float, float],
+    progress: bool,
+) -> CombinedResult:
+    """Choose, build, time and price the combined configuration (or say why not)."""
+    replay_cfg = cfg["replay"]
+    if not replay_cfg.get("combined", True):
+        return not_run("replay.combined is false")
+    switch = getattr(runner, "switch", None)
+    if switch is None or not step_changes:
+        return not_run("no step-level change was priced")
+    combination = cb.choose(table, switch.base, step_changes)
+    if combination is None:
+        return not_run("no batching change and no step-level change that both save time")
+    chosen = [c for c in step_changes if c.strategy in combination.steps]
+    pair = combination_plan(combination, chosen, plan, inputs, cfg["training"])
+    switch.configs[combination.name] = cb.merged_config(switch.base, chosen)
+    settings = plan.settings
+    section = replay_cfg["cpu"] if plan.cpu_only else replay_cfg
+    design = build_design(pair, settings.n_strata, settings.seed + 5)
+    LOG.info("combined configuration %s: timing it beside the baseline", combination.name)
+    result = run_sequential(
+        runner, design, settings, [pl.BASELINE, combination.name], cv[0], cv[1],
+        float(section["combined_budget_s"]), 0, int(section["round_size"]), progress=progress,
+        per_strategy=settings.n_strata * settings.samples_per_stratum,
+    )  # fmt: skip
+    priced = strategy_table(
+        pair, result.steps, result.optimizer_times, settings, {}, pricing, plan.cpu_only,
+        plan.max_len, greg=result.estimates, stopped_by=result.record["stopped_by"],
+        instrument_cv=cv[0],
+    )  # fmt: skip
+    row = priced[priced["strategy"] == combination.name]
+    steps = result.steps[result.steps["strategy"] == combination.name]
+    record = {
+        "measured": True,
+        "strategy": combination.name,
+        "batching": combination.batching,
+        "step_changes": list(combination.steps),
+        "baseline_retimed": priced.loc[priced["strategy"] == pl.BASELINE].to_dict("records"),
+        "stopping": result.record,
+    }
+    return CombinedResult(row, steps, record)
+
+
+def with_combined(table: pd.DataFrame, combined: CombinedResult) -> pd.DataFrame:
+    """The table with the combination's row, ranked again among all strategies."""
+    if combined.row.empty:
+        return table
+    return ranked(pd.concat([table, combined.row], ignore_index=True))
+
+
+def all_steps(first: pd.DataFrame, combined: CombinedResult) -> pd.DataFrame:
+    """The first replay's timed micro-batches, then the combination's (run order continued)."""
+    if combined.steps.empty:
+        return first
+    later = combined.steps.assign(run_order=combined.steps["run_order"] + len(first))
+    return pd.concat([first, later], ignore_index=True)
