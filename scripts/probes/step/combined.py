@@ -83,7 +83,10 @@ def choose(table: pd.DataFrame, base: Any, changes: Sequence[sc.StepChange]) -> 
 
 
 def stackable(change: sc.StepChange, base: Any) -> bool:
-    """A change that is a setting of the step (or the micro-batch size), not a plan of its own."""
+    """A change that is a setting of the step (or the micro-batch size), not a plan of its own
+    (padding-free flattens the baseline's micro-batches: it cannot stack on another plan)."""
+    if change.settings.get("padding_free"):
+        return False
     return bool(change.micro_batch_size) or change.config != base
 
 

@@ -31,6 +31,7 @@ def _table(savings: dict[str, float], invalid: tuple[str, ...] = ()) -> pd.DataF
 
 def test_choose_takes_the_best_batching_and_the_best_change_per_setting():
     changes = sc.step_changes(BASE, MICRO, ACCUM)
+    assert "padding_free_eager" in {c.strategy for c in changes}
     table = _table(
         {
             pl.BASELINE: 0.0,
@@ -40,6 +41,7 @@ def test_choose_takes_the_best_batching_and_the_best_change_per_setting():
             sc.GC_ON: -0.3,
             "attention_eager": 0.05,
             "micro_batch_size_4": 0.08,
+            "padding_free_eager": 0.5,  # its own flattened plan: it cannot stack on another
         },
         invalid=("packing",),
     )
