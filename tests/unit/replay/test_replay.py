@@ -372,6 +372,9 @@ def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
     assert len(calls) == 4  # 1 + 1 + (warm-up + timing) of the new shape
 
 
+LEAKED = "layer 0 in scenario 'packed': sequence 0 row 12 attends keys [5..12]"
+
+
 def _stage_inputs(tmp_path, gate_violations=0):
     frame = bucket_controls.synthetic_lengths_frame(150, seed=2, max_seq_len=128)
     lengths = tmp_path / "lengths.parquet"
@@ -384,7 +387,14 @@ def _stage_inputs(tmp_path, gate_violations=0):
     typed = TrainingConfig(training["micro_batch_size"], ACCUM, 128, "assistant", 1)
     write_parquet(pl.bucket_stage_plans(lengths, rec, typed), tmp_path / "plans.parquet", {})
     write_json(
-        {"scenarios": [{"scenario": "packed", "violations": gate_violations}]},
+        {
+            "scenarios": [{"scenario": "packed", "violations": gate_violations}],
+            # the gate per attention implementation (probes.mask.implementations)
+            "implementations": {
+                "sdpa": {"status": "passed", "packed_checked": True},
+                "eager": {"status": "failed", "packed_checked": True, "violation": LEAKED},
+            },
+        },
         tmp_path / "gate.json",
     )
     inputs = {
@@ -410,8 +420,11 @@ def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
         "attention_eager",
         "micro_batch_size_4",
         "loss_stock",
+        "padding_free_sdpa",  # the gate kept documents apart under sdpa
     }
-    assert set(table["strategy"]) == set(pl.STRATEGIES) | step_level
+    assert set(pl.STRATEGIES) | step_level | {"padding_free_eager"} <= set(table["strategy"])
+    refused = table.set_index("strategy").loc["padding_free_eager"]
+    assert not refused["valid"] and LEAKED in refused["invalid_reason"]
     changes = table[table["strategy"].isin(step_level)]
     assert changes["estimated_time_s"].notna().all()
     assert changes["note"].str.contains("step-level change").all()
