@@ -252,8 +252,7 @@ def run_sequential(
     started = clock()
     takes = initial_takes(design, valid, initial_extra, per_strategy)
     done: dict[Key, int] = {}
-    all_steps, optimizer, rounds = pd.DataFrame(), [], 0
-    retimed: list[int] = []
+    timed = TimedRounds()
     stopped_by = "census"
     estimates: dict[str, GregEstimate] = {}
     while True:
@@ -261,58 +260,104 @@ def run_sequential(
         if units.empty:
             stopped_by = "census"
             break
-        round_settings = settings if rounds == 0 else dataclasses.replace(settings, warmup=0)
-        steps, opt = run_sample(runner, units, round_settings, progress=progress)
-        steps["round"] = rounds
-        steps["timings"] = steps["times_s"].map(len)
-        optimizer.extend(opt.tolist())
-        rounds += 1
+        time_round(runner, design, units, settings, timed, cv, progress)
         done = dict(takes)
-        all_steps = steps if all_steps.empty else pd.concat([all_steps, steps], ignore_index=True)
-        flagged = outlier_index(design, all_steps, cv)
-        if len(flagged):
-            all_steps, opt = retime(runner, all_steps, flagged, settings)
-            optimizer.extend(opt)
-            retimed.extend(int(v) for v in flagged)
         estimates, _ = greg_estimate_all(
-            strategy_designs(design, all_steps), np.asarray(optimizer), cv, cv_df
+            strategy_designs(design, timed.steps), np.asarray(timed.optimizer), cv, cv_df
         )
         if decided(estimates, [n for n in valid if n in estimates]):
             stopped_by = "decision"
             break
         elapsed = clock() - started
-        per_unit = elapsed / max(len(all_steps), 1)
+        per_unit = elapsed / max(len(timed.steps), 1)
         if elapsed + per_unit * round_size > budget_s:
             stopped_by = "budget"
             break
-        totals = {n: e.time_s for n, e in estimates.items()}
-        weights = strategy_weights(totals, valid)
-        spreads = spreads_from(design, estimates, all_steps, cv)
-        costs = unit_costs(design, all_steps)
-        takes = grow_allocation(done, design.sizes, spreads, weights, round_size, costs)
-    all_steps = all_steps.reset_index(drop=True)
-    all_steps["run_order"] = np.arange(len(all_steps))
+        takes = next_takes(design, done, estimates, timed.steps, cv, valid, round_size)
+    steps = timed.steps.reset_index(drop=True)
+    steps["run_order"] = np.arange(len(steps))
     record = {
         "stopped_by": stopped_by,
-        "rounds": rounds,
-        "timed_micro_batches": int(len(all_steps)),
+        "rounds": timed.rounds,
+        "timed_micro_batches": int(len(steps)),
         "elapsed_s": float(clock() - started),
         "budget_s": float(budget_s),
         "round_size": int(round_size),
         "initial_extra": int(initial_extra),
         "initial_per_strategy": int(per_strategy),
-        "retimed_micro_batches": len(set(retimed)),
-        "retimed_rule": (
-            f"a unit whose relative residual lies over {OUTLIER_SPREADS} robust spreads "
-            f"(1.4826 x MAD) from the others, and over 3 x the instrument's CV, is timed until "
-            f"it has {OUTLIER_TIMINGS} timings and priced at their median"
-        ),
+        "retimed_micro_batches": len(set(timed.retimed)),
+        "retimed_rule": RETIMED_RULE,
         "takes": {f"{n}/{h}": int(v) for (n, h), v in sorted(done.items())},
-        "rule": (
-            "stop when the best valid strategy's saving interval lies entirely above the next "
-            "one's (random's is [0, 0]), or when another round would pass budget_s"
-        ),
+        "rule": STOPPING_RULE,
     }
     return SequentialResult(
-        all_steps, np.asarray(optimizer, dtype=np.float64), estimates, record, done
+        steps, np.asarray(timed.optimizer, dtype=np.float64), estimates, record, done
     )
+
+
+RETIMED_RULE = (
+    f"a unit whose relative residual lies over {OUTLIER_SPREADS} robust spreads "
+    f"(1.4826 x MAD) from the others, and over 3 x the instrument's CV, is timed until "
+    f"it has {OUTLIER_TIMINGS} timings and priced at their median"
+)
+STOPPING_RULE = (
+    "stop when the best valid strategy's saving interval lies entirely above the next "
+    "one's (random's is [0, 0]), or when another round would pass budget_s"
+)
+
+
+@dataclass
+class TimedRounds:
+    """What the rounds have timed so far: every micro-batch's row, the optimizer timings, the
+    labels retimed as outliers and the number of rounds."""
+
+    steps: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)
+    optimizer: list[float] = dataclasses.field(default_factory=list)
+    retimed: list[int] = dataclasses.field(default_factory=list)
+    rounds: int = 0
+
+
+def time_round(
+    runner: Any,
+    design: Design,
+    units: pd.DataFrame,
+    settings: ReplaySettings,
+    timed: TimedRounds,
+    cv: float,
+    progress: bool = False,
+) -> None:
+    """Time one round's `units` (warm-up only in the first round) into `timed`, then retime the
+    units the outlier rule flags over everything timed so far."""
+    round_settings = settings if timed.rounds == 0 else dataclasses.replace(settings, warmup=0)
+    steps, opt = run_sample(runner, units, round_settings, progress=progress)
+    steps["round"] = timed.rounds
+    steps["timings"] = steps["times_s"].map(len)
+    timed.optimizer.extend(opt.tolist())
+    timed.rounds += 1
+    if timed.steps.empty:
+        timed.steps = steps
+    else:
+        timed.steps = pd.concat([timed.steps, steps], ignore_index=True)
+    flagged = outlier_index(design, timed.steps, cv)
+    if len(flagged):
+        timed.steps, opt = retime(runner, timed.steps, flagged, settings)
+        timed.optimizer.extend(opt)
+        timed.retimed.extend(int(v) for v in flagged)
+
+
+def next_takes(
+    design: Design,
+    done: Mapping[Key, int],
+    estimates: Mapping[str, GregEstimate],
+    steps: pd.DataFrame,
+    cv: float,
+    valid: Sequence[str],
+    round_size: int,
+) -> dict[Key, int]:
+    """The next round's allocation: `round_size` more units where they pay most, by each
+    stratum's size × the residual spread just measured, per second of timing."""
+    totals = {n: e.time_s for n, e in estimates.items()}
+    weights = strategy_weights(totals, valid)
+    spreads = spreads_from(design, estimates, steps, cv)
+    costs = unit_costs(design, steps)
+    return grow_allocation(done, design.sizes, spreads, weights, round_size, costs)
