@@ -1,6 +1,7 @@
 """The gate per attention implementation: every implementation a step-level change proposes
 (probes.step.changes: eager, sdpa, flex_attention, flash_attention_2) traced on the configured
-scenarios (packed, padded, around the window), each with its own mask code.
+packed, padded and window scenarios, each with its own mask code (the main gate's
+implementation keeps its verdict over every scenario it traced).
 
 Documents stay apart, padding is never attended and sliding windows are exact, or the
 implementation fails with its first violation named; a padding-free change on it is then never
@@ -26,6 +27,17 @@ from probes.mask.trace import ModelConfigError
 
 PASSED, FAILED, NOT_CHECKED = "passed", "failed", "not_checked"
 PACKED_SCENARIO = "packed"
+# what each further implementation is traced on, among mask.scenarios: the packed and padded
+# batches and the window's edges (the unpadded training shape adds a second of dense masks per
+# implementation and nothing these do not check)
+IMPLEMENTATION_SCENARIOS = (
+    "below_window",
+    "at_window",
+    "above_window",
+    "right_padded",
+    "left_padded",
+    PACKED_SCENARIO,
+)
 FLASH_PREFIX = "flash_attention"
 FLASH_NOT_CHECKED = (
     "not checked: flash attention takes no mask (documents are kept apart by cu_seqlens from "
@@ -128,7 +140,12 @@ def trace_implementation(
     if implementation.startswith(FLASH_PREFIX):
         return not_checked(FLASH_NOT_CHECKED)
     # the SDPA backend confirmation belongs to the SDPA trace; the others have none
-    cfg = {**mask_cfg, "confirm_on_cuda": False}
+    scenarios = [name for name in mask_cfg["scenarios"] if name in IMPLEMENTATION_SCENARIOS]
+    if not scenarios:
+        return not_checked(
+            f"none of mask.scenarios is among {list(IMPLEMENTATION_SCENARIOS)}; add 'packed'"
+        )
+    cfg = {**mask_cfg, "scenarios": scenarios, "confirm_on_cuda": False}
     try:
         table, _ = evaluate(
             config_dict, cfg, training_cfg, source, False, implementation, packed_collator

@@ -105,3 +105,10 @@ def test_flex_dense_mask_is_what_the_kernel_attends():
     )
     dense = flex.dense_allowed(forced)[0, 0]
     assert dense[45, :32].all()  # row 45 (document 2) sees document 1's keys 0..31
+
+
+def test_further_implementations_trace_the_packed_padded_and_window_scenarios_only():
+    verdicts = check(["eager"], scenarios=["train", "token_type_ids", "packed"])
+    assert verdicts["eager"]["scenarios"] == ["packed"] and verdicts["eager"]["packed_checked"]
+    nothing = check(["eager"], scenarios=["train"])["eager"]
+    assert nothing["status"] == im.NOT_CHECKED and "add 'packed'" in nothing["reason"]
