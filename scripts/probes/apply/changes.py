@@ -2,10 +2,10 @@
 
 The run as configured (``Baseline``) and one builder per change: length-grouped batching at the
 recommended bucket size and transformers' built-in ``group_by_length`` at its fixed bucket
-(``length_grouped_changes``), ``batch_rebalance``, TRL packing with the batch adjusted to keep
-tokens per update (``packing_plan``), dropping examples with no loss token. Each change carries
-its ``TrainingArguments``/``SFTConfig`` kwargs, snippets, tokens per update, the sweep's estimate
-and its caveat.
+(``length_grouped_changes``), ``batch_rebalance``, dropping examples with no loss token, the
+replay's step-level changes; TRL packing has its own module (``probes.apply.packing``). Each change
+carries its ``TrainingArguments``/``SFTConfig`` kwargs, snippets, tokens per update, the sweep's
+estimate and its caveat.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from probes.batching import orders
 from probes.contracts import BATCH_REBALANCE
 from probes.step import padding_free
 
-TRL_PACKING_STRATEGY = "bfd"  # TRL's best-fit decreasing; the sweep's packing_bfd mirrors it
-SWEEP_PACKING_ROW = "packing_bfd"
 IGNORE_INDEX = -100
 # the trainer line of a change that is settings alone (no sampler or wrapper of its own)
 PLAIN_TRAINER_LINES = {
@@ -86,7 +84,7 @@ def baseline_from(recommendation: Mapping[str, Any], training: Mapping[str, Any]
     )
 
 
-def _tokens_per_update(before: float, after: float, how: str) -> dict[str, Any]:
+def tokens_per_update_entry(before: float, after: float, how: str) -> dict[str, Any]:
     return {
         "before": float(before),
         "after": float(after),
@@ -95,7 +93,7 @@ def _tokens_per_update(before: float, after: float, how: str) -> dict[str, Any]:
     }
 
 
-def _estimate(point: Mapping[str, Any], random: Mapping[str, Any]) -> dict[str, Any]:
+def sweep_estimate(point: Mapping[str, Any], random: Mapping[str, Any]) -> dict[str, Any]:
     keys = (
         "token_efficiency",
         "attention_efficiency",
@@ -114,22 +112,25 @@ def _estimate(point: Mapping[str, Any], random: Mapping[str, Any]) -> dict[str, 
     }
 
 
-def length_grouped_changes(
-    recommendation: Mapping[str, Any], base: Baseline, transformers_info: Mapping[str, Any]
-) -> list[dict[str, Any]]:
-    """The recommended bucket size (drop-in sampler unless HF's fixed bucket equals it) and, when
-    they differ, transformers' built-in group_by_length at its own bucket size."""
-    recommended = recommendation.get("recommended") or {}
-    random = recommendation.get("random") or {}
-    m = int(recommended.get("bucket_size_batches", 1))
+@dataclasses.dataclass(frozen=True)
+class _BuiltinBucket:
+    """transformers' own group_by_length on this run: its kwargs (None where the installed
+    version has none), its fixed bucket in micro-batches, and how it is built, in words."""
+
+    kwargs: dict[str, Any] | None
+    size: int  # micro-batches
+    mega_batch_mult: int | None  # None where the bucket holds the whole dataset
+    fact: str
+
+
+def _builtin_bucket(base: Baseline, transformers_info: Mapping[str, Any]) -> _BuiltinBucket:
     m_all = orders.all_bucket_size(base.n_examples, base.micro_batch_size)
     m_hf = min(
         orders.hf_trainer_mega_batch_mult(base.n_examples, base.micro_batch_size, base.grad_accum),
         m_all,
     )
-    mega_batch_mult = m_hf // base.grad_accum if m_hf < m_all else None
     builtin = sampling_kwargs(HF_GROUP_BY_LENGTH, transformers_info)
-    hf_fact = (
+    fact = (
         f"transformers {transformers_info.get('version')}: "
         f"{call_text('TrainingArguments', builtin) if builtin else 'no group_by_length option'}"
         " builds LengthGroupedSampler with batch = micro × grad_accum = "
@@ -137,64 +138,59 @@ def length_grouped_changes(
         f"{orders.HF_MAX_MEGA_BATCH_MULT}), a bucket of {m_hf} micro-batches for n = "
         f"{base.n_examples}; it cannot be set"
     )
-    same_examples = _tokens_per_update(
+    mega_batch_mult = m_hf // base.grad_accum if m_hf < m_all else None
+    return _BuiltinBucket(builtin, m_hf, mega_batch_mult, fact)
+
+
+def _same_examples(base: Baseline) -> dict[str, Any]:
+    return tokens_per_update_entry(
         base.tokens_per_update,
         base.tokens_per_update,
         "unchanged: the same micro_batch_size × grad_accum examples per step, reordered",
     )
-    changes: list[dict[str, Any]] = []
-    status = recommendation.get("status")
-    if m <= 1 or status == "nothing_to_gain":
-        changes.append(
-            {
-                "id": "length_grouped",
-                "applies": False,
-                "reason": f"bucket sweep status {status!r}, bucket size {m}: nothing to gain",
-            }
-        )
-        return changes
-    expressible = builtin is not None and m == m_hf
+
+
+def _grouping_caveat(recommended: Mapping[str, Any]) -> str:
     step_cv = recommended.get("step_real_tokens_cv")
-    caveat = (
+    return (
         f"source diversity per step {recommended.get('diversity_rel_random', float('nan')):.2f}× "
         "of random; neighbouring steps hold similar lengths (real tokens per step vary more: "
         f"CV {step_cv if step_cv is None else round(float(step_cv), 3)}); the loss is still "
         "normalised per token by the Trainer (num_items_in_batch)"
     )
-    if expressible:
-        ta = {**base.training_arguments(), **builtin}
-        sft = {**base.sft_config(), **builtin}
-        snippets = config_snippets(
-            ta,
-            sft,
-            {
-                "transformers": "trainer = Trainer(model=model, args=args, "
-                "train_dataset=train_dataset, data_collator=data_collator)",
-                "trl": "trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset)",
-            },
-        )
-        how = f"built in: {hf_fact} — which equals the recommended size"
-        sampler = None
-    else:
-        ta = base.training_arguments()
-        sft = base.sft_config()
-        snippets = config_snippets(
-            ta,
-            sft,
-            {
-                "transformers": "trainer = length_grouped_trainer(Trainer)(model=model, args=args, "
-                "train_dataset=train_dataset, data_collator=data_collator, "
-                f"bucket_size_batches={m})",
-                "trl": "trainer = length_grouped_trainer(SFTTrainer)(model=model, args=args, "
-                f"train_dataset=train_dataset, bucket_size_batches={m})",
-            },
-            extra_imports=["from probes.sampler import length_grouped_trainer"],
-        )
-        how = (
-            f"not expressible in the Trainer's settings ({hf_fact}); the drop-in "
+
+
+def _builtin_settings(base: Baseline, bucket: _BuiltinBucket) -> dict[str, Any]:
+    """The recommended size is the built-in one: a TrainingArguments setting."""
+    ta = {**base.training_arguments(), **(bucket.kwargs or {})}
+    sft = {**base.sft_config(), **(bucket.kwargs or {})}
+    return {
+        "how": f"built in: {bucket.fact} — which equals the recommended size",
+        "training_arguments": ta,
+        "sft_config": sft,
+        "sampler": None,
+        "snippets": config_snippets(ta, sft, PLAIN_TRAINER_LINES),
+    }
+
+
+def _drop_in_settings(base: Baseline, bucket: _BuiltinBucket, m: int) -> dict[str, Any]:
+    """Another size than the built-in one: the drop-in sampler at the recommended size."""
+    ta, sft = base.training_arguments(), base.sft_config()
+    trainer_lines = {
+        "transformers": "trainer = length_grouped_trainer(Trainer)(model=model, args=args, "
+        "train_dataset=train_dataset, data_collator=data_collator, "
+        f"bucket_size_batches={m})",
+        "trl": "trainer = length_grouped_trainer(SFTTrainer)(model=model, args=args, "
+        f"train_dataset=train_dataset, bucket_size_batches={m})",
+    }
+    return {
+        "how": (
+            f"not expressible in the Trainer's settings ({bucket.fact}); the drop-in "
             f"probes.sampler.LengthGroupedSampler reproduces the measured ordering at {m}"
-        )
-        sampler = {
+        ),
+        "training_arguments": ta,
+        "sft_config": sft,
+        "sampler": {
             "class": "probes.sampler.LengthGroupedSampler",
             "kwargs": {
                 "micro_batch_size": base.micro_batch_size,
@@ -202,60 +198,91 @@ def length_grouped_changes(
                 "seed": "args.data_seed or args.seed",
             },
             "trainer_factory": "probes.sampler.length_grouped_trainer",
-        }
-    changes.append(
-        {
-            "id": "length_grouped",
-            "applies": True,
-            "title": f"Group batches by length: buckets of {m} micro-batches",
-            "bucket_size_batches": m,
-            "bucket_size_examples": min(m * base.micro_batch_size, base.n_examples),
-            "expressible_in_training_arguments": expressible,
-            "how": how,
-            "training_arguments": ta,
-            "sft_config": sft,
-            "sampler": sampler,
-            "snippets": snippets,
-            "tokens_per_update": same_examples,
-            "estimate": _estimate(recommended, random),
-            "caveat": caveat,
-        }
+        },
+        "snippets": config_snippets(
+            ta,
+            sft,
+            trainer_lines,
+            extra_imports=["from probes.sampler import length_grouped_trainer"],
+        ),
+    }
+
+
+def _recommended_grouping(
+    recommendation: Mapping[str, Any], base: Baseline, bucket: _BuiltinBucket, m: int
+) -> dict[str, Any]:
+    """Length grouping at the recommended bucket size: built in where it equals the Trainer's
+    fixed bucket, else the drop-in sampler."""
+    recommended = recommendation.get("recommended") or {}
+    expressible = bucket.kwargs is not None and m == bucket.size
+    settings = (
+        _builtin_settings(base, bucket) if expressible else _drop_in_settings(base, bucket, m)
     )
-    hf_point = recommendation.get("hf_trainer_default")
-    if builtin is not None and not expressible and hf_point:
-        changes.append(
-            {
-                "id": "group_by_length_builtin",
-                "applies": True,
-                "title": (
-                    f"Built-in alternative: group_by_length (its fixed bucket of {m_hf} "
-                    "micro-batches)"
-                ),
-                "bucket_size_batches": m_hf,
-                "mega_batch_mult": mega_batch_mult,
-                "expressible_in_training_arguments": True,
-                "how": hf_fact,
-                "training_arguments": {**base.training_arguments(), **builtin},
-                "sft_config": {**base.sft_config(), **builtin},
-                "sampler": None,
-                "snippets": config_snippets(
-                    {**base.training_arguments(), **builtin},
-                    {**base.sft_config(), **builtin},
-                    {
-                        "transformers": "trainer = Trainer(model=model, args=args, "
-                        "train_dataset=train_dataset, data_collator=data_collator)",
-                        "trl": "trainer = SFTTrainer(model=model, args=args, "
-                        "train_dataset=train_dataset)",
-                    },
-                ),
-                "tokens_per_update": same_examples,
-                "estimate": _estimate(hf_point, random),
-                "caveat": (
-                    f"not the recommended size ({m}); its shuffle draws from the global torch "
-                    "RNG (the Trainer passes no generator), seeded by args.seed at Trainer init"
-                ),
-            }
-        )
+    return {
+        "id": "length_grouped",
+        "applies": True,
+        "title": f"Group batches by length: buckets of {m} micro-batches",
+        "bucket_size_batches": m,
+        "bucket_size_examples": min(m * base.micro_batch_size, base.n_examples),
+        "expressible_in_training_arguments": expressible,
+        "how": settings["how"],
+        "training_arguments": settings["training_arguments"],
+        "sft_config": settings["sft_config"],
+        "sampler": settings["sampler"],
+        "snippets": settings["snippets"],
+        "tokens_per_update": _same_examples(base),
+        "estimate": sweep_estimate(recommended, recommendation.get("random") or {}),
+        "caveat": _grouping_caveat(recommended),
+    }
+
+
+def _builtin_alternative(
+    recommendation: Mapping[str, Any], base: Baseline, bucket: _BuiltinBucket, m: int
+) -> dict[str, Any]:
+    """transformers' built-in group_by_length at its own fixed bucket (not the recommended)."""
+    ta = {**base.training_arguments(), **(bucket.kwargs or {})}
+    sft = {**base.sft_config(), **(bucket.kwargs or {})}
+    return {
+        "id": "group_by_length_builtin",
+        "applies": True,
+        "title": (
+            f"Built-in alternative: group_by_length (its fixed bucket of {bucket.size} "
+            "micro-batches)"
+        ),
+        "bucket_size_batches": bucket.size,
+        "mega_batch_mult": bucket.mega_batch_mult,
+        "expressible_in_training_arguments": True,
+        "how": bucket.fact,
+        "training_arguments": ta,
+        "sft_config": sft,
+        "sampler": None,
+        "snippets": config_snippets(ta, sft, PLAIN_TRAINER_LINES),
+        "tokens_per_update": _same_examples(base),
+        "estimate": sweep_estimate(
+            recommendation["hf_trainer_default"], recommendation.get("random") or {}
+        ),
+        "caveat": (
+            f"not the recommended size ({m}); its shuffle draws from the global torch "
+            "RNG (the Trainer passes no generator), seeded by args.seed at Trainer init"
+        ),
+    }
+
+
+def length_grouped_changes(
+    recommendation: Mapping[str, Any], base: Baseline, transformers_info: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The recommended bucket size (drop-in sampler unless HF's fixed bucket equals it) and, when
+    they differ, transformers' built-in group_by_length at its own bucket size."""
+    m = int((recommendation.get("recommended") or {}).get("bucket_size_batches", 1))
+    status = recommendation.get("status")
+    if m <= 1 or status == "nothing_to_gain":
+        reason = f"bucket sweep status {status!r}, bucket size {m}: nothing to gain"
+        return [{"id": "length_grouped", "applies": False, "reason": reason}]
+    bucket = _builtin_bucket(base, transformers_info)
+    changes = [_recommended_grouping(recommendation, base, bucket, m)]
+    expressible = changes[0]["expressible_in_training_arguments"]
+    if bucket.kwargs is not None and not expressible and recommendation.get("hf_trainer_default"):
+        changes.append(_builtin_alternative(recommendation, base, bucket, m))
     return changes
 
 
@@ -300,12 +327,12 @@ def batch_rebalance_change(
             sft,
             PLAIN_TRAINER_LINES,
         ),
-        "tokens_per_update": _tokens_per_update(
+        "tokens_per_update": tokens_per_update_entry(
             base.tokens_per_update,
             base.tokens_per_update,
             "unchanged: the effective batch (micro × grad_accum × world size) is fixed",
         ),
-        "estimate": _estimate(point, random),
+        "estimate": sweep_estimate(point, random),
         "beside_recommended": {
             "recommended_bucket_size_batches": recommended.get("bucket_size_batches"),
             "recommended_token_efficiency": recommended.get("token_efficiency"),
@@ -318,133 +345,6 @@ def batch_rebalance_change(
             "peak memory follows the largest micro-batch's padded tokens, not the batch size; "
             "the Trainer seeds its shuffle with the class default 42 (+ epoch), not args.seed; "
             "data-parallel only"
-        ),
-    }
-
-
-def packing_plan(base: Baseline, n_bins: int) -> dict[str, Any]:
-    """Packed rows per micro-batch and grad_accum keeping real tokens per update comparable.
-
-    The micro-batch holds at most what the baseline's first micro-batch held (micro × longest
-    padded tokens, which already fits: HF puts the longest example first), at least one row;
-    grad_accum then brings the step's real tokens nearest the baseline's.
-    """
-    if n_bins < 1:
-        raise ValueError(f"n_bins must be ≥ 1, got {n_bins}")
-    fill = base.real_tokens / n_bins  # real tokens per packed row
-    target_rows = base.tokens_per_update / fill
-    rows = max(1, (base.micro_batch_size * base.longest) // base.max_seq_len)
-    if rows > target_rows:
-        rows = max(1, round(target_rows))
-    accum = max(1, round(target_rows / rows))
-    return {
-        "per_device_train_batch_size": int(rows),
-        "gradient_accumulation_steps": int(accum),
-        "real_tokens_per_row": float(fill),
-        "rows_per_update_target": float(target_rows),
-        "tokens_per_update_after": float(rows * accum * fill),
-    }
-
-
-# SFTConfig's defaults are not TrainingArguments' (TRL 1.16: gradient_checkpointing=True,
-# bf16=True). Pasted over a Trainer run they change more than the batching: measured with
-# bench/realized_vs_promised.py on CPU (float32), packing realized -29.5% with the checkpointing
-# default against +12.7% promised.
-SFT_DEFAULTS_CAVEAT = (
-    "SFTConfig defaults to gradient_checkpointing=True and bf16=True (TRL 1.16), unlike "
-    "TrainingArguments: set both to your run's values, or the step pays activation recomputation "
-    "(bench/realized_vs_promised.py, a small Llama on CPU: -29.5% realized against +12.7% "
-    "promised) besides the packing"
-)
-# TRL 1.16's SFTTrainer computes per-token entropy and top-1 accuracy in its loss and logs them
-# with a .item() each micro-batch, a cost no setting turns off and the replay (the user's
-# harness, not TRL's step) does not time: measured with bench/realized_vs_promised.py on two
-# CPUs (float32), +0.19 and +0.22 s per optimizer step beyond the Trainer's, which put packing's
-# realized saving 5.5 and 9.7 pp under its promise.
-SFT_STEP_CAVEAT = (
-    "SFTTrainer's step also computes entropy and token accuracy metrics per micro-batch, which "
-    "the replay of your harness does not time: on bench/realized_vs_promised.py (small Llama, "
-    "CPU) that put the realized saving 5.5-9.7 pp under the promise"
-)
-
-
-def packing_change(
-    recommendation: Mapping[str, Any], base: Baseline, trl_info: Mapping[str, Any]
-) -> dict[str, Any]:
-    """TRL packing (best-fit decreasing into max_seq_len rows), batch adjusted for tokens/update."""
-    point = (recommendation.get("packing") or {}).get(SWEEP_PACKING_ROW)
-    if not point:
-        return {
-            "id": "packing",
-            "applies": False,
-            "reason": f"the bucket sweep has no {SWEEP_PACKING_ROW} row (bucket.packing)",
-        }
-    if trl_info.get("version") is None or TRL_PACKING_STRATEGY not in (
-        trl_info.get("packing_strategies") or []
-    ):
-        return {
-            "id": "packing",
-            "applies": False,
-            "reason": (
-                "trl is not installed: packing is an SFTConfig setting (pip install trl)"
-                if trl_info.get("version") is None
-                else f"trl {trl_info.get('version')} has no packing_strategy "
-                f"{TRL_PACKING_STRATEGY!r}"
-            ),
-        }
-    plan = packing_plan(base, int(point["n_bins"]))
-    sft = {
-        "packing": True,
-        "packing_strategy": TRL_PACKING_STRATEGY,
-        "max_length": base.max_seq_len,
-        "per_device_train_batch_size": plan["per_device_train_batch_size"],
-        "gradient_accumulation_steps": plan["gradient_accumulation_steps"],
-    }
-    random = recommendation.get("random") or {}
-    return {
-        "id": "packing",
-        "applies": True,
-        "title": (
-            f"Pack whole examples into {base.max_seq_len}-token rows (TRL, best-fit decreasing)"
-        ),
-        "expressible_in_training_arguments": False,
-        "how": (
-            f"trl {trl_info.get('version')} SFTConfig(packing=True, packing_strategy="
-            f"{TRL_PACKING_STRATEGY!r}) packs by best-fit decreasing and turns padding_free on "
-            "(documents kept apart by position_ids); the plain Trainer has no packing setting"
-        ),
-        "training_arguments": None,
-        "sft_config": sft,
-        "sampler": None,
-        "snippets": config_snippets(
-            None,
-            sft,
-            {
-                "trl": "trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset)",
-            },
-        ),
-        "tokens_per_update": {
-            **_tokens_per_update(
-                base.tokens_per_update,
-                plan["tokens_per_update_after"],
-                f"{plan['per_device_train_batch_size']} packed row(s) of ~"
-                f"{plan['real_tokens_per_row']:.0f} real tokens × "
-                f"{plan['gradient_accumulation_steps']} accumulation step(s), instead of "
-                f"{base.micro_batch_size} × {base.grad_accum} examples of "
-                f"{base.mean_length:.0f} tokens on average",
-            ),
-            "plan": plan,
-        },
-        "estimate": {
-            **_estimate(point, random),
-            "n_bins": int(point["n_bins"]),
-            "strategy": SWEEP_PACKING_ROW,
-        },
-        "caveat": (
-            "needs attention that keeps the packed documents apart: flash-attention varlen kernels "
-            "read position_ids; SDPA/eager get a block-diagonal mask from transformers (dense "
-            "cost, no is_causal fast path; see the mask gate's packed scenario); examples per "
-            "step now vary; " + SFT_DEFAULTS_CAVEAT + "; " + SFT_STEP_CAVEAT
         ),
     }
 
@@ -488,7 +388,7 @@ def drop_no_loss_change(no_loss_examples: int | None, base: Baseline) -> dict[st
                 ],
             ),
         },
-        "tokens_per_update": _tokens_per_update(
+        "tokens_per_update": tokens_per_update_entry(
             base.tokens_per_update,
             base.tokens_per_update,
             "examples per step unchanged; fewer steps",
@@ -544,7 +444,7 @@ def step_level_changes(
                     extra_imports=flat_imports,
                     data_lines=model_line,
                 ),
-                "tokens_per_update": _tokens_per_update(
+                "tokens_per_update": tokens_per_update_entry(
                     base.tokens_per_update,
                     base.tokens_per_update,
                     "unchanged: micro-batch size × gradient accumulation is kept",

@@ -15,9 +15,9 @@ recommended bucket size, transformers' built-in ``group_by_length`` at its fixed
 - ``verification``: the snippet's argument lines executed against the installed libraries and
   every kwarg read back from the constructed object (``verify_document``).
 
-The changes are built in ``probes.apply.changes`` (their snippets in ``probes.apply.snippets``)
-and checked against the installed classes in ``probes.apply.libraries``; this module assembles
-them into ``recommendations.json``.
+The changes are built in ``probes.apply.changes`` and ``probes.apply.packing`` (their snippets in
+``probes.apply.snippets``) and checked against the installed classes in
+``probes.apply.libraries``; this module assembles them into ``recommendations.json``.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from probes.apply.changes import (
     batch_rebalance_change,
     drop_no_loss_change,
     length_grouped_changes,
-    packing_change,
 )
 from probes.apply.libraries import installed_libraries, verify_document
+from probes.apply.packing import packing_change
 from probes.apply.snippets import call_text
 from probes.contracts import TRAINING_STATUSES
 

@@ -13,6 +13,7 @@ import pytest
 from probes.apply import changes as apply_changes
 from probes.apply import document as apply
 from probes.apply import libraries as apply_libraries
+from probes.apply import packing as apply_packing
 from probes.apply import snippets as apply_snippets
 from probes.batching import orders
 from probes.bucket import control as bucket_controls
@@ -201,7 +202,7 @@ def test_packing_keeps_tokens_per_update_comparable(recommendation, document):
 )
 def test_packing_plan(micro, grad_accum, mean, longest, max_seq_len, fill, rows, accum):
     base = apply_changes.Baseline(micro, grad_accum, max_seq_len, 1000, mean * 1000, longest)
-    plan = apply_changes.packing_plan(base, n_bins=round(mean * 1000 / fill))
+    plan = apply_packing.packing_plan(base, n_bins=round(mean * 1000 / fill))
     assert (plan["per_device_train_batch_size"], plan["gradient_accumulation_steps"]) == (
         rows,
         accum,

@@ -1,0 +1,140 @@
+"""TRL packing as a change: whole examples packed into ``max_seq_len`` rows by best-fit
+decreasing, with the batch adjusted to keep real tokens per update (``packing_plan``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from probes.apply.changes import Baseline, sweep_estimate, tokens_per_update_entry
+from probes.apply.snippets import config_snippets
+
+TRL_PACKING_STRATEGY = "bfd"  # TRL's best-fit decreasing; the sweep's packing_bfd mirrors it
+SWEEP_PACKING_ROW = "packing_bfd"
+
+
+def packing_plan(base: Baseline, n_bins: int) -> dict[str, Any]:
+    """Packed rows per micro-batch and grad_accum keeping real tokens per update comparable.
+
+    The micro-batch holds at most what the baseline's first micro-batch held (micro × longest
+    padded tokens, which already fits: HF puts the longest example first), at least one row;
+    grad_accum then brings the step's real tokens nearest the baseline's.
+    """
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be ≥ 1, got {n_bins}")
+    fill = base.real_tokens / n_bins  # real tokens per packed row
+    target_rows = base.tokens_per_update / fill
+    rows = max(1, (base.micro_batch_size * base.longest) // base.max_seq_len)
+    if rows > target_rows:
+        rows = max(1, round(target_rows))
+    accum = max(1, round(target_rows / rows))
+    return {
+        "per_device_train_batch_size": int(rows),
+        "gradient_accumulation_steps": int(accum),
+        "real_tokens_per_row": float(fill),
+        "rows_per_update_target": float(target_rows),
+        "tokens_per_update_after": float(rows * accum * fill),
+    }
+
+
+# SFTConfig's defaults are not TrainingArguments' (TRL 1.16: gradient_checkpointing=True,
+# bf16=True). Pasted over a Trainer run they change more than the batching: measured with
+# bench/realized_vs_promised.py on CPU (float32), packing realized -29.5% with the checkpointing
+# default against +12.7% promised.
+SFT_DEFAULTS_CAVEAT = (
+    "SFTConfig defaults to gradient_checkpointing=True and bf16=True (TRL 1.16), unlike "
+    "TrainingArguments: set both to your run's values, or the step pays activation recomputation "
+    "(bench/realized_vs_promised.py, a small Llama on CPU: -29.5% realized against +12.7% "
+    "promised) besides the packing"
+)
+# TRL 1.16's SFTTrainer computes per-token entropy and top-1 accuracy in its loss and logs them
+# with a .item() each micro-batch, a cost no setting turns off and the replay (the user's
+# harness, not TRL's step) does not time: measured with bench/realized_vs_promised.py on two
+# CPUs (float32), +0.19 and +0.22 s per optimizer step beyond the Trainer's, which put packing's
+# realized saving 5.5 and 9.7 pp under its promise.
+SFT_STEP_CAVEAT = (
+    "SFTTrainer's step also computes entropy and token accuracy metrics per micro-batch, which "
+    "the replay of your harness does not time: on bench/realized_vs_promised.py (small Llama, "
+    "CPU) that put the realized saving 5.5-9.7 pp under the promise"
+)
+
+
+def packing_change(
+    recommendation: Mapping[str, Any], base: Baseline, trl_info: Mapping[str, Any]
+) -> dict[str, Any]:
+    """TRL packing (best-fit decreasing into max_seq_len rows), batch adjusted for tokens/update."""
+    point = (recommendation.get("packing") or {}).get(SWEEP_PACKING_ROW)
+    if not point:
+        return {
+            "id": "packing",
+            "applies": False,
+            "reason": f"the bucket sweep has no {SWEEP_PACKING_ROW} row (bucket.packing)",
+        }
+    if trl_info.get("version") is None or TRL_PACKING_STRATEGY not in (
+        trl_info.get("packing_strategies") or []
+    ):
+        return {
+            "id": "packing",
+            "applies": False,
+            "reason": (
+                "trl is not installed: packing is an SFTConfig setting (pip install trl)"
+                if trl_info.get("version") is None
+                else f"trl {trl_info.get('version')} has no packing_strategy "
+                f"{TRL_PACKING_STRATEGY!r}"
+            ),
+        }
+    plan = packing_plan(base, int(point["n_bins"]))
+    sft = {
+        "packing": True,
+        "packing_strategy": TRL_PACKING_STRATEGY,
+        "max_length": base.max_seq_len,
+        "per_device_train_batch_size": plan["per_device_train_batch_size"],
+        "gradient_accumulation_steps": plan["gradient_accumulation_steps"],
+    }
+    random = recommendation.get("random") or {}
+    return {
+        "id": "packing",
+        "applies": True,
+        "title": (
+            f"Pack whole examples into {base.max_seq_len}-token rows (TRL, best-fit decreasing)"
+        ),
+        "expressible_in_training_arguments": False,
+        "how": (
+            f"trl {trl_info.get('version')} SFTConfig(packing=True, packing_strategy="
+            f"{TRL_PACKING_STRATEGY!r}) packs by best-fit decreasing and turns padding_free on "
+            "(documents kept apart by position_ids); the plain Trainer has no packing setting"
+        ),
+        "training_arguments": None,
+        "sft_config": sft,
+        "sampler": None,
+        "snippets": config_snippets(
+            None,
+            sft,
+            {
+                "trl": "trainer = SFTTrainer(model=model, args=args, train_dataset=train_dataset)",
+            },
+        ),
+        "tokens_per_update": {
+            **tokens_per_update_entry(
+                base.tokens_per_update,
+                plan["tokens_per_update_after"],
+                f"{plan['per_device_train_batch_size']} packed row(s) of ~"
+                f"{plan['real_tokens_per_row']:.0f} real tokens × "
+                f"{plan['gradient_accumulation_steps']} accumulation step(s), instead of "
+                f"{base.micro_batch_size} × {base.grad_accum} examples of "
+                f"{base.mean_length:.0f} tokens on average",
+            ),
+            "plan": plan,
+        },
+        "estimate": {
+            **sweep_estimate(point, random),
+            "n_bins": int(point["n_bins"]),
+            "strategy": SWEEP_PACKING_ROW,
+        },
+        "caveat": (
+            "needs attention that keeps the packed documents apart: flash-attention varlen kernels "
+            "read position_ids; SDPA/eager get a block-diagonal mask from transformers (dense "
+            "cost, no is_causal fast path; see the mask gate's packed scenario); examples per "
+            "step now vary; " + SFT_DEFAULTS_CAVEAT + "; " + SFT_STEP_CAVEAT
+        ),
+    }
