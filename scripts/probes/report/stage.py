@@ -62,6 +62,8 @@ def recommendations_document(
         **CHANGE_STRATEGY,
         **{c["id"]: c["id"] for c in document["changes"] if c.get("step_level")},
     }
+    document["changes"] += combined_changes(loaded, document, strategy_of)
+    strategy_of.update({c["id"]: c["id"] for c in document["changes"] if c.get("combined_of")})
     # the report's order: by the replay's measured saving (Summary and "Apply it" agree)
     measurements = {
         i: change_measurement(change, loaded["tables"], loaded["not_run"])
@@ -80,6 +82,25 @@ def recommendations_document(
         realize["rule"] if ok else None,
         None if memory is None else {s: memory_check(memory, s) for s in strategy_of.values()},
     )
+
+
+def combined_changes(
+    loaded: Mapping[str, Any], document: Mapping[str, Any], strategy_of: Mapping[str, str]
+) -> list[dict[str, Any]]:
+    """The combined configurations the replay measured (probes.replay.combined), each as the
+    settings of its parts applied together (probes.apply.combined)."""
+    from probes.apply.combined import combined_change
+    from probes.step.combined import is_combined
+
+    estimates = loaded["tables"].get("replay_estimates")
+    if estimates is None or "replay" in loaded["not_run"] or estimates.empty:
+        return []
+    entries = [
+        combined_change(name, document["changes"], strategy_of, document.get("baseline") or {})
+        for name in estimates["strategy"]
+        if is_combined(name)
+    ]
+    return [e for e in entries if e is not None]
 
 
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:

@@ -93,8 +93,13 @@ def change_title(strategy: str, bucket_size: Any, max_seq_len: Any, idle: int | 
         return "Pad each batch to its longest member, not to max_seq_len"
     if strategy == RANDOM:
         return "Random batches (the baseline)"
+    from probes.step import combined
     from probes.step.changes import title_of
 
+    if combined.is_combined(strategy):
+        return combined.title_of(
+            strategy, lambda part: change_title(part, bucket_size, max_seq_len, idle)
+        )
     return title_of(strategy) or strategy
 
 
