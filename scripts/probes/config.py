@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
-import importlib.machinery
-import importlib.util
-import sys
 from collections.abc import Mapping
-from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +18,8 @@ from probes.contracts import (
     stage_outputs,
 )
 from probes.errors import ProbeError
+from probes.step.harness import find_module_spec, missing_required
 from probes.step.harness import is_file_spec as is_harness_file
-from probes.step.harness import missing_required
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -128,31 +124,6 @@ def check_config_paths(config: dict[str, Any], workdir: Path | None = None) -> N
         problem = static_problem(factory, base)
         if problem:
             raise ConfigError(f"config key {problem}")
-
-
-def find_module_spec(dotted: str) -> ModuleSpec | None:
-    """Where the module `dotted` would be imported from, or None where it cannot be found.
-
-    Nothing is imported: the top-level name goes through importlib.util.find_spec, each further
-    part through the path finder over its parent's search locations (an already imported parent's
-    `__path__`), so checking a user's package never runs its code at parse time.
-    """
-    parts = dotted.split(".")
-    if not all(part.isidentifier() for part in parts):
-        return None
-    try:
-        spec = importlib.util.find_spec(parts[0])
-    except (ImportError, ValueError):  # ValueError: a loaded module without __spec__
-        return None
-    for depth in range(1, len(parts)):
-        if spec is None:
-            return None
-        parent = sys.modules.get(".".join(parts[:depth]))
-        search = getattr(parent, "__path__", None) if parent else spec.submodule_search_locations
-        if search is None:  # the parent is a plain module, not a package
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: depth + 1]), list(search))
-    return spec
 
 
 def check_harness(harness: str, base: Path) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from probes.errors import ProbeError
-from probes.step.harness import UnimportableFileError, import_user_file
+from probes.step.harness import UnimportableFileError, find_module_spec, import_user_file
 
 FACTORY_KEY = "trainer.factory"
 MODEL_KEYS = ("dtype", "attn_implementation")
@@ -122,8 +122,6 @@ def static_problem(spec: str, base: Path) -> str | None:
                 f"starts at the working directory {base})."
             )
     else:
-        from probes.config import find_module_spec
-
         found = find_module_spec(module_name)
         if found is None:
             return f"{FACTORY_KEY} '{spec}': no module '{module_name}' on this Python path."

@@ -11,12 +11,14 @@ import ast
 import functools
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -188,6 +190,31 @@ def qualified_name(fn: Callable[..., Any]) -> str:
 
 def is_file_spec(spec: str) -> bool:
     return spec.endswith(".py") or "/" in spec or "\\" in spec
+
+
+def find_module_spec(dotted: str) -> ModuleSpec | None:
+    """Where the module `dotted` would be imported from, or None where it cannot be found.
+
+    Nothing is imported: the top-level name goes through importlib.util.find_spec, each further
+    part through the path finder over its parent's search locations (an already imported parent's
+    `__path__`), so checking a user's package never runs its code at parse time.
+    """
+    parts = dotted.split(".")
+    if not all(part.isidentifier() for part in parts):
+        return None
+    try:
+        spec = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):  # ValueError: a loaded module without __spec__
+        return None
+    for depth in range(1, len(parts)):
+        if spec is None:
+            return None
+        parent = sys.modules.get(".".join(parts[:depth]))
+        search = getattr(parent, "__path__", None) if parent else spec.submodule_search_locations
+        if search is None:  # the parent is a plain module, not a package
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(".".join(parts[: depth + 1]), list(search))
+    return spec
 
 
 class UnimportableFileError(ImportError):
