@@ -5,6 +5,9 @@ from __future__ import annotations
 CONTROL_KEYS = ("name", "description", "expected", "observed", "passed")
 # JSON outputs and the keys the report reads (a not-run stage may carry only status + reason).
 JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
+    # also "implementations" (probes.mask.implementations): per attention implementation its
+    # verdict, read by the replay (padding-free is priced only where it passed); not required
+    # here: the report does not read it, and a gate without it clears no padding-free change
     "mask_gate": ("mask", ("passed", "confirm", "target")),
     "bucket_recommendation": ("bucket", ("status", "recommended", "thresholds")),
     # dtype/dtype_reason: probes.step.dtype; mfu_convention: probes.profile.flops.MFU_CONVENTION
