@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -165,98 +166,151 @@ def summarise(
     return out
 
 
-def timed_step_note(raw: Mapping[str, Any]) -> str | None:
+def timed_step_note(factory: str | None, harness: str) -> str | None:
     """With trainer.factory set, what this stage times instead, and what it would need."""
-    factory = (raw.get("trainer") or {}).get("factory")
     if not factory:
         return None
     return (
         f"data_parallel: trainer.factory '{factory}' is not run under torchrun yet: the ranks "
-        f"time the profile.harness module ({raw['profile']['harness']}) on the plans' shapes. "
+        f"time the profile.harness module ({harness}) on the plans' shapes. "
         "Running the trainer per rank needs the factory to build it inside each torchrun "
         "process (its Accelerator then shards the data); until then this stage prices the "
         "straggler wait, not your trainer's own step."
     )
 
 
-def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
-    """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
+@dataclass(frozen=True)
+class Launch:
+    """Where and how the ranks run: W, the device and backend, the dtype and why, the CPU length
+    cap and threads per rank, and what is timed instead of the trainer (None: the harness)."""
+
+    world: int
+    device_type: str
+    backend: str
+    dtype: str
+    dtype_reason: str
+    cap: int | None
+    threads: int
+    timed_step: str | None
+
+    @property
+    def cpu_only(self) -> bool:
+        return self.device_type != "cuda"
+
+
+def resolve_launch(cfg: WorkflowConfig) -> Launch:
+    """The launch from the config, checked before anything loads: W > 1, a device, a machine
+    that can host W ranks of the backend."""
     from probes.distributed import check_launch
     from probes.step.dtype import resolve_dtype
     from probes.step.runner import resolve_device
 
-    started = time.perf_counter()
-    raw = cfg.raw
-    dp_cfg, training, profile = raw["data_parallel"], raw["training"], raw["profile"]
-    world = int(training["world_size"])
+    dp_cfg, profile = cfg.data_parallel, cfg.profile
+    world = int(cfg.training.world_size)
     if world < 2:
         raise DataParallelError(
             f"data_parallel: training.world_size is {world}; the stage measures data-parallel "
             "steps and runs only with training.world_size > 1."
         )
     try:
-        device = resolve_device(profile["device"], profile["allow_cpu"])
+        device = resolve_device(profile.device, profile.allow_cpu)
     except ProbeError as error:
         raise DataParallelError(f"data_parallel: {error}") from error
-    timed_step = timed_step_note(raw)
+    timed_step = timed_step_note(cfg.trainer.factory, profile.harness)
     if timed_step:
         LOG.warning("%s", timed_step)
     cpu_only = device.type != "cuda"
-    backend = backend_for(dp_cfg["backend"], device.type)
+    backend = backend_for(dp_cfg.backend, device.type)
     check_launch(world, backend)
-    dtype, dtype_reason = resolve_dtype(profile["dtype"], device.type)
-    cap = int(dp_cfg["cpu"]["max_seq_len"]) if cpu_only else None
-    threads = int(dp_cfg["cpu"]["threads_per_rank"]) if cpu_only else 1
+    dtype, dtype_reason = resolve_dtype(profile.dtype, device.type)
+    return Launch(
+        world=world,
+        device_type=device.type,
+        backend=backend,
+        dtype=dtype,
+        dtype_reason=dtype_reason,
+        cap=int(dp_cfg.cpu.max_seq_len) if cpu_only else None,
+        threads=int(dp_cfg.cpu.threads_per_rank) if cpu_only else 1,
+        timed_step=timed_step,
+    )
+
+
+def worker_job(
+    out_dir: str,
+    model_path: str,
+    cfg: WorkflowConfig,
+    setup: Launch,
+    job_plans: dict[str, Any],
+    indices: dict[str, list[int]],
+) -> dict[str, Any]:
+    """The job file every rank reads (probes.dp.worker)."""
+    dp_cfg, profile = cfg.data_parallel, cfg.profile
+    return {
+        "out_dir": out_dir,
+        "model_path": model_path,
+        "profile": {
+            "harness": profile.harness,
+            "harness_options": dict(profile.harness_options),
+            "attn_implementation": profile.attn_implementation,
+            "ce_chunk_tokens": profile.ce_chunk_tokens,
+        },
+        "dtype": setup.dtype,
+        "dtype_reason": setup.dtype_reason,
+        "device_type": setup.device_type,
+        "backend": setup.backend,
+        "threads_per_rank": setup.threads,
+        "timeout_s": float(dp_cfg.timeout_s),
+        "seed": int(dp_cfg.seed),
+        "rounds": int(dp_cfg.rounds),
+        "warmup_rounds": int(dp_cfg.warmup_rounds),
+        "strategies": job_plans,
+        "step_indices": indices,
+    }
+
+
+def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
+    """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
+    started = time.perf_counter()
+    setup = resolve_launch(cfg)
+    dp_cfg, training = cfg.data_parallel, cfg.training
     plans = pl.read_plans(inputs["plans"])
     strategies = measured_strategies(plans)
     bucket_size = pl.recommended_bucket_size(read_json(inputs["recommendation"]))
-    micro, grad_accum = int(training["micro_batch_size"]), int(training["grad_accum"])
     job_plans, indices, total = job_strategies(
-        plans, strategies, micro, grad_accum, world, int(dp_cfg["steps"]), cap
+        plans,
+        strategies,
+        int(training.micro_batch_size),
+        int(training.grad_accum),
+        setup.world,
+        int(dp_cfg.steps),
+        setup.cap,
     )
     LOG.info(
         "data_parallel: W=%d %s on %s, strategies %s, sampled steps %s of %s",
-        world,
-        backend,
-        device.type,
+        setup.world,
+        setup.backend,
+        setup.device_type,
         strategies,
         {k: len(v) for k, v in indices.items()},
         total,
     )
     with tempfile.TemporaryDirectory(prefix="probes-dp-") as tmp:
-        job = {
-            "out_dir": tmp,
-            "model_path": str(Path(inputs["tokenizer"][0]).parent),
-            "profile": {
-                key: profile[key]
-                for key in ("harness", "harness_options", "attn_implementation", "ce_chunk_tokens")
-            },
-            "dtype": dtype,
-            "dtype_reason": dtype_reason,
-            "device_type": device.type,
-            "backend": backend,
-            "threads_per_rank": threads,
-            "timeout_s": float(dp_cfg["timeout_s"]),
-            "seed": int(dp_cfg["seed"]),
-            "rounds": int(dp_cfg["rounds"]),
-            "warmup_rounds": int(dp_cfg["warmup_rounds"]),
-            "strategies": job_plans,
-            "step_indices": indices,
-        }
-        results = launch(job, world, threads, float(dp_cfg["timeout_s"]))
+        model_path = str(Path(inputs["tokenizer"][0]).parent)
+        job = worker_job(tmp, model_path, cfg, setup, job_plans, indices)
+        results = launch(job, setup.world, setup.threads, float(dp_cfg.timeout_s))
     records = pd.DataFrame([r for result in results for r in result["records"]])
-    tolerance = float(dp_cfg["tolerance"])
+    tolerance = float(dp_cfg.tolerance)
     summary = {
-        "world_size": world,
-        "backend": backend,
-        "device_type": device.type,
-        "cpu_only": cpu_only,
-        "dtype": dtype,
-        "dtype_reason": dtype_reason,
-        "threads_per_rank": threads,
-        "max_seq_len_measured": cap or int(training["max_seq_len"]),
+        "world_size": setup.world,
+        "backend": setup.backend,
+        "device_type": setup.device_type,
+        "cpu_only": setup.cpu_only,
+        "dtype": setup.dtype,
+        "dtype_reason": setup.dtype_reason,
+        "threads_per_rank": setup.threads,
+        "max_seq_len_measured": setup.cap or int(training.max_seq_len),
         "tolerance": tolerance,
-        "rounds": int(dp_cfg["rounds"]),
+        "rounds": int(dp_cfg.rounds),
         "bucket_size_batches": bucket_size,
         "epoch_steps": total,
         "sampled_steps": indices,
@@ -266,11 +320,22 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         "prediction": "max over ranks of one-process micro-batch time + optimizer + collective",
         "wall_s": time.perf_counter() - started,
     }
+    write_outputs(outputs, records, summary, cfg, setup)
+
+
+def write_outputs(
+    outputs: Mapping[str, str],
+    records: pd.DataFrame,
+    summary: dict[str, Any],
+    cfg: WorkflowConfig,
+    setup: Launch,
+) -> None:
+    """steps.parquet (with the run's provenance) and summary.json, all or nothing."""
     provenance = {
-        **run_metadata(dict(raw)),
-        "world_size": world,
-        "backend": backend,
-        "timed_step": timed_step or f"profile.harness {profile['harness']}",
+        **run_metadata(dict(cfg.raw)),  # the validated config the provenance hashes
+        "world_size": setup.world,
+        "backend": setup.backend,
+        "timed_step": setup.timed_step or f"profile.harness {cfg.profile.harness}",
     }
     with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
         out.parquet("steps", records, provenance)
