@@ -284,6 +284,17 @@ def bucket_recommendation(summary: pd.DataFrame | None = None) -> dict:
 
 def profile_tables() -> dict[str, pd.DataFrame]:
     """probes.profile.stage's tables (scaling with term shares, fit row, penalty, ce, kernels)."""
+    return {
+        "scaling": profile_scaling(),
+        "fit": profile_fit(),
+        "padding_penalty": profile_penalty(),
+        "ce": profile_ce(),
+        "kernels": profile_kernels(),
+    }
+
+
+def profile_scaling() -> pd.DataFrame:
+    """Scaling points on the known FIT, the longest out of memory."""
     lengths = [1024, 2048, 4096, 8192]
     rows = []
     for t in lengths:
@@ -306,14 +317,23 @@ def profile_tables() -> dict[str, pd.DataFrame]:
                 "error": "" if not oom else "CUDA out of memory",
             }
         )
-    fit = pd.DataFrame(
+    return pd.DataFrame(rows)
+
+
+def profile_fit() -> pd.DataFrame:
+    """The fit row: exact through the three measured points."""
+    return pd.DataFrame(
         [
             {**FIT, "n_points": 3, "method": "exact", "condition_number": 17.0}
             | {"residual_rms_s": np.nan, "max_rel_residual": np.nan, "r_squared": np.nan}
             | {"message": "exact through 3 points; not fitted: 8192:OOM"}
         ]
     )
-    penalty = pd.DataFrame(
+
+
+def profile_penalty() -> pd.DataFrame:
+    """The padding penalty, one by one and packed (packed beyond the fitted range)."""
+    return pd.DataFrame(
         [
             {
                 "variant": variant,
@@ -342,8 +362,12 @@ def profile_tables() -> dict[str, pd.DataFrame]:
             )
         ]
     )
-    # probes.profile.ce_timing.run_ce: the step, then one change per row (positions, then chunking)
-    ce = pd.DataFrame(
+
+
+def profile_ce() -> pd.DataFrame:
+    """probes.profile.ce_timing.run_ce: the step, then one change per row (positions, then
+    chunking)."""
+    return pd.DataFrame(
         {
             "variant": [
                 "train_step",
@@ -372,7 +396,11 @@ def profile_tables() -> dict[str, pd.DataFrame]:
             ],
         }
     )
-    kernels = pd.DataFrame(
+
+
+def profile_kernels() -> pd.DataFrame:
+    """Kernel categories on CUDA, and the CPU-side ATen twin of the GEMM the report drops."""
+    return pd.DataFrame(
         {
             "category": ["GEMM", "attention", "elementwise", "GEMM"],
             "device_type": ["CUDA", "CUDA", "CUDA", "CPU"],  # the ATen twin must be dropped
@@ -384,13 +412,6 @@ def profile_tables() -> dict[str, pd.DataFrame]:
             "top_kernels": [["sm90_xmma_gemm"], ["flash_fwd"], ["elementwise"], ["aten::mm"]],
         }
     )
-    return {
-        "scaling": pd.DataFrame(rows),
-        "fit": fit,
-        "padding_penalty": penalty,
-        "ce": ce,
-        "kernels": kernels,
-    }
 
 
 def flop_check(ratio: float = 1.04, tolerance: float = 0.15) -> dict:
@@ -586,102 +607,132 @@ def write_stage(
         from unit.memory.stage_outputs import write_memory_stage
 
         write_memory_stage(paths)
-        return
-    if stage == "mask":
-        write_parquet(mask_layers(), paths["mask_layers"], meta)
-        gate = {
-            "passed": True,
-            "violations_total": 0,
-            "violations": [],
-            "headline": "1 of 6 decoder layers keep SDPA's is_causal fast path at 2x4096",
-            # as a CUDA run writes it (probes.mask.gate: confirmation against what torch dispatched)
-            "confirm": {
-                "status": "agreed",
-                "ran": True,
-                "agreed": 6,
-                "total": 6,
-                "per_scenario": {"training": {"agreed": 6, "total": 6}},
-            },
-            "target": {
-                "compute_capability": "9.0",
-                "torch_version": "2.11.0+cu130",
-                "cudnn_version_source": "bundled with torch 2.11.0+cu130",
-                "priority_order": ["cudnn", "flash", "efficient", "math"],
-            },
-        }
-        write_json(gate, paths["mask_gate"])
-    elif stage == "padding":
-        lengths = padding_lengths()
-        write_parquet(lengths, paths["padding_lengths"], meta)
-        for name, frame in padding_tables(lengths).items():
-            write_parquet(frame, paths[f"padding_{name}"], meta)
-    elif stage == "bucket":
-        sweep = bucket_sweep()
-        # as probes.bucket.stage writes it: the one function that summarises the sweep
-        summary = bucket.summarise(sweep, "step")
-        write_parquet(sweep, paths["bucket_sweep"], meta)
-        write_parquet(summary, paths["bucket_summary"], meta)
-        write_json(bucket_recommendation(summary), paths["bucket_recommendation"])
-        write_parquet(bucket_data_parallel(), paths["bucket_data_parallel"], meta)
     elif stage == "replay":
-        if profile == "not_run":
-            for name in ("estimates", "steps", "fit"):
-                write_parquet(pd.DataFrame(), paths[f"replay_{name}"], meta)
-            write_json({"status": "not_run", "reason": NOT_RUN_REASON}, paths["replay_control"])
-            return
-        for name, frame in replay_tables(cpu_only=profile == "cpu").items():
-            write_parquet(frame, paths[f"replay_{name}"], meta)
-        write_json(replay_control("replay" not in failed), paths["replay_control"])
-        return
+        write_replay(paths, meta, profile, failed)
     elif stage == "realize":
-        if profile == "not_run":
-            for name in ("realized", "steps"):
-                write_parquet(pd.DataFrame(), paths[f"realize_{name}"], meta)
-            note = {"status": "not_run", "reason": NOT_RUN_REASON}
-            write_json(note, paths["realize_summary"])
-            write_json(
-                {**note, "name": "realize_recovers_known_step_cost"}, paths["realize_control"]
-            )
-            return
-        estimates = replay_tables(cpu_only=profile == "cpu")["estimates"]
-        # failed "realize_verdict": the realized saving disagrees with the promise
-        tables, summary = realize_tables(estimates, profile == "cpu", "realize_verdict" in failed)
-        for name, frame in tables.items():
-            write_parquet(frame, paths[f"realize_{name}"], meta)
-        write_json(summary, paths["realize_summary"])
-        passed = "realize" not in failed
-        write_json(control("realize_recovers_known_step_cost", passed), paths["realize_control"])
-        return
-    elif profile == "not_run":
-        for name in ("scaling", "fit", "padding_penalty", "ce", "kernels"):
-            write_parquet(pd.DataFrame(), paths[f"profile_{name}"], meta)
-        note = {"status": "not_run", "reason": NOT_RUN_REASON}
-        write_json(note, paths["profile_provenance"])
-        write_json({**note, "name": "profile_controls"}, paths["profile_control"])
-        return
+        write_realize(paths, meta, profile, failed)
+    elif stage not in ("mask", "padding", "bucket") and profile == "not_run":
+        write_profile_not_run(paths, meta)
     else:
-        for name, frame in profile_tables().items():
-            write_parquet(frame, paths[f"profile_{name}"], meta)
-        provenance = {
-            "device": {"type": "cpu", "name": "x86_64"}
-            if profile == "cpu"
-            else {"type": "cuda", "name": "NVIDIA H200", "capability": "9.0"},
-            "cpu_only": profile == "cpu",
-            "harness": {"spec": "probes.reference_harness", "functions": {}},
-            "dtype": "float32" if profile == "cpu" else "bfloat16",
-            "dtype_reason": "auto: this CPU emulates bfloat16 (AVX2, no AVX512-BF16/AMX)"
-            if profile == "cpu"
-            else "auto: CUDA computes bfloat16 natively",
-            "mfu_convention": MFU_CONVENTION,
-            "slurm": {"job_id": "1234", "gpus": None},
-        }
-        write_json(provenance, paths["profile_provenance"])
+        if stage == "mask":
+            write_mask(paths, meta)
+        elif stage == "padding":
+            write_padding(paths, meta)
+        elif stage == "bucket":
+            write_bucket(paths, meta)
+        else:
+            write_profile(paths, meta, cpu=profile == "cpu")
+        write_json(stage_control(stage, stage not in failed), paths[f"{stage}_control"])
+
+
+def write_mask(paths: dict[str, Path], meta: dict) -> None:
+    write_parquet(mask_layers(), paths["mask_layers"], meta)
+    gate = {
+        "passed": True,
+        "violations_total": 0,
+        "violations": [],
+        "headline": "1 of 6 decoder layers keep SDPA's is_causal fast path at 2x4096",
+        # as a CUDA run writes it (probes.mask.gate: confirmation against what torch dispatched)
+        "confirm": {
+            "status": "agreed",
+            "ran": True,
+            "agreed": 6,
+            "total": 6,
+            "per_scenario": {"training": {"agreed": 6, "total": 6}},
+        },
+        "target": {
+            "compute_capability": "9.0",
+            "torch_version": "2.11.0+cu130",
+            "cudnn_version_source": "bundled with torch 2.11.0+cu130",
+            "priority_order": ["cudnn", "flash", "efficient", "math"],
+        },
+    }
+    write_json(gate, paths["mask_gate"])
+
+
+def write_padding(paths: dict[str, Path], meta: dict) -> None:
+    lengths = padding_lengths()
+    write_parquet(lengths, paths["padding_lengths"], meta)
+    for name, frame in padding_tables(lengths).items():
+        write_parquet(frame, paths[f"padding_{name}"], meta)
+
+
+def write_bucket(paths: dict[str, Path], meta: dict) -> None:
+    sweep = bucket_sweep()
+    # as probes.bucket.stage writes it: the one function that summarises the sweep
+    summary = bucket.summarise(sweep, "step")
+    write_parquet(sweep, paths["bucket_sweep"], meta)
+    write_parquet(summary, paths["bucket_summary"], meta)
+    write_json(bucket_recommendation(summary), paths["bucket_recommendation"])
+    write_parquet(bucket_data_parallel(), paths["bucket_data_parallel"], meta)
+
+
+def write_replay(paths: dict[str, Path], meta: dict, profile: str, failed: tuple[str, ...]) -> None:
+    if profile == "not_run":
+        for name in ("estimates", "steps", "fit"):
+            write_parquet(pd.DataFrame(), paths[f"replay_{name}"], meta)
+        write_json({"status": "not_run", "reason": NOT_RUN_REASON}, paths["replay_control"])
+        return
+    for name, frame in replay_tables(cpu_only=profile == "cpu").items():
+        write_parquet(frame, paths[f"replay_{name}"], meta)
+    write_json(replay_control("replay" not in failed), paths["replay_control"])
+
+
+def write_realize(
+    paths: dict[str, Path], meta: dict, profile: str, failed: tuple[str, ...]
+) -> None:
+    if profile == "not_run":
+        for name in ("realized", "steps"):
+            write_parquet(pd.DataFrame(), paths[f"realize_{name}"], meta)
+        note = {"status": "not_run", "reason": NOT_RUN_REASON}
+        write_json(note, paths["realize_summary"])
+        write_json({**note, "name": "realize_recovers_known_step_cost"}, paths["realize_control"])
+        return
+    estimates = replay_tables(cpu_only=profile == "cpu")["estimates"]
+    # failed "realize_verdict": the realized saving disagrees with the promise
+    tables, summary = realize_tables(estimates, profile == "cpu", "realize_verdict" in failed)
+    for name, frame in tables.items():
+        write_parquet(frame, paths[f"realize_{name}"], meta)
+    write_json(summary, paths["realize_summary"])
+    passed = "realize" not in failed
+    write_json(control("realize_recovers_known_step_cost", passed), paths["realize_control"])
+
+
+def write_profile_not_run(paths: dict[str, Path], meta: dict) -> None:
+    for name in ("scaling", "fit", "padding_penalty", "ce", "kernels"):
+        write_parquet(pd.DataFrame(), paths[f"profile_{name}"], meta)
+    note = {"status": "not_run", "reason": NOT_RUN_REASON}
+    write_json(note, paths["profile_provenance"])
+    write_json({**note, "name": "profile_controls"}, paths["profile_control"])
+
+
+def write_profile(paths: dict[str, Path], meta: dict, cpu: bool) -> None:
+    for name, frame in profile_tables().items():
+        write_parquet(frame, paths[f"profile_{name}"], meta)
+    provenance = {
+        "device": {"type": "cpu", "name": "x86_64"}
+        if cpu
+        else {"type": "cuda", "name": "NVIDIA H200", "capability": "9.0"},
+        "cpu_only": cpu,
+        "harness": {"spec": "probes.reference_harness", "functions": {}},
+        "dtype": "float32" if cpu else "bfloat16",
+        "dtype_reason": "auto: this CPU emulates bfloat16 (AVX2, no AVX512-BF16/AMX)"
+        if cpu
+        else "auto: CUDA computes bfloat16 natively",
+        "mfu_convention": MFU_CONVENTION,
+        "slurm": {"job_id": "1234", "gpus": None},
+    }
+    write_json(provenance, paths["profile_provenance"])
+
+
+def stage_control(stage: str, passed: bool) -> dict:
+    """The mask, padding, bucket or profile control JSON (the profile's with its FLOP check)."""
     name = "profile_controls" if stage == "profile" else f"{stage}_control"
     checks = {"padding": 3, "profile": 2}.get(stage, 0)
-    entry = control(name, stage not in failed, checks)
+    entry = control(name, passed, checks)
     if stage == "profile":  # its third check: the analytic FLOP count against FlopCounterMode
         entry["checks"].append(flop_check())
-    write_json(entry, paths[f"{stage}_control"])
+    return entry
 
 
 def write_results(root: Path, **kwargs) -> dict[str, Path]:
