@@ -17,7 +17,8 @@ applied by `round_to`; kernels' internal workspaces are not tensors and are not 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,8 +118,11 @@ class FakeStep:
     notes: list[str] = field(default_factory=list)
 
 
-def materialise_fake(model: torch.nn.Module, mode: FakeTensorMode) -> None:
-    """Replace every meta parameter/buffer by a fake CPU tensor, keeping shared ones shared."""
+def materialise_fake(
+    model: torch.nn.Module, mode: FakeTensorMode, device: str | torch.device = "cpu"
+) -> None:
+    """Replace every parameter/buffer (meta or real) by a fake tensor on `device`, keeping
+    shared ones shared."""
     memo: dict[int, torch.Tensor] = {}
     with mode:
         for module in model.modules():
@@ -126,14 +130,14 @@ def materialise_fake(model: torch.nn.Module, mode: FakeTensorMode) -> None:
                 if param is None:
                     continue
                 if id(param) not in memo:
-                    fake = torch.empty(param.shape, dtype=param.dtype, device="cpu")
+                    fake = torch.empty(param.shape, dtype=param.dtype, device=device)
                     memo[id(param)] = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
                 module._parameters[name] = memo[id(param)]
             for name, buf in list(module._buffers.items()):
                 if buf is None:
                     continue
                 if id(buf) not in memo:
-                    memo[id(buf)] = torch.empty(buf.shape, dtype=buf.dtype, device="cpu")
+                    memo[id(buf)] = torch.empty(buf.shape, dtype=buf.dtype, device=device)
                 module._buffers[name] = memo[id(buf)]
 
 
@@ -201,7 +205,7 @@ def warm_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     optimizer.zero_grad(set_to_none=True)
 
 
-def make_batch(shape: Shape, device: str = "cpu") -> dict[str, torch.Tensor]:
+def make_batch(shape: Shape, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The harness's batch at `shape` (values irrelevant on fake tensors: zeros)."""
     if shape.layout == PACKED:
         ids = torch.zeros(1, shape.length, dtype=torch.long, device=device)
@@ -262,7 +266,7 @@ def predict(step: FakeStep, shape: Shape) -> Prediction:
     start = time.perf_counter()
     tracker = StepTracker(round_to=step.round_to, true_count=shape.loss_positions())
     try:
-        with step.mode:
+        with fake_errors(shape), step.mode:
             batch = make_batch(shape)
             fields = traced_step(
                 step.model,
@@ -272,6 +276,26 @@ def predict(step: FakeStep, shape: Shape) -> Prediction:
                 tracker,
                 step.grad_accum,
             )
+    finally:
+        step.optimizer.zero_grad(set_to_none=True)
+    return Prediction(
+        shape=shape,
+        peak_bytes=int(fields["peak_bytes"]),
+        by_category={c: int(fields["by_category"][c]) for c in CATEGORIES},
+        base_bytes=int(fields["base_bytes"]),
+        phase=str(fields["phase"]),
+        op=str(fields["op"]),
+        seconds=time.perf_counter() - start,
+        ops=int(fields["ops"]),
+        assumptions=step_assumptions(step.notes, tracker, shape),
+    )
+
+
+@contextmanager
+def fake_errors(shape: Shape) -> Iterator[None]:
+    """What fake tensors cannot follow, as a PredictError naming the shape and the op."""
+    try:
+        yield
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         raise PredictError(
             f"shape {shape.name}: fake tensors cannot follow a data-dependent op "
@@ -283,12 +307,19 @@ def predict(step: FakeStep, shape: Shape) -> Prediction:
             f"shape {shape.name}: an op cannot run on fake tensors ({type(error).__name__}: "
             f"{first})"
         ) from error
-    finally:
-        step.optimizer.zero_grad(set_to_none=True)
-    assumptions = list(step.notes)
+
+
+def step_assumptions(notes: list[str], tracker: StepTracker, shape: Shape) -> list[str]:
+    """What the figure assumed where fake tensors could not know: said beside it."""
+    assumptions = list(notes)
     if tracker.bool_index_calls:
         assumptions.append(
             f"boolean indexing answered with {shape.loss_positions()} loss positions"
+        )
+    if tracker.scalar_reads:
+        assumptions.append(
+            f"{tracker.scalar_reads} host read(s) of a scalar (metrics' .item(), the NaN/inf "
+            "check) answered 0: they steer logging, not the step's tensors"
         )
     if any("scaled_dot_product" in op for op in tracker.sdpa_ops):
         assumptions.append("attention: fused SDPA (O(T) memory per head), as flash/cuDNN")
@@ -297,14 +328,4 @@ def predict(step: FakeStep, shape: Shape) -> Prediction:
             "MoE experts as grouped matmuls over tokens x top-k rows: memory independent of "
             "the routing (any routing, balanced included, gives this figure)"
         )
-    return Prediction(
-        shape=shape,
-        peak_bytes=int(fields["peak_bytes"]),
-        by_category={c: int(fields["by_category"][c]) for c in CATEGORIES},
-        base_bytes=int(fields["base_bytes"]),
-        phase=str(fields["phase"]),
-        op=str(fields["op"]),
-        seconds=time.perf_counter() - start,
-        ops=int(fields["ops"]),
-        assumptions=assumptions,
-    )
+    return assumptions

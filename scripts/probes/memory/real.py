@@ -4,14 +4,16 @@ On a GPU: `torch.cuda.max_memory_allocated` over the step (after `reset_peak_mem
 CPU: the profiler's allocator events (`profile_memory=True`): every allocation and free of the
 step in time order, summed; the peak of that running sum plus the bytes live before the step.
 
-`measure_step_peak` is the hook the profile stage calls on each timed step's model, optimizer and
-batch: it runs the same sequence as the prediction (`probes.memory.predict.traced_step`): forward
-with the harness's loss, backward, optimizer step, `zero_grad(set_to_none=True)`.
+`measure_step_peak` runs a harness's step as the prediction does (`probes.memory.predict.
+traced_step`): forward with the harness's loss, backward, optimizer step,
+`zero_grad(set_to_none=True)`. `measure_peak` measures any step given as a function: the profile
+gives it its own runner's step (the harness's, or the user's trainer's).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
+from functools import partial
 from typing import Any
 
 import torch
@@ -75,19 +77,54 @@ def measure_step_peak(
     compute_loss: Callable[[torch.nn.Module, Any], torch.Tensor],
     batch: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The real peak bytes of one step and the instrument that measured it."""
+    """The real peak bytes of one harness step and the instrument that measured it."""
+    return measure_peak(
+        model, optimizer, batch, lambda: run_step(model, optimizer, compute_loss, batch)
+    )
+
+
+def measure_peak(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Mapping[str, Any],
+    step: Callable[[], None],
+) -> dict[str, Any]:
+    """The real peak bytes of `step()` (one training step of `model`, `optimizer` on `batch`,
+    e.g. a trainer's own), and the instrument that measured it."""
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        run_step(model, optimizer, compute_loss, batch)
+        step()
         torch.cuda.synchronize(device)
         peak = int(torch.cuda.max_memory_allocated(device))
         return {"peak_bytes": peak, "instrument": "torch.cuda.max_memory_allocated"}
     base = live_before_step(model, optimizer, batch)
-    above = cpu_allocator_peak(lambda: run_step(model, optimizer, compute_loss, batch))
+    above = cpu_allocator_peak(step)
     return {
         "peak_bytes": base + above,
         "base_bytes": base,
         "instrument": "torch.profiler allocator events (profile_memory=True) + live tensors",
     }
+
+
+def scaling_step_peaks(
+    runner: Any, batch_of: Callable[[int], Mapping[str, Any]], lengths: Iterable[int]
+) -> dict[Any, int]:
+    """Shape -> the real peak bytes of one step of `runner` (a StepRunner or TrainerStep: its
+    `step`, `model`, `optimizer`) on `batch_of(length)`, at the batch's rows, length and loss
+    positions (the positions whose hidden state predicts a labelled token)."""
+    from probes.memory.predict import Shape
+    from probes.step.batches import loss_position_count
+
+    real = {}
+    for length in lengths:
+        batch = batch_of(int(length))
+        rows = int(batch["input_ids"].shape[0])
+        shape = Shape(
+            f"{rows}x{length}", rows, int(length), loss_tokens=loss_position_count(batch["labels"])
+        )
+        peak = measure_peak(runner.model, runner.optimizer, batch, partial(runner.step, [batch]))
+        real[shape] = int(peak["peak_bytes"])
+        del batch  # the next point's batch is made without this one live
+    return real

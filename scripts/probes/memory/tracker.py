@@ -14,7 +14,9 @@ activation or temporary (the batch included).
 
 Data-dependent shapes: fake tensors cannot know how many labels are -100. A boolean index (the
 reference harness's `hidden[labels != -100]`) is answered with `true_count` rows, the shape's
-loss positions, and the figure says so.
+loss positions, and the figure says so. Data-dependent scalars: a trainer reads a few on the host
+every step (`.item()` of its metrics, the NaN/inf check); with `answer_scalars` each read of a fake
+tensor is answered 0 (False) and counted, so the step runs on; the prediction says how many.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
@@ -64,13 +67,18 @@ class StepTracker(TorchDispatchMode):
     """Count storage bytes created by every op; `peak()` splits the highest point by category.
 
     `round_to` rounds each storage up as an allocator does (512 for the CUDA caching allocator;
-    1 for the CPU check). `true_count` answers boolean indexing on fake tensors.
+    1 for the CPU check). `true_count` answers boolean indexing on fake tensors;
+    `answer_scalars` answers a host read of a fake scalar with 0 (`scalar_reads` counts them).
     """
 
-    def __init__(self, round_to: int = 1, true_count: int | None = None) -> None:
+    def __init__(
+        self, round_to: int = 1, true_count: int | None = None, answer_scalars: bool = False
+    ) -> None:
         super().__init__()
         self.round_to = max(int(round_to), 1)
         self.true_count = true_count
+        self.answer_scalars = answer_scalars
+        self.scalar_reads = 0
         self._serial = itertools.count(1)
         self._known: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._bytes: dict[int, int] = {}
@@ -121,6 +129,10 @@ class StepTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
+        if self.answer_scalars and func is torch.ops.aten._local_scalar_dense.default:
+            if isinstance(args[0], FakeTensor):  # a metric's .item(), a NaN check's bool()
+                self.scalar_reads += 1
+                return _zero_of(args[0].dtype)
         if func is torch.ops.aten.index.Tensor and self.true_count is not None:
             args = self._bool_index_as_rows(args)
         name = func.__name__
@@ -204,6 +216,12 @@ class StepTracker(TorchDispatchMode):
 
     def _first_step_event(self) -> int:
         return self._phase_at[1][0] if len(self._phase_at) > 1 else 0
+
+
+def _zero_of(dtype: torch.dtype) -> bool | int | float:
+    if dtype == torch.bool:
+        return False
+    return 0.0 if dtype.is_floating_point else 0
 
 
 def categories_for(

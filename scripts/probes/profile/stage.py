@@ -274,53 +274,47 @@ def real_peak_control(
     lengths: list[int],
     loss_share: float,
 ) -> dict[str, Any] | None:
-    """The memory stage's prediction against the real peak of the same steps (issue 28): one
-    more untimed step at each scaling length, its peak from an instrument other than the
-    predictor (max_memory_allocated on CUDA, the profiler's allocator events on CPU); a failed
-    check fails the stage. None where it does not apply: memory off, or the user's trainer (the
-    predictor follows a harness's step)."""
-    memory = config.get("memory") or {}
-    if step.harness is None or not memory.get("enabled", True):
-        return None
-    from probes.mask.trace import config_from_dict, read_config_json
-    from probes.memory.check import real_vs_predicted
-    from probes.memory.predict import functions_of
-    from probes.memory.real import measure_step_peak
+    """The memory prediction against the real peak of the same steps (issue 28): one more
+    untimed step of the profile's own runner (the harness's or the user's trainer's) at each
+    scaling length, its peak from an instrument other than the predictor (max_memory_allocated
+    on CUDA, the profiler's allocator events on CPU), predicted at the same rows, length and
+    loss positions; off by more than memory.tolerance fails the stage with the shapes named.
+    None where memory is off, or where fake tensors cannot trace the step (said)."""
+    from probes.memory.check import real_vs_predicted, trainer_vs_predicted
+    from probes.memory.real import scaling_step_peaks
 
+    memory = config.get("memory") or {}
+    if not memory.get("enabled", True):
+        return None
     generator = torch.Generator().manual_seed(settings.seed + 6)
-    real = {}
-    for length in lengths:
-        batch = bt.to_device(
-            bt.uniform_batch(settings.micro_batch, length, loss_share, step.vocab_size, generator),
-            settings.device,
-        )
-        peak = measure_step_peak(
-            step.model, step.runner.optimizer, step.harness.compute_loss, batch
-        )
-        real[(settings.micro_batch, int(length))] = int(peak["peak_bytes"])
-    model_config = config_from_dict(read_config_json(Path(model_path) / "config.json"))
+
+    def batch_of(length: int) -> dict[str, Any]:  # a scaling point's batch, as it was timed
+        rows = settings.micro_batch
+        made = bt.uniform_batch(rows, length, loss_share, step.vocab_size, generator)
+        return bt.to_device(made, settings.device)
+
+    real = scaling_step_peaks(step.runner, batch_of, lengths)
+    tolerance = float(memory.get("tolerance", 0.10))
+    round_to = 512 if settings.device.type == "cuda" else 1
     try:
-        control = real_vs_predicted(
-            model_config,
-            functions_of(step.harness),
-            str(settings.dtype).replace("torch.", ""),
-            real,
-            float(memory.get("tolerance", 0.10)),
-            round_to=512 if settings.device.type == "cuda" else 1,
-        )
-    except ProbeError as error:  # fake tensors cannot follow this harness: said, not checked
+        if step.harness is None:
+            control = trainer_vs_predicted(step.runner, real, tolerance, round_to)
+        else:
+            from probes.mask.trace import config_from_dict, read_config_json
+            from probes.memory.predict import functions_of
+
+            model_config = config_from_dict(read_config_json(Path(model_path) / "config.json"))
+            dtype = str(settings.dtype).replace("torch.", "")
+            harness = functions_of(step.harness)
+            control = real_vs_predicted(
+                model_config, harness, dtype, real, tolerance, round_to=round_to
+            )
+    except ProbeError as error:  # fake tensors cannot follow this step: said, not checked
         LOG.warning("memory check skipped: the predictor cannot trace this step (%s)", error)
         return None
-    # recorded beside the other controls but not gating the stage yet: in the profile's own
-    # bfloat16 step of the default Gemma on CPU the prediction came out 1.11x, 1.19x, 1.29x the
-    # allocator's peak at 2 x 32/64/128 (2026-12-02; cause not isolated), and no timing depends
-    # on it
-    control["gates_stage"] = False
-    LOG.info(
-        "memory check: %s %s",
-        control["observed"],
-        [(r["rows"], r["length"], r.get("ratio")) for r in control.get("rows", [])],
-    )
+    LOG.info("memory check: predicted / real %s", control["observed"]["ratios"])
+    if not control["passed"]:
+        raise ControlFailedError(f"control memory_real_steps failed: {control['message']}")
     return control
 
 

@@ -131,10 +131,10 @@ def test_real_vs_predicted_passes_and_fails(functions):
     shape = control.HARNESS_SHAPE
     real = control.real_harness_peak(functions, shape)
     config = config_from_dict(dict(GEMMA))
-    passed = real_vs_predicted(config, functions, "float32", {(shape.rows, shape.length): real})
+    passed = real_vs_predicted(config, functions, "float32", {shape: real})
     assert passed["passed"] and passed["rows"][0]["passed"]
-    wrong = real_vs_predicted(config, functions, "float32", {(shape.rows, shape.length): real * 2})
-    assert not wrong["passed"]
+    wrong = real_vs_predicted(config, functions, "float32", {shape: real * 2})
+    assert not wrong["passed"] and "2 x 128" in wrong["message"]
 
 
 def test_a_kernels_own_temporary_is_counted():

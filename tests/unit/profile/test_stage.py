@@ -366,3 +366,6 @@ def test_a_trainer_is_profiled_through_its_own_training_step(
     assert provenance["harness"]["factory"]["spec"] == spec
     assert provenance["lm_head_positions"] == "all"  # the trainer's stock loss
     assert "trainer:" in Path(out["raw"]).read_text()
+    # the trainer's own step predicted on fake tensors against its real peak (issue 28)
+    memory = next(c for c in control_checks(out) if c["name"] == "memory_real_steps")
+    assert memory["passed"] and len(memory["rows"]) == len(LENGTHS), memory
