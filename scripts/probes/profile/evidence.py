@@ -106,8 +106,24 @@ def evidence_text(
     controls: list[dict[str, Any]],
 ) -> str:
     """profile-output.txt: the run's raw evidence, numbers only (no data text ever)."""
+    sections = [
+        header_lines(provenance),
+        scaling_lines(scaling),
+        fit_lines(fit),
+        penalty_lines(penalty),
+        ce_lines(ce),
+        kernel_lines(kernels),
+        control_lines(controls),
+        [f"MFU convention: {fl.MFU_CONVENTION}"],
+        [raw_table],
+    ]
+    return "\n\n".join("\n".join(lines) for lines in sections) + "\n"
+
+
+def header_lines(provenance: dict[str, Any]) -> list[str]:
+    """The device, the timed step, the settings and the run."""
     device = provenance["device"]
-    lines = [
+    return [
         "# probes profile: raw evidence",
         f"device: {device['name']} ({device['type']})"
         + (" CPU-ONLY RUN" if provenance["cpu_only"] else ""),
@@ -116,9 +132,11 @@ def evidence_text(
         f"micro-batch {provenance['micro_batch_size']}, active params "
         f"{provenance['params']['active_params']:,}, trainable {provenance['trainable_params']:,}",
         f"date {provenance['run']['date']}, commit {provenance['run']['git_commit']}",
-        "",
-        "## scaling (time = median of repeats, forward + backward + optimizer step)",
     ]
+
+
+def scaling_lines(scaling: pd.DataFrame) -> list[str]:
+    lines = ["## scaling (time = median of repeats, forward + backward + optimizer step)"]
     for r in scaling.itertuples():
         lines.append(
             f"  {r.batch} x {r.seq_len:6d}: {r.status:3s} t={_fmt(r.time_s)} s "
@@ -126,15 +144,23 @@ def evidence_text(
             f"quadratic share {_fmt(r.quadratic_share, '.3f')}, MFU {_fmt(r.mfu, '.3f')} "
             f"(dense 6N reading {_fmt(r.mfu_dense_6n, '.3f')})"
         )
-    lines += [
-        "",
+    return lines
+
+
+def fit_lines(fit: QuadraticFit) -> list[str]:
+    return [
         f"## fit t(T) = a T^2 + b T + c ({fit.method}, {fit.n_points} points)",
         f"  a={_fmt(fit.a)} s/token^2  b={_fmt(fit.b)} s/token  c={_fmt(fit.c)} s",
         f"  condition number (column-scaled) {_fmt(fit.condition_number)}, residual rms "
         f"{_fmt(fit.residual_rms_s)} s, max relative residual {_fmt(fit.max_rel_residual)}",
         f"  {fit.message}",
-        "",
-        "## padding penalty (same examples, ids only; medians over the batches, spread min-max)",
+    ]
+
+
+def penalty_lines(penalty: pd.DataFrame) -> list[str]:
+    """The padding penalty per variant, then the first pick's batches as example ids only."""
+    lines = [
+        "## padding penalty (same examples, ids only; medians over the batches, spread min-max)"
     ]
     for r in penalty.itertuples():
         lines.append(
@@ -151,7 +177,11 @@ def evidence_text(
             first["batch_example_ids"], first["batch_example_lengths"], strict=True
         ):
             lines.append(f"  batch: example ids {list(ids)}, lengths {list(lengths)}")
-    lines += ["", "## LM head + cross-entropy (forward + backward on real hidden states)"]
+    return lines
+
+
+def ce_lines(ce: pd.DataFrame) -> list[str]:
+    lines = ["## LM head + cross-entropy (forward + backward on real hidden states)"]
     for r in ce.itertuples():
         lines.append(
             f"  {r.variant:24s} {r.status:7s} t={_fmt(r.time_s)} s, share of step "
@@ -159,13 +189,22 @@ def evidence_text(
             f"{r.chunk_tokens if pd.notna(r.chunk_tokens) else '-'}, peak "
             f"{_fmt(r.peak_mem_bytes / 2**30, '.2f')} GiB [{r.source}]"
         )
-    lines += ["", "## kernel categories"]
+    return lines
+
+
+def kernel_lines(kernels: pd.DataFrame) -> list[str]:
+    lines = ["## kernel categories"]
     for r in kernels.itertuples():
         lines.append(
             f"  {r.category:22s} {r.device_time_s:10.4f} s  share {r.share:.3f}  "
             f"of wall {r.share_of_wall:.3f}  ({r.n_kernels} kernels)"
         )
-    lines += ["", "## controls"]
+    return lines
+
+
+def control_lines(controls: list[dict[str, Any]]) -> list[str]:
+    """Each control passed or failed; the FLOP control's ratios beside it."""
+    lines = ["## controls"]
     for control in controls:
         lines.append(f"  {control['name']}: {'PASSED' if control['passed'] else 'FAILED'}")
         if control["name"] == "analytic_flops_match_flop_counter":
@@ -174,6 +213,4 @@ def evidence_text(
                 f"    analytic / counted linear FLOPs {_fmt(observed['analytic_over_counted'])} "
                 f"(old 6N formula / counted total {_fmt(observed['old_6n_over_counted_total'])})"
             )
-    lines += ["", f"MFU convention: {fl.MFU_CONVENTION}"]
-    lines += ["", raw_table]
-    return "\n".join(lines) + "\n"
+    return lines
