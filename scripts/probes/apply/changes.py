@@ -289,7 +289,9 @@ def length_grouped_changes(
 def batch_rebalance_change(
     recommendation: Mapping[str, Any], base: Baseline, transformers_info: Mapping[str, Any]
 ) -> dict[str, Any]:
-    """transformers' batch_rebalance sampler, priced by the sweep's batch_rebalance row."""
+    """transformers' batch_rebalance sampler: priced by the replay of its own plan (the
+    micro-batches its sampler yields, probes.batching.plans); the sweep's batch_rebalance row is
+    its token model (``estimate``), shown beside the measurement (probes.apply.model_check)."""
     point = recommendation.get(BATCH_REBALANCE)
     kwargs = sampling_kwargs(HF_BATCH_REBALANCE, transformers_info)
     if kwargs is None or not point:

@@ -36,6 +36,7 @@ from probes.apply.changes import (
     length_grouped_changes,
 )
 from probes.apply.libraries import installed_libraries, verify_document
+from probes.apply.model_check import with_model_checks
 from probes.apply.packing import packing_change
 from probes.apply.snippets import call_text
 from probes.contracts import TRAINING_STATUSES
@@ -184,6 +185,8 @@ def order_changes(
         entry["rank"] = None
         entry["tied"] = False
         annotated.append(entry)
+    # the sweep's token model beside the measurement: a disagreement is said, not resolved
+    annotated = with_model_checks(annotated)
     ranked = sorted(
         (
             c

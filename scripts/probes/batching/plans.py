@@ -14,6 +14,12 @@ Strategies:
 - ``length_grouped``: HF length grouping at the bucket stage's recommended bucket size;
 - ``group_by_length_builtin``: transformers' own ``train_sampling_strategy="group_by_length"``
   (its sampler at the Trainer's default megabatch), the setting recommendations.json emits;
+- ``batch_rebalance``: transformers' own ``train_sampling_strategy="batch_rebalance"``: the
+  micro-batches its ``BatchRebalanceSampler`` yields as the Trainer builds it (its own seed, not
+  the plan's; ``micro_batch_size × grad_accum`` examples per step in micro-batches of varying
+  rows, a tail smaller than ``grad_accum`` filled with repeated examples, as the sampler does);
+  left out where the installed transformers has no such sampler or there are fewer examples
+  than ``grad_accum`` (``probes.batching.rebalance.skip_reason``);
 - ``global_sort``: length grouping with one megabatch holding the whole dataset;
 - ``packing``: whole examples packed into ``max_seq_len`` rows by TRL's
   ``pack_dataset(strategy="bfd")``, rows shuffled, ``micro_batch_size`` rows per micro-batch, the
@@ -34,8 +40,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from probes.batching import orders, packing
+from probes.batching import orders, packing, rebalance
 from probes.contracts import (
+    BATCH_REBALANCE,
     GLOBAL_SORT,
     GROUP_BY_LENGTH_BUILTIN,
     LENGTH_GROUPED,
@@ -52,6 +59,7 @@ STRATEGIES = (
     RANDOM,
     LENGTH_GROUPED,
     GROUP_BY_LENGTH_BUILTIN,
+    BATCH_REBALANCE,
     GLOBAL_SORT,
     PACKING,
     PAD_TO_MAX,
@@ -116,16 +124,22 @@ def recommended_bucket_size(recommendation: dict[str, Any], origin: str = "recom
         ) from error
 
 
+def _in_micro_batches(order: np.ndarray, micro_batch_size: int) -> list[np.ndarray]:
+    """An example order cut into consecutive micro-batches of ``micro_batch_size`` (the last
+    one shorter), as a DataLoader's batch sampler does with drop_last off."""
+    return [
+        order[start : start + micro_batch_size] for start in range(0, order.size, micro_batch_size)
+    ]
+
+
 def _padded_plan(
     strategy: str,
-    order: np.ndarray,
+    micro_batches: list[np.ndarray],
     examples: PlanExamples,
-    micro_batch_size: int,
     pad_to: int | None = None,
 ) -> list[dict[str, Any]]:
     rows = []
-    for index, start in enumerate(range(0, order.size, micro_batch_size)):
-        members = order[start : start + micro_batch_size]
+    for index, members in enumerate(micro_batches):
         lengths = examples.lengths[members]
         padded = int(pad_to) if pad_to is not None else int(lengths.max())
         rows.append(
@@ -185,6 +199,32 @@ def _packed_plan(
     return rows
 
 
+def _check_plan_inputs(
+    lengths: np.ndarray, micro_batch_size: int, grad_accum: int, max_seq_len: int
+) -> None:
+    if micro_batch_size < 1 or grad_accum < 1:
+        raise PlanInputError(
+            f"micro_batch_size={micro_batch_size}, grad_accum={grad_accum}: both must be >= 1"
+        )
+    if lengths.size == 0:
+        raise PlanInputError("no training example: nothing to plan")
+    if int(lengths.max()) > max_seq_len:
+        raise PlanInputError(
+            f"an example has {int(lengths.max())} tokens > max_seq_len={max_seq_len}; cap the "
+            "lengths first (the padding stage does)"
+        )
+
+
+def _rebalance_micro_batches(
+    lengths: np.ndarray, micro_batch_size: int, grad_accum: int
+) -> list[np.ndarray]:
+    """transformers' batch_rebalance as the Trainer yields it; none where it cannot run here."""
+    if rebalance.skip_reason(int(lengths.size), grad_accum) is not None:
+        return []
+    batches = rebalance.trainer_micro_batches(lengths, micro_batch_size, grad_accum)
+    return [np.asarray(batch, dtype=np.int64) for batch in batches]
+
+
 def build_plans(
     examples: PlanExamples,
     micro_batch_size: int,
@@ -197,54 +237,37 @@ def build_plans(
     """Every strategy's micro-batches for one seed (one row per micro-batch, PLAN_COLUMNS).
 
     ``packed``: TRL's bfd rows of these very examples where the caller has them already."""
-    if micro_batch_size < 1 or grad_accum < 1:
-        raise PlanInputError(
-            f"micro_batch_size={micro_batch_size}, grad_accum={grad_accum}: both must be >= 1"
-        )
     lengths = examples.lengths
-    if lengths.size == 0:
-        raise PlanInputError("no training example: nothing to plan")
-    if int(lengths.max()) > max_seq_len:
-        raise PlanInputError(
-            f"an example has {int(lengths.max())} tokens > max_seq_len={max_seq_len}; cap the "
-            "lengths first (the padding stage does)"
-        )
+    _check_plan_inputs(lengths, micro_batch_size, grad_accum, max_seq_len)
     n = lengths.size
     perm = orders.seeded_permutation(n, seed)
     m_all = orders.all_bucket_size(n, micro_batch_size)
     m_rec = min(max(int(bucket_size_batches), 1), m_all)
-    # the Trainer's own random sampler: the shuffle itself, micro-batches in its order (a test
-    # compares them with a real Trainer's dataloader, batch for batch)
-    random_order = perm
-    rows = _padded_plan(RANDOM, random_order, examples, micro_batch_size)
-    rows += _padded_plan(
-        LENGTH_GROUPED,
-        orders.length_grouped_order(lengths, perm, micro_batch_size, m_rec),
-        examples,
-        micro_batch_size,
-    )
     # transformers' own group_by_length (recommendations.json emits it): its sampler's order at
     # the Trainer's default megabatch (micro × grad_accum × min(n // (4 × that), 50))
     m_hf = min(orders.hf_trainer_mega_batch_mult(n, micro_batch_size, grad_accum), m_all)
-    rows += _padded_plan(
-        GROUP_BY_LENGTH_BUILTIN,
-        orders.length_grouped_order(lengths, perm, micro_batch_size, m_hf),
-        examples,
-        micro_batch_size,
-    )
-    rows += _padded_plan(
-        GLOBAL_SORT,
-        orders.length_grouped_order(lengths, perm, micro_batch_size, m_all),
-        examples,
-        micro_batch_size,
-    )
-    rows += _packed_plan(examples, micro_batch_size, max_seq_len, seed, packed)
-    rows += _padded_plan(PAD_TO_MAX, random_order, examples, micro_batch_size, pad_to=max_seq_len)
     kept = np.flatnonzero(examples.loss_tokens > 0)
-    if kept.size:
-        # the Trainer's random sampler over the filtered dataset
-        no_idle = kept[orders.seeded_permutation(kept.size, seed)]
-        rows += _padded_plan(RANDOM_NO_IDLE, no_idle, examples, micro_batch_size)
+
+    def grouped(m: int) -> list[np.ndarray]:
+        return _in_micro_batches(
+            orders.length_grouped_order(lengths, perm, micro_batch_size, m), micro_batch_size
+        )
+
+    # the Trainer's own random sampler: the shuffle itself, micro-batches in its order (a test
+    # compares them with a real Trainer's dataloader, batch for batch)
+    random_batches = _in_micro_batches(perm, micro_batch_size)
+    rows = _padded_plan(RANDOM, random_batches, examples)
+    rows += _padded_plan(LENGTH_GROUPED, grouped(m_rec), examples)
+    rows += _padded_plan(GROUP_BY_LENGTH_BUILTIN, grouped(m_hf), examples)
+    # transformers' own batch_rebalance (recommendations.json emits it): what its sampler yields
+    rebalanced = _rebalance_micro_batches(lengths, micro_batch_size, grad_accum)
+    rows += _padded_plan(BATCH_REBALANCE, rebalanced, examples)
+    rows += _padded_plan(GLOBAL_SORT, grouped(m_all), examples)
+    rows += _packed_plan(examples, micro_batch_size, max_seq_len, seed, packed)
+    rows += _padded_plan(PAD_TO_MAX, random_batches, examples, pad_to=max_seq_len)
+    # the Trainer's random sampler over the filtered dataset
+    no_idle = kept[orders.seeded_permutation(kept.size, seed)] if kept.size else kept
+    rows += _padded_plan(RANDOM_NO_IDLE, _in_micro_batches(no_idle, micro_batch_size), examples)
     frame = pd.DataFrame(rows)
     frame["optimizer_step_index"] = frame["micro_batch_index"] // grad_accum
     frame.attrs["bucket_size_batches"] = m_rec

@@ -98,6 +98,26 @@ def rebalance_micro_batches(
     return [list(map(int, batch)) for batch in sampler]
 
 
+def trainer_seed() -> int:
+    """The seed the Trainer's BatchRebalanceSampler shuffles with: the class's own default
+    (``Trainer._get_train_sampler`` passes none, whatever ``args.seed`` is)."""
+    import inspect
+
+    sampler_class = rebalance_sampler_class()
+    if sampler_class is None:
+        raise RuntimeError(unavailable_reason())
+    return int(inspect.signature(sampler_class).parameters["seed"].default)
+
+
+def trainer_micro_batches(
+    lengths: np.ndarray, micro_batch_size: int, grad_accum: int, epoch: int = 0
+) -> list[list[int]]:
+    """The micro-batches a single-process Trainer with ``train_sampling_strategy=
+    "batch_rebalance"`` feeds in epoch ``epoch`` (its sampler's own seed, the Trainer's
+    ``dataloader_drop_last`` default)."""
+    return rebalance_micro_batches(lengths, micro_batch_size, grad_accum, trainer_seed(), epoch)
+
+
 def rebalance_order(
     lengths: np.ndarray, micro_batch_size: int, grad_accum: int, seed: int
 ) -> tuple[np.ndarray, np.ndarray]:

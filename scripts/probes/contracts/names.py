@@ -28,7 +28,8 @@ GROUP_BY_LENGTH_BUILTIN = "group_by_length_builtin"
 # Every example sorted by length before batching (a bucket as large as the dataset).
 GLOBAL_SORT = "global_sort"
 PACKING = "packing"
-# transformers' BatchRebalanceSampler (variable micro-batch size): a comparison row in the sweep.
+# transformers' own train_sampling_strategy="batch_rebalance" (its BatchRebalanceSampler: variable
+# micro-batch size): a comparison row in the sweep, and a plan of its own that the replay prices
 BATCH_REBALANCE = "batch_rebalance"
 PAD_TO_MAX_SEQ_LEN = "pad_to_max_seq_len"
 # random batching without the examples that carry no loss token (the replay's candidates)

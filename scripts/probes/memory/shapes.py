@@ -5,6 +5,8 @@
 - each strategy's largest micro-batch over its whole plan (`probes.batching.plans`, written by the
   bucket stage): the one with the most computed positions (rows x padded length, or the documents
   of a packed row), the longer padded length on a tie. A packed micro-batch is one flattened row.
+  batch_rebalance's plan is among them: its micro-batches vary in rows, up to
+  micro_batch_size x grad_accum.
 """
 
 from __future__ import annotations
@@ -53,8 +55,8 @@ def rebalance_shape(
     plans: pd.DataFrame, micro_batch_size: int, grad_accum: int, seed: int
 ) -> Shape | str:
     """batch_rebalance's largest micro-batch over an epoch (transformers' own sampler on the
-    plan's examples, each once), or why there is none. The plans hold no batch_rebalance plan:
-    its micro-batches vary in rows, up to micro_batch_size x grad_accum."""
+    plan's examples, each once), or why there is none: for plans written without a
+    batch_rebalance plan (the bucket stage now writes one, which largest_micro_batches reads)."""
     from probes.batching import rebalance
 
     one = _one_epoch(plans)

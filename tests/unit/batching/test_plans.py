@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from probes.batching import orders
+from probes.batching import orders, rebalance
 from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.bucket import sweep as bucket
@@ -134,6 +134,54 @@ def test_plans_are_deterministic_and_seeded(examples, plans):
     assert _ids(other[other["strategy"] == pl.RANDOM]) != _ids(
         plans[plans["strategy"] == pl.RANDOM]
     )
+
+
+needs_rebalance = pytest.mark.skipif(
+    rebalance.unavailable_reason() is not None, reason=str(rebalance.unavailable_reason())
+)
+
+
+@needs_rebalance
+def test_the_batch_rebalance_plan_is_transformers_sampler_as_the_trainer_builds_it(examples):
+    """The sampler the Trainer builds (no seed passed: the class default), whatever the plan's
+    seed; micro-batches of varying rows, the Trainer's optimizer steps; a tail smaller than
+    grad_accum is filled with repeated examples, as the sampler does."""
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
+
+    for n in (301, 10):  # 10: a last step of 2 examples for 4 micro-batches
+        few = _examples(n) if n != 301 else examples
+        theirs = BatchRebalanceSampler(
+            few.lengths.tolist(), MICRO * ACCUM, dp_size=1, grad_accum=ACCUM, drop_last=False
+        )
+        expected = [[str(few.example_ids[i]) for i in batch] for batch in theirs]
+        for seed in (0, 1):
+            built = pl.build_plans(few, MICRO, ACCUM, MAX_LEN, 8, seed=seed)
+            plan = built[built["strategy"] == pl.BATCH_REBALANCE].sort_values("micro_batch_index")
+            assert [list(ids) for ids in plan["example_ids"]] == expected
+        steps = pl.plan_summary(built).set_index("strategy")["optimizer_steps"]
+        assert steps[pl.BATCH_REBALANCE] == steps[pl.RANDOM] == -(-len(few.lengths) // 8)
+        fed = _ids(plan)
+        assert set(fed) == set(few.example_ids) and len(fed) - len(few.lengths) < ACCUM
+    assert len(fed) == 12 and plan["rows"].max() > MICRO
+
+
+@needs_rebalance
+def test_the_memory_stage_sees_batch_rebalances_largest_micro_batch(plans):
+    """Its largest micro-batch holds more rows than micro_batch_size: the memory stage's
+    largest micro-batch over each whole plan includes it."""
+    from probes.memory.shapes import largest_micro_batches
+
+    plan = plans[plans["strategy"] == pl.BATCH_REBALANCE]
+    shape = largest_micro_batches(plans)[pl.BATCH_REBALANCE]
+    assert shape.rows * shape.length == plan["computed_tokens"].max()
+    assert plan["rows"].max() > MICRO
+
+
+def test_no_batch_rebalance_plan_with_fewer_examples_than_grad_accum():
+    few = _examples(3)
+    built = pl.build_plans(few, MICRO, len(few.lengths) + 1, MAX_LEN, 8, seed=0)
+    assert pl.BATCH_REBALANCE not in set(built["strategy"])
+    assert pl.RANDOM in set(built["strategy"])
 
 
 def test_read_examples_skips_empty_and_error(tmp_path):

@@ -149,6 +149,29 @@ def test_recovers_the_exact_epoch_time_within_its_interval_and_agrees(tmp_path, 
     assert set(summary["verdicts"].values()) == {AGREES}
 
 
+@pytest.mark.skipif(pl.BATCH_REBALANCE not in pl.STRATEGIES, reason="no batch_rebalance plan")
+def test_batch_rebalance_ranked_by_the_replay_is_realized_over_its_own_micro_batches(
+    tmp_path, plans, cost
+):
+    """transformers' batch_rebalance, ranked first, is checked by real steps of its own plan:
+    micro-batches of varying rows (more than micro_batch_size in some), the exact epoch time
+    recovered, the verdict agrees."""
+    clock = VirtualClock()
+    promise = exact_promise(plans, cost)
+    promise = promise[promise["strategy"].isin([RANDOM, pl.BATCH_REBALANCE])]
+    assert promise.set_index("strategy").loc[pl.BATCH_REBALANCE, "saving_vs_random"] > 0
+    summary, table, outputs = run_stage(
+        tmp_path, plans, promise, virtual_runner(cost, clock), clock
+    )
+    assert list(table["strategy"]) == [RANDOM, pl.BATCH_REBALANCE]
+    exact = exact_epoch_s(plans, cost, ACCUM)[pl.BATCH_REBALANCE]
+    realized = table.set_index("strategy").loc[pl.BATCH_REBALANCE]
+    assert realized["realized_time_s"] == pytest.approx(exact, rel=0.005)
+    assert summary["verdicts"] == {pl.BATCH_REBALANCE: AGREES}
+    own = plans[plans["strategy"] == pl.BATCH_REBALANCE]
+    assert own["rows"].max() > MICRO and own["rows"].min() >= 1
+
+
 def test_under_timing_noise_the_exact_epoch_time_lies_within_its_interval(tmp_path, plans, cost):
     # 2% noise per micro-batch, as on this CPU; five seeds of the step sample, three strategies
     promise = exact_promise(plans, cost)

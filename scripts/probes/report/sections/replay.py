@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 
 from probes.contracts import (
+    BATCH_REBALANCE,
     GLOBAL_SORT,
     GROUP_BY_LENGTH_BUILTIN,
     LENGTH_GROUPED,
@@ -32,6 +33,7 @@ from probes.report.format import finite, fmt_count, fmt_pct
 CHANGE_STRATEGY = {
     "length_grouped": LENGTH_GROUPED,
     GROUP_BY_LENGTH_BUILTIN: GROUP_BY_LENGTH_BUILTIN,
+    BATCH_REBALANCE: BATCH_REBALANCE,
     PACKING: PACKING,
     "drop_no_loss_examples": RANDOM_NO_IDLE,
 }
@@ -79,6 +81,8 @@ def change_title(strategy: str, bucket_size: Any, max_seq_len: Any, idle: int | 
         )
     if strategy == GROUP_BY_LENGTH_BUILTIN:
         return "transformers' built-in group_by_length"
+    if strategy == BATCH_REBALANCE:
+        return "transformers' batch_rebalance sampler (variable micro-batch size)"
     if strategy == GLOBAL_SORT:
         return "Sort the whole dataset by length (one bucket)"
     if strategy == PACKING:
