@@ -1,6 +1,6 @@
 """Benchmark: the replay on a harness of exactly known cost, C + K·rows·T per micro-batch.
 
-The busy-wait harness of probes.replay.control spins the known cost of each micro-batch's shape
+The busy-wait harness of probes.replay.synthetic spins the known cost of each micro-batch's shape
 (rows × T; a packed micro-batch is one flattened row), here with its quadratic term off
 (a = 0), through the replay's own sampling, timing path and model-assisted estimator on the
 default run's plans (rebuilt as the stage rebuilds them, capped on CPU). For every strategy it
