@@ -40,6 +40,7 @@ from probes.apply.model_check import with_model_checks
 from probes.apply.packing import packing_change
 from probes.apply.snippets import call_text
 from probes.contracts import TRAINING_STATUSES
+from probes.memory.verdict import DOES_NOT_FIT
 
 SCHEMA_VERSION = 1
 BASELINE = "random batches, micro_batch_size × grad_accum examples per optimizer step"
@@ -145,6 +146,10 @@ TIES_WITH_RANDOM = "ties with random batches: its 95% interval includes 0, so no
 SLOWER = "not recommended: measured slower than random batches (interval entirely below 0)"
 INVALID = "not recommended: invalid here"
 NOT_MEASURED = "not measured: the replay did not time this change"
+NOT_FITTING = (
+    "not recommended as it is: its largest micro-batch does not fit the target GPU (the memory "
+    "stage says what would make it fit)"
+)
 ORDER = (
     "applicable changes by the replay's measured saving versus random batches, best first; a "
     "change whose 95% interval overlaps the interval of its group's best shares that rank (a "
@@ -289,6 +294,8 @@ def with_checks(
         mem = (memory or {}).get(strategy) if strategy else None
         keys = ("verdict", "peak_gib", "headroom_gib")
         entry["memory"] = {k: mem.get(k) for k in keys} if mem else {"verdict": "not predicted"}
+        if entry["memory"]["verdict"] == DOES_NOT_FIT:  # never recommended as it is (issue 28)
+            entry["recommended"], entry["not_recommended_because"] = False, NOT_FITTING
         changes.append(entry)
     out = {**document, "changes": changes}
     if rule:

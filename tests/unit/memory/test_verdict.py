@@ -131,3 +131,33 @@ def test_batch_rebalance_largest_micro_batch_from_transformers_sampler():
     found = rebalance_shape(frame, micro_batch_size=1, grad_accum=2, seed=0)
     assert found.name == "batch_rebalance" and found.rows >= 1 and found.length in (100, 30, 40)
     assert "grad_accum" in rebalance_shape(frame, 1, grad_accum=50, seed=0)
+
+
+def test_a_change_that_does_not_fit_is_not_recommended():
+    """The memory stage's verdict carried to what the user reads: recommendations.json marks
+    the change not recommended, Apply it and the first screen say not to apply it as it is."""
+    from probes.apply.document import RECOMMENDED, with_checks
+    from probes.report.sections.apply import memory_text
+    from probes.report.sections.verdicts import memory_check, next_action
+
+    shapes = [(s, shape) for s, shape in largest_micro_batches(plans()).items()]
+    table = stage.shapes_frame(shapes, FakePredictor(100), int(3.5 * GIB), checkpointing=False)
+    changes = stage.changes_frame(table)
+    strategy_of = {"rebalance": "batch_rebalance", "pack": "packing"}
+    document = {
+        "baseline": {},
+        "changes": [
+            {"id": i, "applies": False, "recommended": True, "decision": RECOMMENDED}
+            for i in strategy_of
+        ],
+    }
+    memory = {s: memory_check(changes, s) for s in strategy_of.values()}
+    out = {c["id"]: c for c in with_checks(document, strategy_of, None, None, memory)["changes"]}
+    rebalance, pack = out["rebalance"], out["pack"]
+    assert rebalance["memory"]["verdict"] == DOES_NOT_FIT and rebalance["recommended"] is False
+    assert "does not fit the target GPU" in rebalance["not_recommended_because"]
+    assert rebalance["decision"] == RECOMMENDED  # what the replay measured stays said
+    assert pack["memory"]["verdict"] == FITS and pack["recommended"] is True
+    assert "not_recommended_because" not in pack
+    assert memory_text(rebalance["memory"]).endswith("do not apply it as it is")
+    assert next_action(None, memory["batch_rebalance"], True).startswith("do not apply")
