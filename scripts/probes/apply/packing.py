@@ -8,31 +8,25 @@ from typing import Any
 
 from probes.apply.changes import Baseline, sweep_estimate, tokens_per_update_entry
 from probes.apply.snippets import config_snippets
+from probes.batching.packing import packed_batch_shape
 
 TRL_PACKING_STRATEGY = "bfd"  # TRL's best-fit decreasing; the sweep's packing_bfd mirrors it
 SWEEP_PACKING_ROW = "packing_bfd"
 
 
 def packing_plan(base: Baseline, n_bins: int) -> dict[str, Any]:
-    """Packed rows per micro-batch and grad_accum keeping real tokens per update comparable.
-
-    The micro-batch holds at most what the baseline's first micro-batch held (micro × longest
-    padded tokens, which already fits: HF puts the longest example first), at least one row;
-    grad_accum then brings the step's real tokens nearest the baseline's.
-    """
-    if n_bins < 1:
-        raise ValueError(f"n_bins must be ≥ 1, got {n_bins}")
-    fill = base.real_tokens / n_bins  # real tokens per packed row
-    target_rows = base.tokens_per_update / fill
-    rows = max(1, (base.micro_batch_size * base.longest) // base.max_seq_len)
-    if rows > target_rows:
-        rows = max(1, round(target_rows))
-    accum = max(1, round(target_rows / rows))
+    """Packed rows per micro-batch and grad_accum keeping real tokens per update comparable
+    (probes.batching.packing.packed_batch_shape: the plan the replay times is this shape)."""
+    rows, accum = packed_batch_shape(
+        base.micro_batch_size, base.grad_accum, base.max_seq_len, base.n_examples,
+        base.real_tokens, base.longest, n_bins,
+    )  # fmt: skip
+    fill = base.real_tokens / n_bins
     return {
-        "per_device_train_batch_size": int(rows),
-        "gradient_accumulation_steps": int(accum),
+        "per_device_train_batch_size": rows,
+        "gradient_accumulation_steps": accum,
         "real_tokens_per_row": float(fill),
-        "rows_per_update_target": float(target_rows),
+        "rows_per_update_target": float(base.tokens_per_update / fill),
         "tokens_per_update_after": float(rows * accum * fill),
     }
 

@@ -157,3 +157,29 @@ def pack_all(
         else:
             rows[name] = pack(lengths, max_seq_len, name)
     return rows
+
+
+def packed_batch_shape(
+    micro_batch_size: int,
+    grad_accum: int,
+    max_seq_len: int,
+    n_examples: int,
+    real_tokens: int,
+    longest: int,
+    n_rows: int,
+) -> tuple[int, int]:
+    """(packed rows per micro-batch, grad_accum) that the packing change pastes, keeping real
+    tokens per update nearest the baseline's: the one home of this rule, for the plan the replay
+    times and the settings recommendations.json emits (probes.apply.packing).
+
+    The micro-batch holds at most what the baseline's first micro-batch held (micro × longest
+    padded tokens, which already fits: HF puts the longest example first), at least one row;
+    grad_accum then brings the step's real tokens nearest the baseline's."""
+    if n_rows < 1:
+        raise ValueError(f"n_rows must be ≥ 1, got {n_rows}")
+    fill = real_tokens / n_rows  # real tokens per packed row
+    target_rows = micro_batch_size * grad_accum * (real_tokens / n_examples) / fill
+    rows = max(1, (micro_batch_size * longest) // max_seq_len)
+    if rows > target_rows:
+        rows = max(1, round(target_rows))
+    return int(rows), int(max(1, round(target_rows / rows)))

@@ -22,8 +22,9 @@ Strategies:
   than ``grad_accum`` (``probes.batching.rebalance.skip_reason``);
 - ``global_sort``: length grouping with one megabatch holding the whole dataset;
 - ``packing``: whole examples packed into ``max_seq_len`` rows by TRL's
-  ``pack_dataset(strategy="bfd")``, rows shuffled, ``micro_batch_size`` rows per micro-batch, the
-  documents of a row in TRL's order; a packed micro-batch is laid out as one
+  ``pack_dataset(strategy="bfd")``, rows shuffled, at the batch shape the packing change pastes
+  (``packing.packed_batch_shape``: rows per micro-batch and its own grad_accum, tokens per update
+  kept), the documents of a row in TRL's order; a packed micro-batch is laid out as one
   flattened row of its documents with position ids restarting at 0 per document and no padding
   (the layout of DataCollatorWithFlattening / TRL ``padding_free``);
 - ``pad_to_max_seq_len``: the random order, every micro-batch padded to ``max_seq_len``;
@@ -165,17 +166,24 @@ def _padded_plan(
 def _packed_plan(
     examples: PlanExamples,
     micro_batch_size: int,
+    grad_accum: int,
     max_seq_len: int,
     seed: int,
     packed: packing.PackedRows | None = None,
 ) -> list[dict[str, Any]]:
+    """TRL's packed rows, shuffled, at the shape the packing change pastes (rows per micro-batch
+    and grad_accum keeping tokens per update: packing.packed_batch_shape)."""
     if packed is None:
         packed = packing.pack(examples.lengths, max_seq_len, packing.BFD)
     n_bins = packed.n_rows
+    per_micro, accum = packing.packed_batch_shape(
+        micro_batch_size, grad_accum, max_seq_len, int(examples.lengths.size),
+        int(examples.lengths.sum()), int(examples.lengths.max()), n_bins,
+    )  # fmt: skip
     bin_order = orders.seeded_permutation(n_bins, seed)
     rows = []
-    for index, start in enumerate(range(0, n_bins, micro_batch_size)):
-        bins = bin_order[start : start + micro_batch_size]
+    for index, start in enumerate(range(0, n_bins, per_micro)):
+        bins = bin_order[start : start + per_micro]
         members = [packed.row(int(b)) for b in bins]
         flat = np.concatenate(members)
         lengths = examples.lengths[flat]
@@ -183,6 +191,7 @@ def _packed_plan(
             {
                 "strategy": PACKING,
                 "micro_batch_index": index,
+                "optimizer_step_index": index // accum,
                 "layout": PACKED,
                 "rows": int(bins.size),
                 "padded_length": int(max_seq_len),
@@ -263,13 +272,16 @@ def build_plans(
     rebalanced = _rebalance_micro_batches(lengths, micro_batch_size, grad_accum)
     rows += _padded_plan(BATCH_REBALANCE, rebalanced, examples)
     rows += _padded_plan(GLOBAL_SORT, grouped(m_all), examples)
-    rows += _packed_plan(examples, micro_batch_size, max_seq_len, seed, packed)
+    rows += _packed_plan(examples, micro_batch_size, grad_accum, max_seq_len, seed, packed)
     rows += _padded_plan(PAD_TO_MAX, random_batches, examples, pad_to=max_seq_len)
     # the Trainer's random sampler over the filtered dataset
     no_idle = kept[orders.seeded_permutation(kept.size, seed)] if kept.size else kept
     rows += _padded_plan(RANDOM_NO_IDLE, _in_micro_batches(no_idle, micro_batch_size), examples)
     frame = pd.DataFrame(rows)
-    frame["optimizer_step_index"] = frame["micro_batch_index"] // grad_accum
+    # packing's rows carry their own (its grad_accum keeps tokens per update); the rest grad_accum
+    own = frame.get("optimizer_step_index")
+    default = frame["micro_batch_index"] // grad_accum
+    frame["optimizer_step_index"] = (default if own is None else own.fillna(default)).astype(int)
     frame.attrs["bucket_size_batches"] = m_rec
     return frame[list(PLAN_COLUMNS)]
 

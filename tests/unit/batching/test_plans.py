@@ -41,7 +41,28 @@ def _ids(plan: pd.DataFrame) -> list[str]:
 def test_every_strategy_and_column(plans):
     assert set(plans["strategy"]) == set(pl.STRATEGIES)
     assert list(plans.columns) == list(pl.PLAN_COLUMNS)
-    assert (plans["optimizer_step_index"] == plans["micro_batch_index"] // ACCUM).all()
+    padded = plans[plans["strategy"] != pl.PACKING]
+    assert (padded["optimizer_step_index"] == padded["micro_batch_index"] // ACCUM).all()
+
+
+def test_packing_is_planned_at_the_shape_its_change_pastes(plans, examples):
+    """The packed plan's rows per micro-batch and grad_accum are the settings recommendations.json
+    emits for packing (one rule: packing.packed_batch_shape), tokens per update kept."""
+    from probes.apply.changes import Baseline
+    from probes.apply.packing import packing_plan
+    from probes.batching import packing
+
+    n_rows = packing.pack(examples.lengths, MAX_LEN).n_rows
+    lengths = examples.lengths
+    base = Baseline(MICRO, ACCUM, MAX_LEN, lengths.size, int(lengths.sum()), int(lengths.max()))
+    pasted = packing_plan(base, n_rows)
+    packed = plans[plans["strategy"] == pl.PACKING]
+    rows, accum = pasted["per_device_train_batch_size"], pasted["gradient_accumulation_steps"]
+    assert packed["rows"].iloc[:-1].eq(rows).all() and packed["rows"].max() == rows
+    assert (packed["optimizer_step_index"] == packed["micro_batch_index"] // accum).all()
+    per_update = packed.groupby("optimizer_step_index")["real_tokens"].sum().iloc[:-1].mean()
+    base_update = MICRO * ACCUM * lengths.mean()
+    assert abs(per_update / base_update - 1) < 0.5 / rows / accum + 0.25
 
 
 def test_each_strategy_trains_each_example_once(plans, examples):
@@ -86,7 +107,7 @@ def test_padded_tokens_match_the_bucket_sweep(plans, examples):
 def test_packed_rows_fit_and_keep_documents_apart(plans):
     packed = plans[plans["strategy"] == pl.PACKING]
     assert (packed["layout"] == pl.PACKED).all()
-    assert (packed["rows"] <= MICRO).all()
+    assert (packed["rows"] >= 1).all()
     for row in packed.itertuples():
         counts = list(row.documents_per_row)
         assert sum(counts) == row.n_examples == len(row.example_lengths)
