@@ -139,12 +139,12 @@ def trace_implementation(
 
     if implementation.startswith(FLASH_PREFIX):
         return not_checked(FLASH_NOT_CHECKED)
-    # the SDPA backend confirmation belongs to the SDPA trace; the others have none
     scenarios = [name for name in mask_cfg["scenarios"] if name in IMPLEMENTATION_SCENARIOS]
     if not scenarios:
         return not_checked(
             f"none of mask.scenarios is among {list(IMPLEMENTATION_SCENARIOS)}; add 'packed'"
         )
+    # the SDPA backend confirmation belongs to the main (SDPA) trace; the others have none
     cfg = {**mask_cfg, "scenarios": scenarios, "confirm_on_cuda": False}
     try:
         table, _ = evaluate(
