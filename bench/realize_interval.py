@@ -1,7 +1,8 @@
 """Benchmark: do realize's few-step intervals cover, on real timings? From one realize run that
 timed many steps per strategy (e.g. ``--set realize.cpu_sample_steps=12``), every way of drawing
 ``--draw`` of them per strategy is estimated as the stage estimates its own sample (the
-promise-assisted ratio, the residual pooled over strategies: probes.realize.stage.epoch_estimates)
+promise-assisted ratio, the residual pooled over strategies:
+probes.realize.estimate.epoch_estimates)
 and, beside it, as it did before this wave (the ratio to each step's size, its own residuals).
 Prints, for each, the share of drawn saving intervals that hold the saving estimated from all the
 timed steps, and their median width; the all-steps saving carries its own error (about
@@ -28,7 +29,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from probes.contracts import RANDOM  # noqa: E402
 from probes.realize import sample as sm  # noqa: E402
-from probes.realize import stage as rz  # noqa: E402
+from probes.realize.estimate import epoch_estimates, step_auxiliaries  # noqa: E402
 from probes.realize.promise import step_promises  # noqa: E402
 
 
@@ -73,8 +74,8 @@ def main() -> None:
     plans = plans[plans["strategy"].isin(steps["strategy"].unique())]
     units = pd.read_parquet(args.results / "profile" / "replay_steps.parquet")
     auxiliaries = {
-        "promise, pooled (now)": rz.step_auxiliaries(plans, step_promises(plans, units)),
-        "step size, own (before)": rz.step_auxiliaries(plans, None),
+        "promise, pooled (now)": step_auxiliaries(plans, step_promises(plans, units)),
+        "step size, own (before)": step_auxiliaries(plans, None),
     }
     counts = steps.groupby("strategy").size().to_dict()
     print(f"timed steps per strategy: {counts}; draws of {args.draw} per strategy")
@@ -92,7 +93,7 @@ def main() -> None:
                     )
                     for n, g in part.groupby("strategy")
                 }
-            return rz.epoch_estimates(part, aux)
+            return epoch_estimates(part, aux)
 
         full = estimate(steps)
         for name in full:

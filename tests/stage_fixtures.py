@@ -535,8 +535,10 @@ def realize_tables(
     steps 'timed' at the replay fixture's known cost (no clock) with 1% noise, scaled to what the
     replay measured; `disagree` makes the realized optimizer step 10× slower, so the change is not
     confirmed."""
-    from probes.realize import stage as rz
+    from probes.realize.estimate import realized_table
     from probes.realize.sample import sample_steps
+    from probes.realize.stage import select_changes
+    from probes.realize.timing import step_rows
     from probes.replay.control import SyntheticCost, exact_epoch_s
     from probes.replay.timing import batch_shape
 
@@ -545,11 +547,11 @@ def realize_tables(
     exact = exact_epoch_s(plans, cost, REPLAY_GRAD_ACCUM)
     measured = estimates.set_index("strategy")["estimated_time_s"]
     optimizer_s = cost.optimizer_s * (10 if disagree else 1)
-    changes = rz.select_changes(estimates, 1)
+    changes = select_changes(estimates, 1)
     rng = np.random.default_rng(0)
     records, promises = [], {}
     for name in (RANDOM, *changes):
-        steps = rz.step_rows(plans[plans["strategy"] == name])
+        steps = step_rows(plans[plans["strategy"] == name])
         optimizer_total = len(steps) * cost.optimizer_s
         scale = (measured[name] - optimizer_total) / (exact[name] - optimizer_total)
         for i, rows in enumerate(steps):  # the replay promised the known cost
@@ -571,7 +573,7 @@ def realize_tables(
             )
     steps = pd.DataFrame(records)
     promised = pd.Series(promises).rename_axis(["strategy", "optimizer_step_index"])
-    table = rz.realized_table(
+    table = realized_table(
         steps, estimates, plans, changes, 0.05, cpu_only, REPLAY_MAX_LEN, promised
     )
     verdicts = {r.strategy: r.verdict for r in table.itertuples() if r.role == "change"}

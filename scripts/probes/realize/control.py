@@ -1,5 +1,5 @@
 """Realize's positive control (``run_control``): the stage's own step sampling, step timing and
-estimator on a synthetic harness of known cost (probes.replay.control.SyntheticCost) whose
+estimator on a synthetic harness of known cost (probes.replay.synthetic.SyntheticCost) whose
 compute_loss and optimizer step advance a virtual clock by that cost, so every step's time, and
 the epoch's, is known exactly. Each checked strategy's estimated epoch time must be within
 `tolerance` of the exact one, and so must its optimizer phase (the phase clock's attribution).
@@ -17,7 +17,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probes.replay.control import SyntheticCost, exact_epoch_s
+from probes.realize.estimate import epoch_estimates, step_auxiliaries
+from probes.realize.steps import StepTimer
+from probes.realize.timing import measure
+from probes.replay.synthetic import SyntheticCost, exact_epoch_s
 
 CONTROL_NAME = "realize_recovers_known_step_cost"
 
@@ -88,17 +91,14 @@ def run_control(
     """The stage's sample, timing and estimator on the virtual-clock harness (see module), with
     the stage's auxiliary `promises` (the replay's, not this cost's: a ratio estimator stays
     unbiased on any auxiliary; a poor one only widens it)."""
-    from probes.realize import stage as rz
-    from probes.realize.steps import StepTimer
-
     started = time.perf_counter()
     cost = SyntheticCost.scaled_to(plans)
     clock = VirtualClock()
     timer = StepTimer(virtual_runner(cost, clock), 64, 0, seed, clock)
-    steps = rz.measure(timer, plans, strategies, sample_size, 0, seed)
+    steps = measure(timer, plans, strategies, sample_size, 0, seed)
     exact = exact_epoch_s(plans[plans["strategy"].isin(strategies)], cost, grad_accum)
-    aux = rz.step_auxiliaries(plans[plans["strategy"].isin(strategies)], promises)
-    realized = rz.epoch_estimates(steps, aux)
+    aux = step_auxiliaries(plans[plans["strategy"].isin(strategies)], promises)
+    realized = epoch_estimates(steps, aux)
     per_strategy, passed = {}, True
     for name in strategies:
         estimate, phases = realized[name]

@@ -14,6 +14,7 @@ from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.contracts import GLOBAL_SORT, PACKING, RANDOM, TRAINING_STATUSES, table_columns
 from probes.io import read_json, write_parquet
+from probes.realize import sample as sm
 from probes.realize import stage as rz
 from probes.realize.control import VirtualClock, run_control, virtual_runner
 from probes.realize.verdict import AGREES, DISAGREES
@@ -228,13 +229,13 @@ def test_control_passes_on_the_plans_and_fails_on_a_broken_estimator(plans, monk
     control = run_control(plans, [RANDOM, PACKING, GLOBAL_SORT], 32, 0, ACCUM)
     assert control["passed"], control["observed"]
     # an estimator 10% high is caught
-    real = rz.sm.epoch_estimate
+    real = sm.epoch_estimate
 
     def high(*args):
         estimate = real(*args)
         return dataclasses.replace(estimate, total_s=1.1 * estimate.total_s)
 
-    monkeypatch.setattr(rz.sm, "epoch_estimate", high)
+    monkeypatch.setattr(sm, "epoch_estimate", high)
     broken = run_control(plans, [RANDOM, PACKING, GLOBAL_SORT], 32, 0, ACCUM)
     assert not broken["passed"]
 
