@@ -44,6 +44,26 @@ TEST_CLUSTER_ARGS = [
     # the plugin logs each sbatch command line at debug level only
     "--verbose",
 ]
+# The plugin lengthens the wait after every status check that finds no job finished by 10 s
+# (checks 1, 12, 33, 64, 105 s after a submission), so each job in the chain was seen up to
+# ~40 s after it ended, and the run's wall time varied by minutes. This test cluster answers
+# squeue in milliseconds: check every STATUS_CHECK_S instead. Only the pacing changes; what is
+# submitted, and how, is the plugin's own (the jobs themselves run plain `python -m snakemake`).
+STATUS_CHECK_S = 2
+SNAKEMAKE_AT_FIXED_PACE = f"""
+import sys
+from snakemake.cli import main
+from snakemake_executor_plugin_slurm import Executor
+from snakemake_interface_executor_plugins.executors.remote import RemoteExecutor
+assert isinstance(RemoteExecutor.next_seconds_between_status_checks, property), (
+    "the executor interface no longer paces its status checks by this property"
+)
+Executor.next_seconds_between_status_checks = property(
+    lambda self: {STATUS_CHECK_S}, lambda self, value: None
+)
+sys.argv[0] = "snakemake"
+sys.exit(main())
+"""
 
 
 def unavailable(reason: str) -> None:
@@ -72,7 +92,8 @@ def slurm_cluster():
 
 
 def run_under_slurm(workdir: Path, target: str, *args: str) -> tuple[float, str]:
-    """Run `snakemake <target> --profile config/profiles/slurm ...` as a user would.
+    """Run `snakemake <target> --profile config/profiles/slurm ...` as a user would (status
+    checked at a fixed pace, see SNAKEMAKE_AT_FIXED_PACE).
 
     Jobs inherit the submitting environment, so the venv's bin goes first on PATH. A
     CUDA_VISIBLE_DEVICES from the caller is dropped: inside a job only SLURM may set it.
@@ -83,8 +104,8 @@ def run_under_slurm(workdir: Path, target: str, *args: str) -> tuple[float, str]
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     command = [
         sys.executable,
-        "-m",
-        "snakemake",
+        "-c",
+        SNAKEMAKE_AT_FIXED_PACE,
         target,
         "--profile",
         "config/profiles/slurm",
