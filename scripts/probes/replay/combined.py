@@ -83,8 +83,10 @@ def time_combined(
     pricing: FitPricing,
     cv: tuple[float, float],
     progress: bool,
+    cpu_note: str | None = None,
 ) -> CombinedResult:
-    """Choose, build, time and price the combined configuration (or say why not)."""
+    """Choose, build, time and price the combined configuration (or say why not); `cpu_note`
+    is the CPU run's label every row of the table carries."""
     replay_cfg = cfg["replay"]
     if not replay_cfg.get("combined", True):
         return not_run("replay.combined is false")
@@ -111,7 +113,12 @@ def time_combined(
         plan.max_len, greg=result.estimates, stopped_by=result.record["stopped_by"],
         instrument_cv=cv[0],
     )  # fmt: skip
-    row = priced[priced["strategy"] == combination.name]
+    row = priced[priced["strategy"] == combination.name].copy()
+    note = (
+        f"combined configuration ({', '.join((combination.batching, *combination.steps))}): "
+        "timed as one beside the baseline in a second replay"
+    )
+    row["note"] = "; ".join(n for n in (cpu_note, note) if n)
     steps = result.steps[result.steps["strategy"] == combination.name]
     record = {
         "measured": True,
