@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 from probes.config import load_config  # noqa: E402
-from probes.replay.stage import replay_dtype  # noqa: E402
+from probes.replay.prepare import replay_dtype  # noqa: E402
 from probes.step import batches as bt  # noqa: E402
 from probes.step import changes as sc  # noqa: E402
 from probes.step.load import load_step  # noqa: E402

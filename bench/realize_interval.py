@@ -35,7 +35,7 @@ from probes.realize.promise import step_promises  # noqa: E402
 
 def capped_plans(results: Path) -> pd.DataFrame:
     from probes.config import load_config
-    from probes.replay.stage import plans_for_device
+    from probes.replay.prepare import plans_for_device
 
     config = load_config()
     inputs = {

@@ -69,7 +69,7 @@ def real(results: Path) -> bool:
     import json
 
     from probes.config import load_config
-    from probes.replay.stage import plans_for_device
+    from probes.replay.prepare import plans_for_device
 
     config = load_config()
     steps = pd.read_parquet(steps_path)

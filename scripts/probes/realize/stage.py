@@ -107,7 +107,7 @@ def load_real_runner(
     model_path: str | Path, raw: Mapping[str, Any], device: torch.device, max_length: int
 ) -> tuple[Any, int, int, dict[str, Any], str, str]:
     """The replay's step (the user's trainer, or the harness on the real model), its dtype."""
-    from probes.replay.stage import replay_dtype
+    from probes.replay.prepare import replay_dtype
     from probes.step.load import load_step
 
     dtype, reason = replay_dtype(raw["profile"]["dtype"], device)
@@ -170,7 +170,7 @@ def device_plans(
 ) -> tuple[pd.DataFrame, int]:
     """The replay's plans on this device, the step-level changes' among them; every change
     the replay ranks must have one."""
-    from probes.replay.stage import plans_for_device
+    from probes.replay.prepare import plans_for_device
 
     training = raw["training"]
     plans, max_len = plans_for_device(

@@ -1,8 +1,10 @@
 """The replay stage: measured epoch time of every batching strategy, with intervals.
 
-Order of work: positive control (synthetic harness, cheap, fails fast) -> idle-card check ->
-load weights -> the user's harness -> scaling fit over the data's own lengths -> the stratified
-replay of every strategy's plan -> outputs (written all-or-nothing).
+Order of work: the device, plans and settings (probes.replay.prepare) -> positive control
+(synthetic harness, cheap, fails fast) -> idle-card check -> load weights -> the user's harness
+-> scaling fit over the data's own lengths -> the stratified replay of every strategy's plan ->
+the combined configuration -> coverage control -> outputs (probes.replay.outputs; written
+all-or-nothing).
 
 On CPU (no GPU, profile.allow_cpu) the plans are rebuilt with every length capped at
 ``replay.cpu.max_seq_len`` and small samples, so the run stays within a few minutes; every output
@@ -13,213 +15,53 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 import torch
 
 from probes.batching import plans as pl
 from probes.contracts import STAGE_OUTPUTS
-from probes.errors import ControlFailedError, ProbeError
-from probes.io import read_json, read_provenance, run_metadata
+from probes.errors import ControlFailedError
 from probes.replay.combined import all_steps, time_combined, with_combined
 from probes.replay.control import run_coverage_control, run_synthetic_control
-from probes.replay.estimate import FitPricing, strategy_table
+from probes.replay.estimate import FitPricing
+from probes.replay.outputs import (
+    completed_control,
+    fit_table_row,
+    price,
+    replay_provenance,
+    replay_summary,
+    steps_table,
+)
+from probes.replay.prepare import (
+    CPU_NOTE,
+    ReplayError,
+    ReplayPlan,
+    control_settings,
+    invalid_strategies,
+    prepare,
+    replay_dtype,
+)
 from probes.replay.sequential import build_design, run_sequential
 from probes.replay.step_changes import StepChanges, add_step_changes
-from probes.replay.timing import (
-    OPTIMIZER_STEP,
-    ReplayRunner,
-    ReplaySettings,
-    measure_fit,
-    measure_instrument,
-    median_row,
-)
+from probes.replay.timing import ReplayRunner, measure_fit, measure_instrument, median_row
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
-from probes.step import fit as ft
 from probes.step.idle import check_idle_card
 from probes.step.load import load_step
 
 LOG = logging.getLogger("probes.replay")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["replay"])
-INPUT_KEYS = ("plans", "lengths", "recommendation", "gate")
-CPU_NOTE = (
-    "CPU-only run: lengths capped at {cap} tokens (max_seq_len {max_seq_len}) and small samples; "
-    "not comparable with a GPU run"
-)
-
-
-class ReplayError(ProbeError, RuntimeError):
-    """The stage cannot run as configured, or its control failed; nothing was written."""
-
-
-def packing_validity(gate: Mapping[str, Any], origin: str = "gate.json") -> str | None:
-    """None when the mask gate's packed scenario ran without a violation, else why packing is
-    invalid (cross-document attention, or not checked at all: then it is never recommended)."""
-    scenarios = {s.get("scenario"): s for s in gate.get("scenarios", []) if isinstance(s, dict)}
-    packed = scenarios.get("packed")
-    if packed is None:
-        return (
-            f"{origin}: the mask gate did not run its packed scenario, so cross-document attention "
-            "is unchecked; add 'packed' to mask.scenarios"
-        )
-    violations = int(packed.get("violations", 0) or 0)
-    if violations:
-        return (
-            f"{origin}: the mask gate's packed scenario has {violations} violation(s): documents "
-            "attend to each other, so packing changes what the model learns"
-        )
-    return None
-
-
-def replay_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """The dtype the profile stage would pick (probes.step.dtype): bf16 on CUDA; on CPU bf16
-    only where it is computed natively, else float32. Returns the dtype and why."""
-    from probes.step.dtype import resolve_dtype
-
-    names = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-    name, reason = resolve_dtype(requested, device.type)
-    return names[name], reason
-
-
-def plans_for_device(
-    inputs: Mapping[str, str | Path],
-    training: Mapping[str, Any],
-    cpu_only: bool,
-    cap: int,
-) -> tuple[pd.DataFrame, int]:
-    """The bucket stage's plans, or on CPU the same plans rebuilt with lengths capped at `cap`."""
-    plans = pl.read_plans(inputs["plans"])
-    max_seq_len = int(training["max_seq_len"])
-    if not cpu_only or cap >= max_seq_len:
-        return plans, max_seq_len
-    seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
-    examples = pl.cap_examples(pl.read_examples(inputs["lengths"], max_seq_len), cap)
-    capped = pl.build_plans(
-        examples,
-        micro_batch_size=int(training["micro_batch_size"]),
-        grad_accum=int(training["grad_accum"]),
-        max_seq_len=cap,
-        bucket_size_batches=pl.recommended_bucket_size(read_json(inputs["recommendation"])),
-        seed=seed,
-    )
-    return capped, cap
-
-
-def settings_for(cfg: Mapping[str, Any], grad_accum: int, cpu_only: bool) -> ReplaySettings:
-    section = cfg["cpu"] if cpu_only else cfg
-    return ReplaySettings(
-        n_strata=int(section["n_strata"]),
-        samples_per_stratum=int(section["samples_per_stratum"]),
-        bootstrap_resamples=int(cfg["bootstrap_resamples"]),
-        grad_accum=grad_accum,
-        seed=int(cfg["seed"]),
-        warmup=int(section["warmup"]),
-        busy_samples_per_stratum=int(cfg["busy_samples_per_stratum"]),
-        host_bound_threshold=float(cfg["host_bound_threshold"]),
-    )
-
-
-def control_settings(cfg: Mapping[str, Any], grad_accum: int) -> ReplaySettings:
-    control = cfg["control"]
-    return ReplaySettings(
-        n_strata=int(control["n_strata"]),
-        samples_per_stratum=int(control["samples_per_stratum"]),
-        bootstrap_resamples=int(cfg["bootstrap_resamples"]),
-        grad_accum=grad_accum,
-        seed=int(cfg["seed"]),
-        warmup=0,
-        busy_samples_per_stratum=0,
-    )
-
-
-def fit_lengths_for(
-    plans: pd.DataFrame, cfg: Mapping[str, Any], max_seq_len: int, cpu_only: bool
-) -> list[int]:
-    """Configured lengths, else quantiles of the baseline's padded micro-batch lengths."""
-    fit_cfg = cfg["fit"]
-    configured = fit_cfg["cpu_lengths" if cpu_only else "lengths"]
-    if configured:
-        return sorted({min(int(v), max_seq_len) for v in configured})
-    baseline = plans[plans["strategy"] == pl.BASELINE]["padded_length"].to_numpy()
-    shortest = int(plans.loc[plans["layout"] == pl.PADDED, "padded_length"].min())
-    return ft.default_fit_lengths(
-        baseline,
-        max_seq_len,
-        int(fit_cfg["n_points"]),
-        float(fit_cfg["low_quantile"]),
-        shortest=shortest,
-    )
 
 
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
     """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
     summary = run_replay(inputs, outputs, cfg.raw, Path(inputs["tokenizer"][0]).parent)
     LOG.info("replay summary: %s", summary)
-
-
-@dataclass
-class ReplayPlan:
-    """What the stage knows before any timing: the device, the plans it replays (capped on
-    CPU), the sampling settings and the scaling fit's lengths."""
-
-    device: torch.device
-    cpu_only: bool
-    plans: pd.DataFrame
-    max_len: int
-    settings: ReplaySettings
-    micro: int
-    grad_accum: int
-    fit_lengths: list[int]
-
-
-def prepare(inputs: Mapping[str, Any], cfg: Mapping[str, Any]) -> ReplayPlan:
-    from probes.step.runner import resolve_device
-
-    missing = [k for k in INPUT_KEYS if k not in inputs]
-    if missing:
-        raise ReplayError(f"replay: missing path(s) for {missing}")
-    replay_cfg, training, profile = cfg["replay"], cfg["training"], cfg["profile"]
-    device = resolve_device(profile["device"], profile["allow_cpu"])
-    cpu_only = device.type != "cuda"
-    plans, max_len = plans_for_device(
-        inputs, training, cpu_only, int(replay_cfg["cpu"]["max_seq_len"])
-    )
-    grad_accum = int(training["grad_accum"])
-    plan = ReplayPlan(
-        device=device,
-        cpu_only=cpu_only,
-        plans=plans,
-        max_len=max_len,
-        settings=settings_for(replay_cfg, grad_accum, cpu_only),
-        micro=int(training["micro_batch_size"]),
-        grad_accum=grad_accum,
-        fit_lengths=fit_lengths_for(plans, replay_cfg, max_len, cpu_only),
-    )
-    LOG.info(
-        "replay on %s%s: %d strategies, %d micro-batches; fit lengths %s",
-        device,
-        f" ({CPU_NOTE.format(cap=max_len, max_seq_len=training['max_seq_len'])})"
-        if cpu_only
-        else "",
-        plans["strategy"].nunique(),
-        len(plans),
-        plan.fit_lengths,
-    )
-    return plan
-
-
-def invalid_strategies(inputs: Mapping[str, Any]) -> dict[str, str]:
-    """Strategies the mask gate rules out, with why (packing where documents would mix)."""
-    reason = packing_validity(read_json(inputs["gate"]), str(inputs["gate"]))
-    return {pl.PACKING: reason} if reason else {}
 
 
 def load_replay_step(
@@ -302,76 +144,6 @@ def time_plans(
     return design, sequential
 
 
-def price(
-    plan: ReplayPlan,
-    sequential: Any,
-    invalid: Mapping[str, str],
-    fit: Any,
-    cv: float,
-    changes: StepChanges,
-    max_seq_len: int,
-) -> pd.DataFrame:
-    """Each strategy's estimate with its interval, its notes (step-level change, CPU cap)."""
-    table = strategy_table(
-        plan.plans, sequential.steps, sequential.optimizer_times, plan.settings, invalid,
-        FitPricing(fit.fit, plan.micro, fit.low, fit.high), plan.cpu_only, plan.max_len,
-        greg=sequential.estimates, stopped_by=sequential.record["stopped_by"], instrument_cv=cv,
-    )  # fmt: skip
-    titles = {c.strategy: f"step-level change: {c.title}" for c in changes.changes}
-    notes = [
-        f"{titles[s]}; {n}" if s in titles and n else titles.get(s, n)
-        for s, n in zip(table["strategy"], table["note"], strict=True)
-    ]
-    if plan.cpu_only:
-        cpu = CPU_NOTE.format(cap=plan.max_len, max_seq_len=max_seq_len)
-        notes = [f"{cpu}; {n}" if n else cpu for n in notes]
-    table["note"] = notes
-    return table
-
-
-def replay_provenance(
-    cfg: Mapping[str, Any],
-    plan: ReplayPlan,
-    dtype: tuple[torch.dtype, str],
-    described: dict[str, Any],
-    changes: StepChanges,
-    idle: Any,
-    started: float,
-) -> dict[str, Any]:
-    from probes.profile.evidence import device_description
-
-    return {
-        **run_metadata(dict(cfg)),
-        "device": device_description(plan.device),
-        "cpu_only": plan.cpu_only,
-        "dtype": str(dtype[0]).replace("torch.", ""),
-        "dtype_reason": dtype[1],
-        "max_seq_len_replayed": plan.max_len,
-        "harness": described,
-        "step_changes": [
-            {"strategy": c.strategy, "title": c.title, "settings": c.settings}
-            for c in changes.changes
-        ],
-        "not_measured": dict(changes.not_measured),  # name: why (probes.replay.step_changes)
-        "idle_check": idle,
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "wall_s": time.perf_counter() - started,
-    }
-
-
-SUMMARY_COLUMNS = (
-    "strategy",
-    "estimated_time_s",
-    "ci_low_s",
-    "ci_high_s",
-    "saving_vs_random",
-    "saving_ci_low",
-    "saving_ci_high",
-    "rank",
-    "valid",
-)
-
-
 def run_replay(
     inputs: Mapping[str, Any],
     outputs: Mapping[str, str | Path],
@@ -404,103 +176,30 @@ def run_replay(
     table = price(plan, sequential, invalid, fit, cv, changes, cfg["training"]["max_seq_len"])
     pricing = FitPricing(fit.fit, plan.micro, fit.low, fit.high)
     combined = time_combined(
-        runner, plan, table, changes.changes, inputs, cfg, pricing, (cv, cv_df), progress
-    )
+        runner, plan, table, changes.changes, inputs, cfg, pricing, (cv, cv_df), progress,
+        CPU_NOTE.format(cap=plan.max_len, max_seq_len=cfg["training"]["max_seq_len"])
+        if plan.cpu_only
+        else None,
+    )  # fmt: skip
     table = with_combined(table, combined)
     # the coverage control: the same design and estimator on simulated timings of known cost
     coverage = coverage_control(
         design, sequential, cv, len(sequential.optimizer_times), replay_cfg, plan.settings.seed
     )
-    control.update(
-        coverage=coverage, instrument=instrument, stopping=sequential.record,
-        combined=combined.record,
-    )  # fmt: skip
-    control["checks"] = control_checks(control, coverage)
-    control["observed"]["cpu_only"] = plan.cpu_only
-    # the report shows and applies the threshold the replay used (its one home: the config)
-    control["host_bound_threshold"] = float(replay_cfg["host_bound_threshold"])
+    control = completed_control(
+        control, coverage, instrument, sequential, combined, plan, replay_cfg
+    )
     provenance = replay_provenance(cfg, plan, dtype, described, changes, idle, started)
     fit_row = fit_table_row(fit, plan.micro, loss_share, plan.cpu_only, plan.max_len, replay_cfg)
+    steps = steps_table(
+        all_steps(sequential.steps, combined), sequential.optimizer_times, fit_points
+    )
     with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
         out.parquet("estimates", table, provenance)
-        out.parquet(
-            "steps",
-            steps_table(
-                all_steps(sequential.steps, combined),
-                sequential.optimizer_times, fit_points,
-            ),
-            provenance,
-        )  # fmt: skip
+        out.parquet("steps", steps, provenance)
         out.parquet("fit", pd.DataFrame([fit_row]), provenance)
         out.json("control", control)
-    return {
-        "cpu_only": plan.cpu_only,
-        "wall_s": provenance["wall_s"],
-        "load_average": provenance["load_average"],
-        "control_passed": control["passed"],
-        "strategies": table[list(SUMMARY_COLUMNS)].to_dict("records"),
-    }
-
-
-def control_checks(control: dict[str, Any], coverage: dict[str, Any]) -> list[dict[str, Any]]:
-    """The report's Controls table lists each check on its own row: the busy-wait harness of
-    known cost, and the intervals' coverage control."""
-    errors = [v["time_ratio_rel_error"] for v in control["observed"]["strategies"].values()]
-    return [
-        {
-            "name": control["name"],
-            "expected": {
-                "time_ratio_rel_error_max": control["expected"]["time_ratio_rel_error_max"]
-            },
-            "observed": {"time_ratio_rel_error_max": max(errors) if errors else None},
-            "passed": bool(control["passed"]),
-        },
-        {
-            "name": coverage["name"],
-            "expected": {"coverage_min": coverage["expected"]["coverage_min"]},
-            "observed": {"coverage_min": coverage["observed"]["min_coverage"]},
-            "passed": bool(coverage["passed"]),
-        },
-    ]
-
-
-def steps_table(
-    steps: pd.DataFrame, optimizer_times: np.ndarray, fit_points: pd.DataFrame
-) -> pd.DataFrame:
-    """replay_steps.parquet: the timed micro-batches, the optimizer steps and the fit's points,
-    list columns as plain lists (Parquet)."""
-    optimizer_rows = pd.DataFrame(
-        {"kind": OPTIMIZER_STEP, "time_s": optimizer_times, "status": "OK"}
-    )
-    all_steps = pd.concat([steps, optimizer_rows, fit_points], ignore_index=True)
-    for column in (
-        "example_ids", "example_lengths", "example_loss_tokens", "documents_per_row", "times_s",
-    ):  # fmt: skip
-        all_steps[column] = all_steps[column].map(
-            lambda v: list(v) if isinstance(v, (list, np.ndarray)) else []
-        )
-    return all_steps
-
-
-def fit_table_row(
-    fit: Any, micro: int, loss_share: float, cpu_only: bool, max_len: int, replay_cfg: Mapping
-) -> dict[str, Any]:
-    """replay_fit.parquet's one row: the fit with its intervals, and what it was measured on."""
-    fit_row = fit.as_row()
-    fit_row.update(
-        rows=micro,
-        loss_share=loss_share,
-        cpu_only=cpu_only,
-        max_seq_len=max_len,
-        lengths_source=(
-            "configured"
-            if replay_cfg["fit"]["cpu_lengths" if cpu_only else "lengths"]
-            else f"quantiles {replay_cfg['fit']['low_quantile']}..1 of random's padded micro-batch "
-            f"length, up to max_seq_len {max_len}"
-        ),
-        time_basis="forward + backward of one micro-batch (optimizer step excluded)",
-    )
-    return fit_row
+    return replay_summary(plan, provenance, control, table)
 
 
 def synthetic_control_first(

@@ -17,6 +17,7 @@ from probes.config import fill_defaults, schema
 from probes.contracts import TRAINING_STATUSES
 from probes.errors import ControlFailedError
 from probes.io import read_json, write_json, write_parquet
+from probes.replay import prepare as rp
 from probes.replay import stage as rs
 from probes.replay.control import SyntheticCost, exact_epoch_s, run_synthetic_control
 from probes.replay.estimate import (
@@ -273,10 +274,10 @@ def test_a_spurious_term_is_judged_by_its_share_of_the_step():
 
 def test_packing_validity_reads_the_mask_gate():
     ok = {"scenarios": [{"scenario": "packed", "violations": 0}]}
-    assert rs.packing_validity(ok) is None
+    assert rp.packing_validity(ok) is None
     bad = {"scenarios": [{"scenario": "packed", "violations": 3}]}
-    assert "attend to each other" in rs.packing_validity(bad)
-    assert "unchecked" in rs.packing_validity({"scenarios": [{"scenario": "train"}]})
+    assert "attend to each other" in rp.packing_validity(bad)
+    assert "unchecked" in rp.packing_validity({"scenarios": [{"scenario": "train"}]})
 
 
 def test_gpu_busy_share_is_not_measured_on_cpu():
@@ -286,9 +287,9 @@ def test_gpu_busy_share_is_not_measured_on_cpu():
 def test_dtype_is_the_profile_stages_choice():
     from probes.step.dtype import resolve_dtype
 
-    dtype, reason = rs.replay_dtype("auto", torch.device("cpu"))
+    dtype, reason = rp.replay_dtype("auto", torch.device("cpu"))
     assert str(dtype) == f"torch.{resolve_dtype('auto', 'cpu')[0]}" and reason
-    assert rs.replay_dtype("float32", torch.device("cpu"))[0] == torch.float32
+    assert rp.replay_dtype("float32", torch.device("cpu"))[0] == torch.float32
 
 
 # --- the real harness on a tiny model, and the stage ------------------------------------------

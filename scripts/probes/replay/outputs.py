@@ -1,0 +1,187 @@
+"""The replay's outputs from what it measured: the estimates table with its notes (``price``),
+replay_steps.parquet (``steps_table``), replay_fit.parquet's row (``fit_table_row``), the
+control's rows for the report (``control_checks``), the provenance and the log's summary."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from probes.io import run_metadata
+from probes.replay.estimate import FitPricing, strategy_table
+from probes.replay.prepare import CPU_NOTE, ReplayPlan
+from probes.replay.step_changes import StepChanges
+from probes.replay.timing import OPTIMIZER_STEP
+
+# the log's summary: each strategy's estimate, saving and rank
+SUMMARY_COLUMNS = (
+    "strategy",
+    "estimated_time_s",
+    "ci_low_s",
+    "ci_high_s",
+    "saving_vs_random",
+    "saving_ci_low",
+    "saving_ci_high",
+    "rank",
+    "valid",
+)
+
+
+def price(
+    plan: ReplayPlan,
+    sequential: Any,
+    invalid: Mapping[str, str],
+    fit: Any,
+    cv: float,
+    changes: StepChanges,
+    max_seq_len: int,
+) -> pd.DataFrame:
+    """Each strategy's estimate with its interval, its notes (step-level change, CPU cap)."""
+    table = strategy_table(
+        plan.plans, sequential.steps, sequential.optimizer_times, plan.settings, invalid,
+        FitPricing(fit.fit, plan.micro, fit.low, fit.high), plan.cpu_only, plan.max_len,
+        greg=sequential.estimates, stopped_by=sequential.record["stopped_by"], instrument_cv=cv,
+    )  # fmt: skip
+    titles = {c.strategy: f"step-level change: {c.title}" for c in changes.changes}
+    notes = [
+        f"{titles[s]}; {n}" if s in titles and n else titles.get(s, n)
+        for s, n in zip(table["strategy"], table["note"], strict=True)
+    ]
+    if plan.cpu_only:
+        cpu = CPU_NOTE.format(cap=plan.max_len, max_seq_len=max_seq_len)
+        notes = [f"{cpu}; {n}" if n else cpu for n in notes]
+    table["note"] = notes
+    return table
+
+
+def replay_provenance(
+    cfg: Mapping[str, Any],
+    plan: ReplayPlan,
+    dtype: tuple[torch.dtype, str],
+    described: dict[str, Any],
+    changes: StepChanges,
+    idle: Any,
+    started: float,
+) -> dict[str, Any]:
+    """What the replay ran, on what (each table's metadata)."""
+    from probes.profile.evidence import device_description
+
+    return {
+        **run_metadata(dict(cfg)),
+        "device": device_description(plan.device),
+        "cpu_only": plan.cpu_only,
+        "dtype": str(dtype[0]).replace("torch.", ""),
+        "dtype_reason": dtype[1],
+        "max_seq_len_replayed": plan.max_len,
+        "harness": described,
+        "step_changes": [
+            {"strategy": c.strategy, "title": c.title, "settings": c.settings}
+            for c in changes.changes
+        ],
+        "not_measured": dict(changes.not_measured),  # name: why (probes.replay.step_changes)
+        "idle_check": idle,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
+def completed_control(
+    control: dict[str, Any],
+    coverage: dict[str, Any],
+    instrument: dict[str, Any],
+    sequential: Any,
+    combined: Any,
+    plan: ReplayPlan,
+    replay_cfg: Mapping[str, Any],
+) -> dict[str, Any]:
+    """replay_control.json: the positive control with the coverage control, the instrument, the
+    stopping record and the combined configuration's, one row per check for the report."""
+    control.update(
+        coverage=coverage, instrument=instrument, stopping=sequential.record,
+        combined=combined.record,
+    )  # fmt: skip
+    control["checks"] = control_checks(control, coverage)
+    control["observed"]["cpu_only"] = plan.cpu_only
+    # the report shows and applies the threshold the replay used (its one home: the config)
+    control["host_bound_threshold"] = float(replay_cfg["host_bound_threshold"])
+    return control
+
+
+def control_checks(control: dict[str, Any], coverage: dict[str, Any]) -> list[dict[str, Any]]:
+    """The report's Controls table lists each check on its own row: the busy-wait harness of
+    known cost, and the intervals' coverage control."""
+    errors = [v["time_ratio_rel_error"] for v in control["observed"]["strategies"].values()]
+    return [
+        {
+            "name": control["name"],
+            "expected": {
+                "time_ratio_rel_error_max": control["expected"]["time_ratio_rel_error_max"]
+            },
+            "observed": {"time_ratio_rel_error_max": max(errors) if errors else None},
+            "passed": bool(control["passed"]),
+        },
+        {
+            "name": coverage["name"],
+            "expected": {"coverage_min": coverage["expected"]["coverage_min"]},
+            "observed": {"coverage_min": coverage["observed"]["min_coverage"]},
+            "passed": bool(coverage["passed"]),
+        },
+    ]
+
+
+def steps_table(
+    steps: pd.DataFrame, optimizer_times: np.ndarray, fit_points: pd.DataFrame
+) -> pd.DataFrame:
+    """replay_steps.parquet: the timed micro-batches, the optimizer steps and the fit's points,
+    list columns as plain lists (Parquet)."""
+    optimizer_rows = pd.DataFrame(
+        {"kind": OPTIMIZER_STEP, "time_s": optimizer_times, "status": "OK"}
+    )
+    all_steps = pd.concat([steps, optimizer_rows, fit_points], ignore_index=True)
+    for column in (
+        "example_ids", "example_lengths", "example_loss_tokens", "documents_per_row", "times_s",
+    ):  # fmt: skip
+        all_steps[column] = all_steps[column].map(
+            lambda v: list(v) if isinstance(v, (list, np.ndarray)) else []
+        )
+    return all_steps
+
+
+def fit_table_row(
+    fit: Any, micro: int, loss_share: float, cpu_only: bool, max_len: int, replay_cfg: Mapping
+) -> dict[str, Any]:
+    """replay_fit.parquet's one row: the fit with its intervals, and what it was measured on."""
+    fit_row = fit.as_row()
+    fit_row.update(
+        rows=micro,
+        loss_share=loss_share,
+        cpu_only=cpu_only,
+        max_seq_len=max_len,
+        lengths_source=(
+            "configured"
+            if replay_cfg["fit"]["cpu_lengths" if cpu_only else "lengths"]
+            else f"quantiles {replay_cfg['fit']['low_quantile']}..1 of random's padded micro-batch "
+            f"length, up to max_seq_len {max_len}"
+        ),
+        time_basis="forward + backward of one micro-batch (optimizer step excluded)",
+    )
+    return fit_row
+
+
+def replay_summary(
+    plan: ReplayPlan, provenance: Mapping[str, Any], control: Mapping[str, Any], table: pd.DataFrame
+) -> dict[str, Any]:
+    """The log's summary of the stage."""
+    return {
+        "cpu_only": plan.cpu_only,
+        "wall_s": provenance["wall_s"],
+        "load_average": provenance["load_average"],
+        "control_passed": control["passed"],
+        "strategies": table[list(SUMMARY_COLUMNS)].to_dict("records"),
+    }
