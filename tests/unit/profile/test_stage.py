@@ -314,7 +314,7 @@ def test_busy_card_stops_the_stage_before_weights_load(
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded on a busy card")
 
-    monkeypatch.setattr("probes.profile.stage.load_model", no_weights)
+    monkeypatch.setattr("probes.profile.load.load_model", no_weights)
     out = outputs_in(tmp_path / "out")
     with pytest.raises(CardBusyError, match="pid 31337"):
         run_profile(

@@ -219,7 +219,7 @@ def test_schema_defaults_fill_the_profile_section():
 
 
 def test_profile_lengths_beyond_max_seq_len_are_said():
-    from probes.profile.stage import lengths_note, resolve_settings
+    from probes.profile.prepare import lengths_note, resolve_settings
 
     schema = load_yaml(SCHEMA)["properties"]
     profile = fill_defaults({"device": "cpu"}, schema["profile"])

@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from probes.profile import stage as ps
+from probes.profile import prepare as pp
 from probes.step import dtype as dc
 
 # the machine: a 2-core AMD EPYC with AVX2 and no bf16 units
@@ -88,7 +88,7 @@ TRAINING = {"micro_batch_size": 2, "max_seq_len": 256}
 )
 def test_settings_resolve_auto_from_the_cpu(monkeypatch, cpu, expected):
     monkeypatch.setattr(dc, "cpu_bf16_facts", lambda: cpu)
-    settings = ps.resolve_settings({**PROFILE, "dtype": "auto"}, TRAINING)
+    settings = pp.resolve_settings({**PROFILE, "dtype": "auto"}, TRAINING)
     assert settings.dtype == expected
     assert settings.dtype_reason.startswith("auto:")
 
@@ -96,7 +96,7 @@ def test_settings_resolve_auto_from_the_cpu(monkeypatch, cpu, expected):
 def test_settings_warn_when_an_explicit_bf16_is_emulated(monkeypatch, caplog):
     monkeypatch.setattr(dc, "cpu_bf16_facts", lambda: AVX2_EPYC)
     with caplog.at_level(logging.WARNING, logger="probes.dtype"):
-        settings = ps.resolve_settings({**PROFILE, "dtype": "bfloat16"}, TRAINING)
+        settings = pp.resolve_settings({**PROFILE, "dtype": "bfloat16"}, TRAINING)
     assert settings.dtype == torch.bfloat16
     assert "emulated" in settings.dtype_reason
     assert any("emulated" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
@@ -105,5 +105,5 @@ def test_settings_warn_when_an_explicit_bf16_is_emulated(monkeypatch, caplog):
 def test_settings_do_not_warn_where_bf16_is_native(monkeypatch, caplog):
     monkeypatch.setattr(dc, "cpu_bf16_facts", lambda: SAPPHIRE_RAPIDS)
     with caplog.at_level(logging.WARNING, logger="probes.dtype"):
-        ps.resolve_settings({**PROFILE, "dtype": "bfloat16"}, TRAINING)
+        pp.resolve_settings({**PROFILE, "dtype": "bfloat16"}, TRAINING)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
