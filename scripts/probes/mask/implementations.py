@@ -60,7 +60,7 @@ SCENARIO_KEYS = (
 
 def proposed_implementations() -> tuple[str, ...]:
     """Every attention implementation a step-level change may propose (their one home)."""
-    from probes.step.changes import GPU_ONLY_ATTENTION, PORTABLE_ATTENTION
+    from probes.step.change_types import GPU_ONLY_ATTENTION, PORTABLE_ATTENTION
 
     return (*PORTABLE_ATTENTION, *GPU_ONLY_ATTENTION)
 

@@ -29,30 +29,18 @@ from typing import Any
 
 import pandas as pd
 
+# the types a step-level change is made of live in their own module (the loss-kernel and
+# padding-free changes and the mask gate use them without importing this one)
+from probes.step.change_types import (
+    GPU_ONLY_ATTENTION,
+    PORTABLE_ATTENTION,
+    StepChange,
+    StepConfig,
+)
+
 GC_ON, GC_OFF = "gradient_checkpointing_on", "gradient_checkpointing_off"
 ATTENTION_PREFIX = "attention_"
 MICRO_BATCH_PREFIX = "micro_batch_size_"
-# attention implementations that run on any device; flash/flex need a GPU build (listed, not
-# priced, on CPU)
-PORTABLE_ATTENTION = ("eager", "sdpa")
-GPU_ONLY_ATTENTION = ("flash_attention_2", "flex_attention")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepConfig:
-    gradient_checkpointing: bool
-    attn_implementation: str
-    loss: str | None = None  # the harness's loss kernel (None: not a setting of this step)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepChange:
-    strategy: str
-    title: str
-    config: StepConfig
-    settings: dict[str, Any]  # what pastes into TrainingArguments / SFTConfig / from_pretrained
-    micro_batch_size: int | None = None  # set: a new plan at this size (tokens per update kept)
-    grad_accum: int | None = None
 
 
 def checkpointing_field() -> str:

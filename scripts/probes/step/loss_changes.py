@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from probes.step.changes import StepChange, StepConfig
+from probes.step.change_types import StepChange, StepConfig
 
 LOSS_PREFIX = "loss_"
 LOSS_OPTION = "loss_kernel"  # the harness option (configure) that selects it

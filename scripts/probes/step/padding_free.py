@@ -34,7 +34,7 @@ LEAK = (
 def padding_free_changes(base: Any, implementations: Sequence[str]) -> list[Any]:
     """One change per attention implementation: the baseline's micro-batches flattened, the
     step at that implementation (the base's, too: then only the layout changes)."""
-    from probes.step.changes import StepChange
+    from probes.step.change_types import StepChange
 
     return [
         StepChange(
