@@ -262,3 +262,31 @@ def test_fixture_columns_cover_the_memory_table_when_the_contract_has_it():
     # the first screen reads these columns of results/memory/changes.parquet
     columns = set(table_columns("memory_changes"))
     assert {"strategy", "predicted_peak_gib", "headroom_gib", "verdict", "reason"} <= columns
+
+
+def test_a_step_level_or_combined_change_shows_its_settings():
+    from probes.report.sections.verdicts import NO_SETTING, change_settings
+
+    baseline = {"training_arguments": {"per_device_train_batch_size": 2}}
+    document = {
+        "baseline": baseline,
+        "changes": [
+            {
+                "id": "micro_batch_size_4",
+                "step_level": True,
+                "applies": True,
+                "training_arguments": {"per_device_train_batch_size": 4},
+            },
+            {
+                "id": "length_grouped+micro_batch_size_4",
+                "step_level": True,
+                "combined_of": ["length_grouped", "micro_batch_size_4"],
+                "applies": True,
+                "training_arguments": {"per_device_train_batch_size": 4, "group_by_length": True},
+            },
+        ],
+    }
+    settings = change_settings(document)
+    assert "per_device_train_batch_size=4" in settings["micro_batch_size_4"]
+    assert "group_by_length=True" in settings["length_grouped+micro_batch_size_4"]
+    assert NO_SETTING not in settings.values()

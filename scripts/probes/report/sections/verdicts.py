@@ -96,6 +96,8 @@ def change_settings(document: Mapping[str, Any] | None) -> dict[str, str]:
     out = {}
     for change in document.get("changes") or []:
         strategy = CHANGE_STRATEGY.get(str(change.get("id")))
+        if strategy is None and change.get("step_level"):
+            strategy = str(change.get("id"))  # a step-level (or combined) change is its strategy
         if strategy and change.get("applies"):
             out[strategy] = settings_line(change, baseline)
     return out
