@@ -405,6 +405,11 @@ def drop_no_loss_change(no_loss_examples: int | None, base: Baseline) -> dict[st
     }
 
 
+def model_imports(attention: str | None) -> list[str]:
+    """The import the pasted model line needs (where a change loads the model itself)."""
+    return ["from transformers import AutoModelForCausalLM"] if attention else []
+
+
 def step_level_changes(
     step_changes: list[Mapping[str, Any]] | None, base: Baseline
 ) -> list[dict[str, Any]]:
@@ -443,7 +448,7 @@ def step_level_changes(
                     ta,
                     sft,
                     trainer_lines,
-                    extra_imports=flat_imports,
+                    extra_imports=[*flat_imports, *model_imports(attention)],
                     data_lines=model_line,
                 ),
                 "tokens_per_update": tokens_per_update_entry(

@@ -27,3 +27,15 @@ def test_each_step_level_change_pastes_and_says_what_differs():
     micro = changes["micro_batch_size_4"]
     line = settings_line(micro, baseline)
     assert "per_device_train_batch_size=4" in line and "gradient_accumulation_steps=4" in line
+
+
+def test_a_change_that_loads_the_model_imports_what_it_calls():
+    base = Baseline(2, 8, 4096, 100, 40_000, 900)
+    priced = step_changes(StepConfig(False, "sdpa"), 2, 8)
+    provenance = [
+        {"strategy": c.strategy, "title": c.title, "settings": c.settings} for c in priced
+    ]
+    eager = {c["id"]: c for c in step_level_changes(provenance, base)}["attention_eager"]
+    for snippet in eager["snippets"].values():
+        assert "AutoModelForCausalLM.from_pretrained" in snippet["text"]
+        assert "from transformers import AutoModelForCausalLM" in snippet["imports"]
