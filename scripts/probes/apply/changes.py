@@ -405,6 +405,19 @@ def drop_no_loss_change(no_loss_examples: int | None, base: Baseline) -> dict[st
     }
 
 
+# SFTConfig fields a step-level change may set that TrainingArguments lacks
+SFT_ONLY_SETTINGS = ("max_length",)
+STEP_LEVEL_CAVEAT = (
+    "a step-level change: measured on the baseline's micro-batches with the step set as the "
+    "trainer sets it; its memory is not predicted by the memory stage (which prices batching plans)"
+)
+PADDING_FREE_CAVEAT = (
+    "TRL 1.16's SFTTrainer refuses padding_free=True beside a max_length unless packing, so "
+    "max_length=None is pasted: truncate examples longer than max_seq_len in your data first "
+    "(the padding stage counts them as TRUNCATED)"
+)
+
+
 def model_imports(attention: str | None) -> list[str]:
     """The import the pasted model line needs (where a change loads the model itself)."""
     return ["from transformers import AutoModelForCausalLM"] if attention else []
@@ -424,8 +437,9 @@ def step_level_changes(
         harness = settings.pop("harness_options", None)  # the harness's own (loss kernel)
         flat = settings.pop("padding_free", False)  # SFTConfig's only (probes.step.padding_free)
         sft_flat, trainer_lines, flat_imports = padding_free.pasted(flat, PLAIN_TRAINER_LINES)
+        sft_only = {k: settings.pop(k) for k in SFT_ONLY_SETTINGS if k in settings}
         ta = {**base.training_arguments(), **settings}
-        sft = {**base.sft_config(), **settings, **sft_flat}
+        sft = {**base.sft_config(), **settings, **sft_only, **sft_flat}
         model_line = [f"# profile.harness_options: {harness!r}"] if harness else []
         if attention:
             sft["model_init_kwargs"] = {"attn_implementation": attention}
@@ -457,11 +471,7 @@ def step_level_changes(
                     "unchanged: micro-batch size × gradient accumulation is kept",
                 ),
                 "estimate": None,
-                "caveat": (
-                    "a step-level change: measured on the baseline's micro-batches with the "
-                    "step set as the trainer sets it; its memory is not predicted by the memory "
-                    "stage (which prices batching plans)"
-                ),
+                "caveat": "; ".join((STEP_LEVEL_CAVEAT, *([PADDING_FREE_CAVEAT] if flat else []))),
             }
         )
     return out

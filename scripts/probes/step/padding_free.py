@@ -41,8 +41,9 @@ def padding_free_changes(base: Any, implementations: Sequence[str]) -> list[Any]
             PADDING_FREE_PREFIX + name,
             f"padding-free (one flattened row per micro-batch) with attention {name}",
             dataclasses.replace(base, attn_implementation=name),
-            # SFTConfig's padding_free; from_pretrained's attn_implementation
-            {"padding_free": True, "attn_implementation": name},
+            # SFTConfig's padding_free (TRL 1.16's SFTTrainer refuses it beside a max_length
+            # unless packing: rows are taken as they come); from_pretrained's attn_implementation
+            {"padding_free": True, "max_length": None, "attn_implementation": name},
         )
         for name in implementations
     ]

@@ -48,6 +48,7 @@ def test_one_change_per_portable_implementation_each_at_its_implementation():
     assert changes["padding_free_sdpa"].config == base  # only the layout changes
     assert changes["padding_free_eager"].settings == {
         "padding_free": True,
+        "max_length": None,
         "attn_implementation": "eager",
     }
     assert sc.is_step_change("padding_free_eager") and sc.title_of("padding_free_eager")
@@ -168,3 +169,24 @@ def test_what_it_pastes_constructs():
     assert "DataCollatorWithFlattening()" in pasted["snippets"]["transformers"]["text"]
     transformers.TrainingArguments(output_dir="x", **pasted["training_arguments"])
     trl.SFTConfig(output_dir="x", use_cpu=True, **pasted["sft_config"])  # no GPU here
+
+
+def test_an_sft_trainer_accepts_what_it_pastes(tiny_model_dir):
+    """TRL 1.16 refuses padding_free beside a max_length without packing, at SFTTrainer's
+    construction (not SFTConfig's): the pasted config must build a trainer."""
+    import datasets
+    import transformers
+    import trl
+
+    from probes.apply.changes import Baseline, step_level_changes
+
+    change = change_named("padding_free_sdpa")
+    provenance = [{"strategy": change.strategy, "title": change.title, "settings": change.settings}]
+    (pasted,) = step_level_changes(provenance, Baseline(2, 8, 4096, 100, 40_000, 900))
+    sft = {k: v for k, v in pasted["sft_config"].items() if k != "model_init_kwargs"}
+    assert sft["max_length"] is None and "truncate" in pasted["caveat"]
+    args = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", **sft)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    rows = datasets.Dataset.from_list([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=rows)
+    assert trainer.args.padding_free
