@@ -146,8 +146,13 @@ STAGE_INPUTS: dict[str, dict[str, tuple[str, str] | str]] = {
         "model_config": MODEL_CONFIG,
         "tokenizer": MODEL_TOKENIZER,
     },
-    # config.json and the plans only: no weights, no GPU
-    "memory": {"model_config": MODEL_CONFIG, "plans": ("bucket", "plans")},
+    # config.json, the plans and the lengths (a changed micro-batch size's own plan): no
+    # weights, no GPU
+    "memory": {
+        "model_config": MODEL_CONFIG,
+        "plans": ("bucket", "plans"),
+        "lengths": ("padding", "lengths"),
+    },
 }
 
 

@@ -99,6 +99,7 @@ def build_scaled_step(
     dtype: str,
     grad_accum: int = 1,
     round_to: int = 1,
+    attn_implementation: str = "sdpa",
 ) -> ScaledStep:
     start = time.perf_counter()
     full = layer_types(config)
@@ -107,7 +108,9 @@ def build_scaled_step(
 
     def step_for(layer_counts: dict[str, int]) -> FakeStep:
         reduced = reduced_config(config, reduced_types(full, layer_counts))
-        return build_fake_step(reduced, functions, dtype, grad_accum, round_to)
+        return build_fake_step(
+            reduced, functions, dtype, grad_accum, round_to, attn_implementation=attn_implementation
+        )
 
     base = step_for(base_counts)
     extra = {t: step_for({**base_counts, t: 2}) for t in counts}

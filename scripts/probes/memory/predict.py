@@ -148,6 +148,7 @@ def build_fake_step(
     grad_accum: int = 1,
     round_to: int = 1,
     model: torch.nn.Module | None = None,
+    attn_implementation: str = "sdpa",
 ) -> FakeStep:
     """Build the model from a transformers config (or take a meta `model`), adapt, optimise."""
     if dtype not in DTYPES:
@@ -160,7 +161,7 @@ def build_fake_step(
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
-                config, dtype=DTYPES[dtype], attn_implementation="sdpa"
+                config, dtype=DTYPES[dtype], attn_implementation=attn_implementation
             )
     targets = harness.discover_target_modules(model)
     if harness.apply_adapters is not None:

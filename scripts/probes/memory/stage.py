@@ -15,9 +15,9 @@ from typing import Any
 
 import pandas as pd
 
-from probes.batching.plans import read_plans
+from probes.batching.plans import read_examples, read_plans
 from probes.contracts import BATCH_REBALANCE
-from probes.io import run_metadata
+from probes.io import read_provenance, run_metadata
 from probes.mask.trace import config_from_dict, read_config_json
 from probes.memory.control import run_controls
 from probes.memory.layers import build_scaled_step, predict_scaled, scaling_saves_work
@@ -38,6 +38,14 @@ from probes.memory.shapes import (
     rebalance_shape,
     training_shape,
 )
+from probes.memory.step_changes import (
+    LoadedHarness,
+    base_config,
+    change_shapes,
+    configured,
+    fake_attention,
+    fake_steps,
+)
 from probes.memory.tracker import CATEGORIES
 from probes.memory.verdict import (
     DOES_NOT_FIT,
@@ -49,6 +57,7 @@ from probes.memory.verdict import (
 )
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
+from probes.step.changes import step_changes
 
 LOG = logging.getLogger("probes.memory")
 MAX_SEQ_LEN = "max_seq_len"
@@ -56,7 +65,8 @@ MAX_SEQ_LEN = "max_seq_len"
 
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
     start = time.perf_counter()
-    functions = load_functions(cfg)
+    loaded = load_harness(cfg)
+    functions = functions_of(loaded.harness)
     control = run_controls(functions, cfg.memory.tolerance)
     LOG.info("memory controls: %s", control["observed"])
     plans = _plans(inputs.get("plans"))
@@ -70,6 +80,8 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     fit_table = fitting_frame(shapes, predictor, target, cfg)
     shape_table = add_fitting_advice(shape_table, fit_table, target, gradient_checkpointing(cfg))
     shape_table = with_checkpointing_checked(cfg, config, shapes, shape_table, target)
+    steps = step_change_rows(predictor, loaded, cfg, inputs, plans, target)
+    shape_table = pd.concat([shape_table, pd.DataFrame(steps)], ignore_index=True)
     changes = changes_frame(shape_table)
     summary = {
         "target_gib": cfg.memory.target_gib,
@@ -80,6 +92,7 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         "gradient_checkpointing": gradient_checkpointing(cfg),
         "plans": "read" if plans is not None else "not given: training shape only",
         "scale_layers": scaled,
+        "step_changes": [row["strategy"] for row in steps],
         "build_seconds": predictor.step.build_seconds,
         "predictions": predictor.count,
         "wall_seconds": time.perf_counter() - start,
@@ -100,19 +113,24 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     LOG.info("memory stage in %.1f s (%d predictions)", summary["wall_seconds"], predictor.count)
 
 
-def load_functions(cfg: WorkflowConfig, **overrides: Any) -> StepFunctions:
+def load_harness(cfg: WorkflowConfig, **overrides: Any) -> LoadedHarness:
     """The profile's harness with its options (probes.step.harness), as the profile loads it;
     `overrides` replace options (a harness that refuses them raises its own error)."""
-    from probes.step.harness import load_harness
+    from probes.step import harness as step_harness
 
-    harness = load_harness(cfg.profile.harness)
+    harness = step_harness.load_harness(cfg.profile.harness)
     configure = harness.hook("configure")
     options = {"ce_chunk_tokens": cfg.profile.ce_chunk_tokens, **cfg.profile.harness_options}
+    options = {**options, **overrides}
     if configure is not None:
-        configure({**options, **overrides})
+        configure(options)
     elif overrides:
         raise PredictError(f"profile.harness {cfg.profile.harness}: no configure() for {overrides}")
-    return functions_of(harness)
+    return LoadedHarness(harness, {"options": options})
+
+
+def load_functions(cfg: WorkflowConfig, **overrides: Any) -> StepFunctions:
+    return functions_of(load_harness(cfg, **overrides).harness)
 
 
 def build_predictor(
@@ -123,13 +141,17 @@ def build_predictor(
     scaled = cfg.memory.scale_layers and scaling_saves_work(config)
     if scaled:
         build, predict_fn = (build_scaled_step, predict_scaled)
+    attention, notes = fake_attention(cfg.profile.attn_implementation)
     step = build(
         config,
         functions,
         cfg.mask.dtype,
         grad_accum=cfg.training.grad_accum,
         round_to=cfg.memory.allocator_round_bytes,
+        attn_implementation=attention,
     )
+    for fake in fake_steps(step):
+        fake.notes.extend(notes)
     return CachedPredictor(step, predict_fn), scaled
 
 
@@ -172,11 +194,14 @@ def gradient_checkpointing(cfg: WorkflowConfig) -> bool:
     return bool(dict(cfg.profile.harness_options).get("gradient_checkpointing", False))
 
 
+def _given(path: Any) -> bool:
+    """An input given on the command line as `--input key=` (empty) is not given."""
+    return path is not None and str(path).strip() not in ("", ".")
+
+
 def _plans(path: Any) -> pd.DataFrame | None:
     """The bucket stage's plans; none given (`--input plans=`): the training shape only."""
-    if path is None or str(path).strip() in ("", "."):
-        return None
-    return read_plans(path)
+    return read_plans(path) if _given(path) else None
 
 
 def shapes_to_predict(cfg: WorkflowConfig, plans: pd.DataFrame | None) -> list[tuple[str, Shape]]:
@@ -201,16 +226,17 @@ def shapes_to_predict(cfg: WorkflowConfig, plans: pd.DataFrame | None) -> list[t
 
 
 class CachedPredictor:
-    """One prediction per distinct (rows, length, layout, loss positions)."""
+    """One prediction per distinct (step setting, rows, length, layout, loss positions)."""
 
     def __init__(self, step: Any, predict_fn: Any = predict) -> None:
         self.step = step
         self.predict_fn = predict_fn
         self.cache: dict[tuple, Prediction | PredictError] = {}
         self.count = 0
+        self.setting: tuple = ()  # a step-level change set on the step (step_changes.configured)
 
     def __call__(self, shape: Shape) -> Prediction:
-        key = (shape.rows, shape.length, shape.layout, shape.loss_positions())
+        key = (self.setting, shape.rows, shape.length, shape.layout, shape.loss_positions())
         if key not in self.cache:
             try:
                 self.cache[key] = self.predict_fn(self.step, shape)
@@ -254,6 +280,47 @@ def shape_row(
     if row["verdict"] == DOES_NOT_FIT:
         row["reason"] = advice(found.by_category, target, checkpointing, None)
     return row
+
+
+def step_change_rows(
+    predictor: CachedPredictor,
+    loaded: LoadedHarness,
+    cfg: WorkflowConfig,
+    inputs: Mapping[str, Any],
+    plans: pd.DataFrame | None,
+    target: int,
+) -> list[dict[str, Any]]:
+    """Each step-level change the replay prices, predicted on the same fake model with the
+    change set as the replay sets it, at its own largest micro-batch (probes.memory.step_changes).
+    A user's trainer (trainer.factory): the loss is not a setting of its step, as in the replay."""
+    training = cfg.training
+    harness = None if cfg.trainer.factory else loaded
+    base = base_config(predictor.step, harness)
+    changes = step_changes(base, training.micro_batch_size, training.grad_accum)
+    examples, seed = None, 0
+    if plans is not None and _given(inputs.get("lengths")):
+        # the replay's own plan for a changed micro-batch size: these examples, the plans' seed
+        examples = read_examples(inputs["lengths"], training.max_seq_len)
+        seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
+    shapes = change_shapes(
+        changes, plans, examples, seed, training.micro_batch_size, training.max_seq_len
+    )
+    rows = []
+    for change in changes:
+        shape = shapes[change.strategy]
+        if isinstance(shape, str):
+            rows.append(unpredicted_row(change.strategy, shape, target))
+            continue
+        with configured(predictor, harness, base, change):
+            gc = change.config.gradient_checkpointing
+            rows.append(shape_row(change.strategy, shape, predictor, target, gc))
+    return rows
+
+
+def unpredicted_row(strategy: str, reason: str, target: int) -> dict[str, Any]:
+    return {"shape": strategy, "strategy": strategy, "rows": None, "length": None,
+            "layout": None, "target_gib": target / GIB, "predicted_peak_gib": None,
+            "headroom_gib": None, "verdict": verdict(None, target), "reason": reason}  # fmt: skip
 
 
 def shapes_frame(

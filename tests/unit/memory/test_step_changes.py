@@ -1,0 +1,243 @@
+"""The step-level changes predicted on the fake model, each set as the replay sets it, at its own
+largest micro-batch (probes.memory.step_changes), and read by the report's Memory column."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from conftest import workflow_config
+from probes.batching import plans as pl
+from probes.bucket import control as bucket_controls
+from probes.io import read_json, read_parquet, write_parquet
+from probes.mask.trace import config_from_dict
+from probes.memory import control, stage
+from probes.memory.predict import PACKED, Shape, build_fake_step
+from probes.memory.shapes import largest_micro_batches
+from probes.memory.step_changes import (
+    LoadedHarness,
+    base_config,
+    change_shapes,
+    configured,
+)
+from probes.memory.tracker import ACTIVATIONS
+from probes.report.sections.verdicts import memory_check, verdicts_section
+from probes.settings import TrainingConfig
+from probes.step import changes as sc
+from probes.step import reference_harness
+from probes.step.harness import load_harness
+from probes.step.loss_changes import LOSS_PREFIX, STOCK
+
+VOCAB = 2048  # large enough that the full logits are a visible block
+SHAPE = Shape("step", 2, 256)  # 256 x 256 attention probabilities per head: visible too
+FLOAT32 = 4
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    harness = load_harness("probes.reference_harness")
+    options = {"ce_chunk_tokens": 1024}
+    harness.hook("configure")(options)
+    yield LoadedHarness(harness, {"options": options})
+    reference_harness.configure({})
+
+
+@pytest.fixture(scope="module")
+def predictor(loaded):
+    from probes.memory.predict import functions_of
+
+    config = config_from_dict({**control.TINY_GEMMA3, "vocab_size": VOCAB})
+    step = build_fake_step(config, functions_of(loaded.harness), "float32", grad_accum=2)
+    return stage.CachedPredictor(step)
+
+
+def _change(predictor, loaded, strategy):
+    base = base_config(predictor.step, loaded)
+    (change,) = [c for c in sc.step_changes(base, 2, 2) if c.strategy == strategy]
+    return base, change
+
+
+def _predict(predictor, loaded, strategy, shape=SHAPE):
+    base, change = _change(predictor, loaded, strategy)
+    with configured(predictor, loaded, base, change):
+        return predictor(shape)
+
+
+def test_the_base_is_read_as_the_replay_reads_it(predictor, loaded):
+    base = base_config(predictor.step, loaded)
+    assert base == sc.StepConfig(False, "sdpa", "chunked")
+    names = [c.strategy for c in sc.step_changes(base, 2, 2)]
+    assert names[:2] == [sc.GC_ON, "attention_eager"] and LOSS_PREFIX + STOCK in names
+
+
+def test_checkpointing_on_predicts_fewer_activations(predictor, loaded):
+    off = predictor(SHAPE)
+    on = _predict(predictor, loaded, sc.GC_ON)
+    assert on.by_category[ACTIVATIONS] < 0.7 * off.by_category[ACTIVATIONS]
+    assert on.peak_bytes < off.peak_bytes
+
+
+def test_stock_loss_holds_about_the_full_logit_block_more(predictor, loaded):
+    chunked = predictor(SHAPE)
+    stock = _predict(predictor, loaded, LOSS_PREFIX + STOCK)
+    block = SHAPE.rows * SHAPE.length * VOCAB * FLOAT32
+    assert 0.5 * block < stock.peak_bytes - chunked.peak_bytes < 2 * block
+    assert reference_harness.OPTIONS["loss_kernel"] == "chunked"  # set back
+
+
+def test_eager_holds_the_attention_probabilities(predictor, loaded):
+    sdpa = predictor(SHAPE)
+    eager = _predict(predictor, loaded, "attention_eager")
+    heads = control.TINY_GEMMA3["num_attention_heads"]
+    one_layer = SHAPE.rows * heads * SHAPE.length**2 * FLOAT32
+    assert eager.peak_bytes - sdpa.peak_bytes > one_layer
+    short = Shape("short", 2, 16)  # 16 x 16 probabilities: a small difference
+    short_gap = (
+        _predict(predictor, loaded, "attention_eager", short).peak_bytes
+        - predictor(short).peak_bytes
+    )
+    assert short_gap < (eager.peak_bytes - sdpa.peak_bytes) / 20
+
+
+def test_a_change_is_set_back_so_the_order_does_not_matter(predictor, loaded):
+    before = predictor.predict_fn(predictor.step, SHAPE).peak_bytes
+    for strategy in (sc.GC_ON, "attention_eager", LOSS_PREFIX + STOCK):
+        _predict(predictor, loaded, strategy)
+    assert predictor.predict_fn(predictor.step, SHAPE).peak_bytes == before
+    assert base_config(predictor.step, loaded) == sc.StepConfig(False, "sdpa", "chunked")
+    assert predictor.step.grad_accum == 2 and predictor.setting == ()
+
+
+# ----------------------------------------------------------------------------- the stage
+
+
+MICRO, ACCUM, MAX_LEN = 2, 4, 128
+
+
+@pytest.fixture(scope="module")
+def bucket_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    tmp_path = tmp_path_factory.mktemp("memory_step_changes")
+    frame = bucket_controls.synthetic_lengths_frame(120, seed=3, max_seq_len=MAX_LEN)
+    lengths = tmp_path / "lengths.parquet"
+    write_parquet(frame, lengths, {})
+    rec = {"recommended": {"bucket_size_batches": 4}}
+    training = TrainingConfig(MICRO, ACCUM, MAX_LEN, "assistant", 1)
+    plans = tmp_path / "plans.parquet"
+    built = pl.bucket_stage_plans(lengths, rec, training, seed=3)
+    write_parquet(built, plans, {"plan_seed": 3})
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(control.TINY_GEMMA3))
+    return {"model_config": str(config), "plans": str(plans), "lengths": str(lengths)}
+
+
+def _run(tmp_path, inputs, **harness_options):
+    from probes.contracts import STAGE_OUTPUTS
+
+    cfg = workflow_config(
+        training={"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": MAX_LEN},
+        mask={"dtype": "float32"},
+        memory={"target_gib": 139, "allocator_round_bytes": 1, "scale_layers": False},
+        profile={"harness_options": harness_options},
+    )
+    out = tmp_path / "out"
+    outputs = {k: str(out / Path(rel).name) for k, rel in STAGE_OUTPUTS["memory"].items()}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(stage, "run_controls", lambda *a: {"observed": "skipped in this test"})
+        stage.run(inputs, outputs, cfg)
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory, bucket_inputs) -> dict[str, str]:
+    return _run(tmp_path_factory.mktemp("default_run"), bucket_inputs)
+
+
+def test_the_stage_predicts_every_step_change_at_its_own_largest_micro_batch(
+    default_run, bucket_inputs
+):
+    outputs = default_run
+    table = read_parquet(outputs["changes"]).set_index("strategy")
+    base = sc.StepConfig(False, "sdpa", "chunked")
+    names = [c.strategy for c in sc.step_changes(base, MICRO, ACCUM)]
+    assert read_json(outputs["summary"])["step_changes"] == names
+    assert set(names) <= set(table.index)
+    assert (table.loc[names, "verdict"] == "fits").all()
+    plans = read_parquet(bucket_inputs["plans"])
+    baseline = largest_micro_batches(plans)[pl.BASELINE]
+    for name in (sc.GC_ON, "attention_eager", LOSS_PREFIX + STOCK):
+        assert tuple(table.loc[name, ["shape_rows", "shape_length"]]) == (
+            baseline.rows,
+            baseline.length,
+        )
+    # micro-batch size 4: the largest micro-batch of its own plan (the replay's builder)
+    (micro,) = [c for c in sc.step_changes(base, MICRO, ACCUM) if c.micro_batch_size]
+    examples = pl.read_examples(bucket_inputs["lengths"], MAX_LEN)
+    own = sc.micro_batch_plans([micro], examples, MAX_LEN, 3)[micro.strategy]
+    expected = largest_micro_batches(own)[pl.BASELINE]
+    assert micro.strategy == "micro_batch_size_4" and expected.rows == 4
+    row = table.loc[micro.strategy]
+    assert (row["shape_rows"], row["shape_length"]) == (expected.rows, expected.length)
+    # padding-free: the baseline's micro-batch with the most real tokens, in one row
+    most = int(plans.loc[plans["strategy"] == pl.BASELINE, "real_tokens"].max())
+    for name in ("padding_free_sdpa", "padding_free_eager"):
+        assert table.loc[name, "layout"] == PACKED
+        assert tuple(table.loc[name, ["shape_rows", "shape_length"]]) == (1, most)
+    shapes = read_parquet(outputs["shapes"]).set_index("shape")
+    # eager keeps the attention probabilities: more than sdpa on the same flattened row
+    assert (
+        shapes.loc["padding_free_eager", "predicted_peak_gib"]
+        > shapes.loc["padding_free_sdpa", "predicted_peak_gib"]
+    )
+
+
+def test_checkpointing_on_in_the_harness_prices_turning_it_off(tmp_path, bucket_inputs):
+    outputs = _run(tmp_path, bucket_inputs, gradient_checkpointing=True)
+    table = read_parquet(outputs["changes"]).set_index("strategy")
+    assert sc.GC_OFF in table.index and sc.GC_ON not in table.index
+    assert table.loc[sc.GC_OFF, "predicted_peak_gib"] > table.loc["random", "predicted_peak_gib"]
+    reference_harness.configure({})
+
+
+def test_without_plans_the_changes_take_the_training_shape():
+    base = sc.StepConfig(False, "sdpa", "chunked")
+    changes = sc.step_changes(base, 2, 8)
+    shapes = change_shapes(changes, None, None, 0, 2, 4096)
+    assert shapes["micro_batch_size_4"] == Shape("micro_batch_size_4", 4, 4096)
+    assert shapes["padding_free_sdpa"] == Shape("padding_free_sdpa", 1, 8192, PACKED)
+    assert shapes[sc.GC_ON] == Shape(sc.GC_ON, 2, 4096)
+
+
+def test_plans_without_lengths_say_why_the_micro_batch_size_is_not_predicted(bucket_inputs):
+    base = sc.StepConfig(False, "sdpa", "chunked")
+    changes = sc.step_changes(base, MICRO, ACCUM)
+    plans = read_parquet(bucket_inputs["plans"])
+    shapes = change_shapes(changes, plans, None, 0, MICRO, MAX_LEN)
+    assert "no lengths input" in shapes["micro_batch_size_4"]
+    assert isinstance(shapes["attention_eager"], Shape)
+
+
+def test_the_report_reads_a_step_level_change_from_the_table(default_run):
+    frame = read_parquet(default_run["changes"])
+    headroom = float(frame.set_index("strategy").loc["attention_eager", "headroom_gib"])
+    assert memory_check(frame, "attention_eager")["text"] == f"fits, {headroom:.1f} GiB headroom"
+    measured = {
+        "rows": [
+            {"strategy": "attention_eager", "baseline": False, "versus": "random batches",
+             "verdict": "faster", "rank": 1, "tied": False, "title": "Use eager",
+             "saving": 0.1, "saving_low": 0.05, "saving_high": 0.15}
+        ]
+    }  # fmt: skip
+    (row,) = verdicts_section(measured, {"status": "not_run"}, frame, None)["rows"]
+    assert row["memory"].startswith("fits, ") and row["memory"] != "not predicted"
+    # a combined configuration is not predicted by the memory stage
+    assert memory_check(frame, "length_grouped+attention_eager")["text"] == "not predicted"
+
+
+def test_unpredicted_rows_keep_the_table_columns():
+    row = stage.unpredicted_row("micro_batch_size_4", "no lengths input", 2**30)
+    frame = pd.DataFrame([row])
+    assert frame.loc[0, "verdict"] == "unknown"
+    assert memory_check(frame, "micro_batch_size_4")["text"] == "unknown: no lengths input"
