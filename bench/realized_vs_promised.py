@@ -483,7 +483,9 @@ def change_settings(change: dict[str, Any]) -> dict[str, Any]:
         settings = dict(change["training_arguments"])
     if change.get("sampler"):
         settings["bucket_size_batches"] = int(change["sampler"]["kwargs"]["bucket_size_batches"])
-    if change.get("id") == "drop_no_loss_examples":
+    # drop_no_loss_examples itself, and the changes under which TRL stops dropping them (packing,
+    # padding-free): they paste the filter so they train the baseline's examples
+    if change.get("id") == "drop_no_loss_examples" or change.get("drop_no_loss_examples"):
         settings["drop_no_loss_examples"] = True
     return settings
 

@@ -409,12 +409,13 @@ def drop_no_loss_change(no_loss_examples: int | None, base: Baseline) -> dict[st
 SFT_ONLY_SETTINGS = ("max_length",)
 STEP_LEVEL_CAVEAT = (
     "a step-level change: measured on the baseline's micro-batches with the step set as the "
-    "trainer sets it; its memory is not predicted by the memory stage (which prices batching plans)"
+    "trainer sets it"
 )
 PADDING_FREE_CAVEAT = (
     "TRL 1.16's SFTTrainer refuses padding_free=True beside a max_length unless packing, so "
     "max_length=None is pasted: truncate examples longer than max_seq_len in your data first "
-    "(the padding stage counts them as TRUNCATED)"
+    "(the padding stage counts them as TRUNCATED), and filter the examples with no loss token as "
+    "drop_no_loss_examples does (TRL drops them only when it truncates)"
 )
 
 
@@ -436,6 +437,7 @@ def step_level_changes(
         attention = settings.pop("attn_implementation", None)
         harness = settings.pop("harness_options", None)  # the harness's own (loss kernel)
         flat = settings.pop("padding_free", False)  # SFTConfig's only (probes.step.padding_free)
+        drop = settings.pop("drop_no_loss_examples", False)  # a data step, not a field
         sft_flat, trainer_lines, flat_imports = padding_free.pasted(flat, PLAIN_TRAINER_LINES)
         sft_only = {k: settings.pop(k) for k in SFT_ONLY_SETTINGS if k in settings}
         ta = {**base.training_arguments(), **settings}
@@ -472,6 +474,7 @@ def step_level_changes(
                 ),
                 "estimate": None,
                 "caveat": "; ".join((STEP_LEVEL_CAVEAT, *([PADDING_FREE_CAVEAT] if flat else []))),
+                "drop_no_loss_examples": bool(drop),
             }
         )
     return out

@@ -53,6 +53,19 @@ SFT_STEP_CAVEAT = (
 )
 
 
+# TRL 1.16 drops the examples left with no loss token only when it truncates (packing off,
+# max_length set); packed (or padding-free without max_length) it keeps them, so the run
+# trains on more examples than the baseline the replay priced. Measured with
+# bench/realized_vs_promised.py --trainer sft (400 chitchat examples, 183 without a loss
+# token): the padding-free epoch ran 25 optimizer steps against the baseline's 14.
+KEEPS_NO_LOSS = (
+    "TRL keeps the examples that carry no loss token when it packs (and with max_length=None); "
+    "it drops them only when it truncates: filter them before the trainer as "
+    "drop_no_loss_examples does, or the run trains on more examples than the baseline (a bench "
+    "epoch: 25 optimizer steps against 14)"
+)
+
+
 def packing_change(
     recommendation: Mapping[str, Any], base: Baseline, trl_info: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -129,6 +142,8 @@ def packing_change(
             "needs attention that keeps the packed documents apart: flash-attention varlen kernels "
             "read position_ids; SDPA/eager get a block-diagonal mask from transformers (dense "
             "cost, no is_causal fast path; see the mask gate's packed scenario); examples per "
-            "step now vary; " + SFT_DEFAULTS_CAVEAT + "; " + SFT_STEP_CAVEAT
+            "step now vary; " + SFT_DEFAULTS_CAVEAT + "; " + SFT_STEP_CAVEAT + "; " + KEEPS_NO_LOSS
         ),
+        # the replay priced the baseline's examples: filter the others as the baseline's did
+        "drop_no_loss_examples": True,
     }

@@ -43,7 +43,14 @@ def padding_free_changes(base: Any, implementations: Sequence[str]) -> list[Any]
             dataclasses.replace(base, attn_implementation=name),
             # SFTConfig's padding_free (TRL 1.16's SFTTrainer refuses it beside a max_length
             # unless packing: rows are taken as they come); from_pretrained's attn_implementation
-            {"padding_free": True, "max_length": None, "attn_implementation": name},
+            # and, as TRL then keeps them, the examples with no loss token filtered as the
+            # baseline's truncation dropped them (probes.apply.packing.KEEPS_NO_LOSS)
+            {
+                "padding_free": True,
+                "max_length": None,
+                "drop_no_loss_examples": True,
+                "attn_implementation": name,
+            },
         )
         for name in implementations
     ]

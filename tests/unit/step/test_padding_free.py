@@ -49,6 +49,7 @@ def test_one_change_per_portable_implementation_each_at_its_implementation():
     assert changes["padding_free_eager"].settings == {
         "padding_free": True,
         "max_length": None,
+        "drop_no_loss_examples": True,
         "attn_implementation": "eager",
     }
     assert sc.is_step_change("padding_free_eager") and sc.title_of("padding_free_eager")
@@ -185,6 +186,7 @@ def test_an_sft_trainer_accepts_what_it_pastes(tiny_model_dir):
     (pasted,) = step_level_changes(provenance, Baseline(2, 8, 4096, 100, 40_000, 900))
     sft = {k: v for k, v in pasted["sft_config"].items() if k != "model_init_kwargs"}
     assert sft["max_length"] is None and "truncate" in pasted["caveat"]
+    assert pasted["drop_no_loss_examples"] and "drop_no_loss_examples" not in sft
     args = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", **sft)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     rows = datasets.Dataset.from_list([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}])
