@@ -66,6 +66,18 @@ KEEPS_NO_LOSS = (
 )
 
 
+PACKING_CAVEAT = "; ".join(
+    (
+        "needs attention that keeps the packed documents apart: flash-attention varlen kernels "
+        "read position_ids; SDPA/eager get a block-diagonal mask from transformers (dense cost, "
+        "no is_causal fast path; see the mask gate's packed scenario); examples per step now vary",
+        SFT_DEFAULTS_CAVEAT,
+        SFT_STEP_CAVEAT,
+        KEEPS_NO_LOSS,
+    )
+)
+
+
 def packing_change(
     recommendation: Mapping[str, Any], base: Baseline, trl_info: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -138,12 +150,7 @@ def packing_change(
             "n_bins": int(point["n_bins"]),
             "strategy": SWEEP_PACKING_ROW,
         },
-        "caveat": (
-            "needs attention that keeps the packed documents apart: flash-attention varlen kernels "
-            "read position_ids; SDPA/eager get a block-diagonal mask from transformers (dense "
-            "cost, no is_causal fast path; see the mask gate's packed scenario); examples per "
-            "step now vary; " + SFT_DEFAULTS_CAVEAT + "; " + SFT_STEP_CAVEAT + "; " + KEEPS_NO_LOSS
-        ),
+        "caveat": PACKING_CAVEAT,
         # the replay priced the baseline's examples: filter the others as the baseline's did
         "drop_no_loss_examples": True,
     }
