@@ -413,7 +413,7 @@ STEP_LEVEL_CAVEAT = (
 )
 PADDING_FREE_CAVEAT = (
     "TRL 1.16's SFTTrainer refuses padding_free=True beside a max_length unless packing, so "
-    "max_length=None is pasted: truncate examples longer than max_seq_len in your data first "
+    "max_length is pasted unset: truncate examples longer than max_seq_len in your data first "
     "(the padding stage counts them as TRUNCATED), and filter the examples with no loss token as "
     "drop_no_loss_examples does (TRL drops them only when it truncates)"
 )

@@ -59,7 +59,7 @@ SFT_STEP_CAVEAT = (
 # bench/realized_vs_promised.py --trainer sft (400 chitchat examples, 183 without a loss
 # token): the padding-free epoch ran 25 optimizer steps against the baseline's 14.
 KEEPS_NO_LOSS = (
-    "TRL keeps the examples that carry no loss token when it packs (and with max_length=None); "
+    "TRL keeps the examples that carry no loss token when it packs (and with max_length unset); "
     "it drops them only when it truncates: filter them before the trainer as "
     "drop_no_loss_examples does, or the run trains on more examples than the baseline (a bench "
     "epoch: 25 optimizer steps against 14)"
