@@ -75,22 +75,24 @@ def memory_figure(shapes: pd.DataFrame, path: str | Path, dpi: int = 110) -> Pat
     frame = shapes[shapes["predicted_peak_gib"].notna()]
     if frame.empty:
         return None
-    labels = [f"{s}\n{r} × {n:,}" for s, r, n in zip(frame["shape"], frame["rows"],
-                                                     frame["length"], strict=True)]  # fmt: skip
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(frame)), 3.6))
-    bottom = [0.0] * len(frame)
+    # horizontal bars: a label per shape stays readable however many changes are predicted
+    labels = [f"{s}  ({r} × {n:,})" for s, r, n in zip(frame["shape"], frame["rows"],
+                                                       frame["length"], strict=True)]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7.5, max(2.5, 0.32 * len(frame) + 1.2)))
+    left = [0.0] * len(frame)
     for column, name in CATEGORY_COLUMNS:
         if column not in frame:
             continue
         values = frame[column].fillna(0).tolist()
-        ax.bar(labels, values, bottom=bottom, label=name)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.barh(labels, values, left=left, label=name)
+        left = [b + v for b, v in zip(left, values, strict=True)]
     target = finite(frame["target_gib"].iloc[0]) if "target_gib" in frame else None
     if target is not None:
-        ax.axhline(target, color="black", linestyle="--", linewidth=1, label="target")
-    ax.set_ylabel("predicted peak (GiB)")
-    ax.legend(fontsize=7, loc="upper left")
-    ax.tick_params(axis="x", labelsize=7)
+        ax.axvline(target, color="black", linestyle="--", linewidth=1, label="target")
+    ax.invert_yaxis()  # the table's order, top to bottom
+    ax.set_xlabel("predicted peak (GiB)")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=dpi, metadata={"Software": None})
