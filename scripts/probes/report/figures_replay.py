@@ -54,7 +54,8 @@ def epoch_time_by_strategy(replay: pd.DataFrame, path: str | Path, dpi: int = DP
     value = frame["estimated_time_s"].to_numpy(dtype=float)
     low = value - frame["ci_low_s"].to_numpy(dtype=float)
     high = frame["ci_high_s"].to_numpy(dtype=float) - value
-    fig, ax = plt.subplots(figsize=SIZE)
+    # taller with more changes (batching and step-level ones), labels never cut off
+    fig, ax = plt.subplots(figsize=(SIZE[0] + 1.0, max(SIZE[1], 0.3 * len(frame) + 1.3)))
     colors = ["#bbbbbb" if not v else "#4878d0" for v in frame["valid"]]
     bars = ax.barh(y, value, color=colors, xerr=[low, high], capsize=3, ecolor="black")
     for bar, valid in zip(bars, frame["valid"], strict=True):
@@ -72,9 +73,9 @@ def epoch_time_by_strategy(replay: pd.DataFrame, path: str | Path, dpi: int = DP
             )
     ax.set_yticks(y, labels, fontsize=8)
     ax.set_xlabel("estimated epoch time, s (95% interval, model-assisted); saving vs random")
-    ax.set_title("Measured epoch time per batching strategy" + _cpu_suffix(frame), fontsize=9)
+    ax.set_title("Measured epoch time per change" + _cpu_suffix(frame), fontsize=9)
     ax.set_xlim(0, float(np.nanmax(frame["ci_high_s"])) * 1.45)
-    _save(fig, path, dpi, left=0.27)
+    _save(fig, path, dpi, left=min(0.5, 0.05 + 0.0085 * max(len(label) for label in labels)))
     return labels
 
 
