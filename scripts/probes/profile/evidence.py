@@ -26,6 +26,39 @@ LOG = logging.getLogger("probes.profile")
 # ---------------------------------------------------------------------------------------------
 
 
+def timed_run_provenance(
+    raw: Any,
+    device: torch.device,
+    cpu_only: bool,
+    dtype: tuple[str, str],
+    max_len: int,
+    harness: dict[str, Any],
+    idle: Any,
+    started: float,
+    **extra: Any,
+) -> dict[str, Any]:
+    """What a timing stage (replay, realize) ran, on what: each table's metadata, `extra`
+    beside it."""
+    import os
+    import time
+
+    from probes.io import run_metadata
+
+    return {
+        **run_metadata(dict(raw)),
+        "device": device_description(device),
+        "cpu_only": cpu_only,
+        "dtype": str(dtype[0]).replace("torch.", ""),
+        "dtype_reason": dtype[1],
+        "max_seq_len_replayed": max_len,
+        "harness": harness,
+        **extra,
+        "idle_check": idle,
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "wall_s": time.perf_counter() - started,
+    }
+
+
 def device_description(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

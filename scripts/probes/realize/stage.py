@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -332,20 +331,11 @@ def realize_provenance(
     started: float,
 ) -> dict[str, Any]:
     """What the realize ran, on what (each table's metadata)."""
-    from probes.profile.evidence import device_description
+    from probes.profile.evidence import timed_run_provenance
 
-    return {
-        **run_metadata(dict(raw)),
-        "device": device_description(work.device),
-        "cpu_only": work.cpu_only,
-        "dtype": dtype[0],
-        "dtype_reason": dtype[1],
-        "max_seq_len_replayed": work.max_len,
-        "harness": harness,
-        "idle_check": idle,
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "wall_s": time.perf_counter() - started,
-    }
+    return timed_run_provenance(
+        raw, work.device, work.cpu_only, dtype, work.max_len, harness, idle, started
+    )
 
 
 def run_realize(

@@ -4,8 +4,6 @@ control's rows for the report (``control_checks``), the provenance and the log's
 
 from __future__ import annotations
 
-import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -13,7 +11,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probes.io import run_metadata
 from probes.replay.estimate import FitPricing, strategy_table
 from probes.replay.prepare import CPU_NOTE, ReplayPlan
 from probes.replay.step_changes import StepChanges
@@ -70,25 +67,16 @@ def replay_provenance(
     started: float,
 ) -> dict[str, Any]:
     """What the replay ran, on what (each table's metadata)."""
-    from probes.profile.evidence import device_description
+    from probes.profile.evidence import timed_run_provenance
 
-    return {
-        **run_metadata(dict(cfg)),
-        "device": device_description(plan.device),
-        "cpu_only": plan.cpu_only,
-        "dtype": str(dtype[0]).replace("torch.", ""),
-        "dtype_reason": dtype[1],
-        "max_seq_len_replayed": plan.max_len,
-        "harness": described,
-        "step_changes": [
+    return timed_run_provenance(
+        cfg, plan.device, plan.cpu_only, dtype, plan.max_len, described, idle, started,
+        step_changes=[
             {"strategy": c.strategy, "title": c.title, "settings": c.settings}
             for c in changes.changes
         ],
-        "not_measured": dict(changes.not_measured),  # name: why (probes.replay.step_changes)
-        "idle_check": idle,
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "wall_s": time.perf_counter() - started,
-    }
+        not_measured=dict(changes.not_measured),  # name: why (probes.replay.step_changes)
+    )  # fmt: skip
 
 
 def completed_control(
