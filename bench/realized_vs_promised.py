@@ -668,7 +668,7 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=Path, default=Path("results/padding/lengths.parquet"))
     parser.add_argument(
@@ -702,33 +702,26 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.examples, args.repeats, args.budget_s = 200, 2, 30.0
-    for path in (args.lengths, args.recommendation):
-        if not path.is_file():
-            print(f"{path}: no such file; run `snakemake --cores 2 bucket_sweep` first, or pass it")
-            return 2
+    return args
 
+
+def data_line(examples: Any, args: argparse.Namespace, load: tuple[float, ...]) -> str:
     import torch
     import transformers
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device here")
-        return 2
-    if args.device == "cpu":
-        torch.set_num_threads(1)
-    started = time.perf_counter()
-    load = os.getloadavg()
     bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    examples = load_subset(args.lengths, args.examples, args.cap, args.seed)
-    rec = subset_recommendation(json.loads(args.recommendation.read_text()), examples)
-    print(
+    return (
         f"data: {examples.lengths.size} examples of {args.lengths} (seed {args.seed}), capped at "
         f"{args.cap}: {int(examples.lengths.sum())} tokens, "
         f"{int((examples.loss_tokens == 0).sum())} without a loss token; micro "
         f"{args.micro_batch_size} × grad_accum {args.grad_accum}; model {model_words(args)}, "
         f"{model_dtype(args)} on {args.device} (CPU bf16 native: {bf16}); "
-        f"transformers {transformers.__version__}; load {load}",
-        flush=True,
+        f"transformers {transformers.__version__}; load {load}"
     )
+
+
+def promise_and_realize(examples: Any, rec: dict, args: argparse.Namespace) -> tuple:
+    """(document, estimates, runs, skipped): the replay's promise, then every change realized."""
     with tempfile.TemporaryDirectory() as tmp:
         estimates, _, summary = run_promised(Path(tmp), examples, rec, args)
         print(f"replay: {summary['wall_s']:.1f} s", flush=True)
@@ -741,22 +734,49 @@ def main() -> int:
             _, skipped = trainer_changes(document)
             data = Examples.from_plan(examples, args.seed, vocab_size(args))
             runs = run_realized(document, data, args)
-    rows = table_rows(document, estimates, runs)
-    header = (
+    return document, estimates, runs, skipped
+
+
+def table_header(
+    examples: Any, args: argparse.Namespace, load: tuple[float, ...], started: float
+) -> str:
+    trainer = (
+        "trainer mode: the replay and every realized epoch run the bench factory's trl.SFTTrainer; "
+        if args.trainer == "sft"
+        else ""
+    )
+    return (
         f"{model_words(args)}, {str(model_dtype(args)).replace('torch.', '')} on "
-        f"{args.device}{', 1 thread' if args.device == 'cpu' else ''}; "
-        + (
-            "trainer mode: the replay and every realized epoch run the bench factory's "
-            "trl.SFTTrainer; "
-            if args.trainer == "sft"
-            else ""
-        )
-        + f"{examples.lengths.size} real chitchat lengths capped at {args.cap}; micro "
+        f"{args.device}{', 1 thread' if args.device == 'cpu' else ''}; {trainer}"
+        f"{examples.lengths.size} real chitchat lengths capped at {args.cap}; micro "
         f"{args.micro_batch_size} × grad_accum {args.grad_accum}; {args.repeats} rounds of one "
         f"epoch each (transformers.Trainer train_runtime); load "
         f"{load[0]:.2f} → {os.getloadavg()[0]:.2f}; total {time.perf_counter() - started:.0f} s."
     )
-    text = markdown(rows, header)
+
+
+def main() -> int:
+    args = parse_args()
+    for path in (args.lengths, args.recommendation):
+        if not path.is_file():
+            print(f"{path}: no such file; run `snakemake --cores 2 bucket_sweep` first, or pass it")
+            return 2
+
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here")
+        return 2
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    started = time.perf_counter()
+    load = os.getloadavg()
+    examples = load_subset(args.lengths, args.examples, args.cap, args.seed)
+    rec = subset_recommendation(json.loads(args.recommendation.read_text()), examples)
+    print(data_line(examples, args, load), flush=True)
+    document, estimates, runs, skipped = promise_and_realize(examples, rec, args)
+    rows = table_rows(document, estimates, runs)
+    text = markdown(rows, table_header(examples, args, load, started))
     if skipped:
         text += "\nNot run: " + "; ".join(skipped) + "\n"
     print("\n" + text)

@@ -45,46 +45,56 @@ REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 1.3
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configfile", default=str(REPO / "config" / "config.yaml"))
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per side")
     parser.add_argument("--out", default=None, help="also write the numbers as JSON here")
     parser.add_argument("--check", action="store_true", help="exit 1 if the ratio > 1.3")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def load_inputs(configfile: str) -> dict:
+    """The config, its examples, tokenizer and template, and the chats rendered (timed)."""
     import yaml
     from snakemake.utils import validate
-    from tokenizers import Tokenizer
 
     from probes.padding.data import OK, load_examples
-    from probes.padding.tokenize import encode_and_count, render_chats, tokenize_examples
-    from probes.padding.tokenizer import (
-        load_tokenizer,
-        resolve_chat_template,
-        rust_backend,
-        template_kwargs,
-    )
+    from probes.padding.tokenize import render_chats
+    from probes.padding.tokenizer import load_tokenizer, resolve_chat_template, template_kwargs
 
-    config = yaml.safe_load(Path(args.configfile).read_text())
+    config = yaml.safe_load(Path(configfile).read_text())
     validate(config, str(REPO / "workflow" / "schemas" / "config.schema.yaml"))
-    training, padding = config["training"], config["padding"]
-    max_seq_len, loss_on = int(training["max_seq_len"]), training["loss_on"]
-    batch_size = int(padding["tokenize_batch_size"])
-
     examples = load_examples(config["data"]["files"])
     chats = [e for e in examples if e.status == OK and e.is_chat]
     tokenizer = load_tokenizer(config["model"]["path"])
     template = resolve_chat_template(tokenizer, config["model"]["chat_template"])
-
     start = time.perf_counter()
     rendered = render_chats(chats, template, template_kwargs(tokenizer), progress=False)
-    render_s = time.perf_counter() - start
-    texts = rendered.texts
-    spans = rendered.spans if loss_on == "assistant" else None
+    return {
+        "config": config,
+        "examples": examples,
+        "chats": chats,
+        "tokenizer": tokenizer,
+        "template": template,
+        "rendered": rendered,
+        "render_s": time.perf_counter() - start,
+    }
 
+
+def make_sides(inputs: dict) -> dict:
+    """The three encoders timed: one bare encode_batch, bare in the stage's batches, the stage."""
+    from tokenizers import Tokenizer
+
+    from probes.padding.tokenize import encode_and_count
+    from probes.padding.tokenizer import rust_backend
+
+    config = inputs["config"]
+    training, batch_size = config["training"], int(config["padding"]["tokenize_batch_size"])
+    texts = inputs["rendered"].texts
+    spans = inputs["rendered"].spans if training["loss_on"] == "assistant" else None
     bare = Tokenizer.from_file(str(Path(config["model"]["path"]) / "tokenizer.json"))
-    backend = rust_backend(tokenizer)
+    backend = rust_backend(inputs["tokenizer"])
 
     def run_bare():
         return bare.encode_batch(texts, add_special_tokens=False)
@@ -97,37 +107,32 @@ def main(argv: list[str] | None = None) -> int:
 
     def run_stage():
         return encode_and_count(
-            texts, spans, backend, max_seq_len, False, batch_size=batch_size, progress=False
-        )
+            texts, spans, backend, int(training["max_seq_len"]), False, batch_size=batch_size,
+            progress=False,
+        )  # fmt: skip
 
-    sides = {"bare": run_bare, "bare_batched": run_bare_batched, "stage": run_stage}
+    return {"bare": run_bare, "bare_batched": run_bare_batched, "stage": run_stage}
+
+
+def time_sides(sides: dict, repeats: int) -> tuple[dict, dict]:
+    """Wall and CPU seconds per side, alternating the order each repeat, after one warm-up."""
     wall: dict[str, list[float]] = {side: [] for side in sides}
     cpu: dict[str, list[float]] = {side: [] for side in sides}
     for run in sides.values():  # warm up (thread pool start-up, allocator) outside the timing
         run()
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
         for side in order:
             gc.collect()
             c0, t0 = time.process_time(), time.perf_counter()
             output = sides[side]()
-            del (
-                output
-            )  # freeing the encodings is part of each side's cost (the stage frees its own)
+            del output  # freeing the encodings is part of each side's cost
             wall[side].append(time.perf_counter() - t0)
             cpu[side].append(time.process_time() - c0)  # all threads of this process
-    tokens = {
-        "bare": sum(len(e) for e in run_bare()),
-        "stage": int(run_stage().n_tokens_full.sum()),
-    }
-    fallback = run_stage().n_offset_fallback
+    return wall, cpu
 
-    start = time.perf_counter()
-    lengths = tokenize_examples(
-        examples, tokenizer, template, max_seq_len, loss_on, batch_size, progress=False
-    )
-    whole_s = time.perf_counter() - start
 
+def summarize(sides: dict, wall: dict, cpu: dict) -> tuple[dict, dict]:
     summary = {
         f"{stat}_{clock}_s": {side: fn(values[side]) for side in sides}
         for clock, values in (("wall", wall), ("cpu", cpu))
@@ -138,39 +143,14 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in summary.items()
         for peer in ("bare", "bare_batched")
     }
-    # The verdict: against the issue's peer (one bare encode_batch call), by the least disturbed
-    # run in wall clock (min, as timeit advises: other processes only ever add time). On a shared
-    # machine medians, and even CPU time (the Rust pool spins while it waits), swing by tens of
-    # percent from run to run; they are reported, not judged.
-    verdict_ratios = {"min_wall_bare": ratios["min_wall_bare"]}
-    result = {
-        "examples": len(chats),
-        "tokens": tokens,
-        "vocab": len(tokenizer),
-        "loss_on": loss_on,
-        "max_seq_len": max_seq_len,
-        "batch_size": batch_size,
-        "repeats": args.repeats,
-        "cpus": os.cpu_count(),
-        "load_avg_after": os.getloadavg(),
-        "rayon_threads": os.environ.get("RAYON_NUM_THREADS", "default"),
-        "render_s": render_s,
-        "wall_s": wall,
-        "cpu_s": cpu,
-        **summary,
-        "ratios_stage_over": ratios,
-        "verdict_ratios": verdict_ratios,
-        "offset_fallback_examples": fallback,
-        "tokenize_examples_s": whole_s,
-        "loss_tokens": int(lengths["n_loss_tokens"].sum()),
-        "target": TARGET_RATIO,
-        "passed": max(verdict_ratios.values()) <= TARGET_RATIO,
-    }
-    if tokens["bare"] != tokens["stage"]:
-        print(f"token totals differ: {tokens}", file=sys.stderr)
-        return 1
-    print(f"examples {len(chats)}, tokens {tokens['bare']:,}, vocab {len(tokenizer):,}")
-    print(f"render (inside neither region)  {render_s:6.2f} s")
+    return summary, ratios
+
+
+def print_result(result: dict, sides: dict) -> None:
+    summary, ratios, wall = result, result["ratios_stage_over"], result["wall_s"]
+    print(f"examples {result['examples']}, tokens {result['tokens']['bare']:,}, "
+          f"vocab {result['vocab']:,}")  # fmt: skip
+    print(f"render (inside neither region)  {result['render_s']:6.2f} s")
     print(
         f"{'side':13s} {'wall min':>9s} {'wall med':>9s} {'cpu min':>9s} {'cpu med':>9s}  wall runs"
     )
@@ -188,10 +168,65 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"stage/{peer:7s} {cells}")
     verdict = "PASS" if result["passed"] else "FAIL"
-    shown = ", ".join(f"{k} {v:.3f}" for k, v in verdict_ratios.items())
+    shown = ", ".join(f"{k} {v:.3f}" for k, v in result["verdict_ratios"].items())
     print(f"verdict ({shown}); target <= {TARGET_RATIO}: {verdict}")
-    print(f"offset fallback examples: {fallback}")
-    print(f"stage tokenize_examples (render + encode + count + table): {whole_s:.2f} s")
+    print(f"offset fallback examples: {result['offset_fallback_examples']}")
+    print(f"stage tokenize_examples (render + encode + count + table): "
+          f"{result['tokenize_examples_s']:.2f} s")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    from probes.padding.tokenize import tokenize_examples
+
+    args = parse_args(argv)
+    inputs = load_inputs(args.configfile)
+    config, tokenizer = inputs["config"], inputs["tokenizer"]
+    training, padding = config["training"], config["padding"]
+    max_seq_len, loss_on = int(training["max_seq_len"]), training["loss_on"]
+    batch_size = int(padding["tokenize_batch_size"])
+    sides = make_sides(inputs)
+    wall, cpu = time_sides(sides, args.repeats)
+    stage = sides["stage"]()
+    tokens = {"bare": sum(len(e) for e in sides["bare"]()), "stage": int(stage.n_tokens_full.sum())}
+    start = time.perf_counter()
+    lengths = tokenize_examples(
+        inputs["examples"], tokenizer, inputs["template"], max_seq_len, loss_on, batch_size,
+        progress=False,
+    )  # fmt: skip
+    whole_s = time.perf_counter() - start
+    summary, ratios = summarize(sides, wall, cpu)
+    # The verdict: against the issue's peer (one bare encode_batch call), by the least disturbed
+    # run in wall clock (min, as timeit advises: other processes only ever add time). On a shared
+    # machine medians, and even CPU time (the Rust pool spins while it waits), swing by tens of
+    # percent from run to run; they are reported, not judged.
+    verdict_ratios = {"min_wall_bare": ratios["min_wall_bare"]}
+    result = {
+        "examples": len(inputs["chats"]),
+        "tokens": tokens,
+        "vocab": len(tokenizer),
+        "loss_on": loss_on,
+        "max_seq_len": max_seq_len,
+        "batch_size": batch_size,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "load_avg_after": os.getloadavg(),
+        "rayon_threads": os.environ.get("RAYON_NUM_THREADS", "default"),
+        "render_s": inputs["render_s"],
+        "wall_s": wall,
+        "cpu_s": cpu,
+        **summary,
+        "ratios_stage_over": ratios,
+        "verdict_ratios": verdict_ratios,
+        "offset_fallback_examples": stage.n_offset_fallback,
+        "tokenize_examples_s": whole_s,
+        "loss_tokens": int(lengths["n_loss_tokens"].sum()),
+        "target": TARGET_RATIO,
+        "passed": max(verdict_ratios.values()) <= TARGET_RATIO,
+    }
+    if tokens["bare"] != tokens["stage"]:
+        print(f"token totals differ: {tokens}", file=sys.stderr)
+        return 1
+    print_result(result, sides)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 1 if args.check and not result["passed"] else 0
