@@ -24,8 +24,10 @@ run: setup
 run-trainer: setup
 	. $(BIN)/activate && snakemake --cores $(CORES) report --configfile config/trainer.yaml
 
+# two workers (a 2-core CI machine: 12.5 -> 8 min); tests that share a module fixture with
+# side effects (the SLURM cluster) are grouped onto one worker
 test: setup
-	. $(BIN)/activate && pytest
+	. $(BIN)/activate && pytest -n 2 --dist loadgroup
 
 lint: setup
 	. $(BIN)/activate && ruff check scripts tests bench tools && ruff format --check scripts tests bench tools \

@@ -26,7 +26,8 @@ import yaml
 
 from conftest import REPO, WIRING_TRIMS, chat_rows, copy_workflow, write_jsonl
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+# one worker runs them all (pytest -n 2 --dist loadgroup): the module starts and stops one cluster
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm")]
 
 START = REPO / "tools" / "slurm" / "start-cluster.sh"
 STOP = REPO / "tools" / "slurm" / "stop-cluster.sh"
