@@ -20,7 +20,7 @@ import pandas as pd
 from probes.batching import plans as pl
 from probes.io import read_json, read_provenance
 from probes.replay.estimate import FitPricing, ranked, strategy_table
-from probes.replay.sequential import build_design, run_sequential
+from probes.replay.sequential import run_sequential, sized_design
 from probes.step import combined as cb
 
 LOG = logging.getLogger("probes.replay")
@@ -82,6 +82,7 @@ def time_combined(
     cfg: Mapping[str, Any],
     pricing: FitPricing,
     cv: tuple[float, float],
+    unit_s: float,
     progress: bool,
     cpu_note: str | None = None,
 ) -> CombinedResult:
@@ -101,13 +102,15 @@ def time_combined(
     switch.configs[combination.name] = cb.merged_config(switch.base, chosen)
     settings = plan.settings
     section = replay_cfg["cpu"] if plan.cpu_only else replay_cfg
-    design = build_design(pair, settings.n_strata, settings.seed + 5)
+    budget_s = float(section["combined_budget_s"])
+    design, sizing = sized_design(pair, settings, unit_s, budget_s, settings.seed + 5)
     LOG.info("combined configuration %s: timing it beside the baseline", combination.name)
     result = run_sequential(
         runner, design, settings, [pl.BASELINE, combination.name], cv[0], cv[1],
-        float(section["combined_budget_s"]), 0, int(section["round_size"]), progress=progress,
-        per_strategy=settings.n_strata * settings.samples_per_stratum,
+        budget_s, 0, int(section["round_size"]), progress=progress,
+        per_strategy=sizing["strata"] * settings.samples_per_stratum,
     )  # fmt: skip
+    result.record["first_round"] = sizing
     priced = strategy_table(
         pair, result.steps, result.optimizer_times, settings, {}, pricing, plan.cpu_only,
         plan.max_len, greg=result.estimates, stopped_by=result.record["stopped_by"],

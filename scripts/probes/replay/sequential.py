@@ -33,7 +33,13 @@ from probes.replay.estimate import (
     outlier_units,
     unit_residuals,
 )
-from probes.replay.strata import grow_allocation, proxy_cost, proxy_spread, stratum_orders
+from probes.replay.strata import (
+    MIN_PER_STRATUM,
+    grow_allocation,
+    proxy_cost,
+    proxy_spread,
+    stratum_orders,
+)
 from probes.replay.timing import MICRO_BATCH, ReplaySettings, run_sample
 from probes.step.timing import OK
 
@@ -63,6 +69,37 @@ def build_design(plans: pd.DataFrame, n_strata: int, seed: int) -> Design:
         for h, members in enumerate(order):
             sizes[(name, h)] = int(members.size)
     return Design(frames, strata, bounds, orders, sizes)
+
+
+def first_round_units(plans: pd.DataFrame, n_strata: int) -> int:
+    """Micro-batches round 1 times with `n_strata` strata: MIN_PER_STRATUM of every stratum of
+    every strategy (all of a smaller plan)."""
+    sizes = plans.groupby("strategy", sort=False).size()
+    return int(sum(min(int(n), MIN_PER_STRATUM * n_strata) for n in sizes))
+
+
+def sized_design(
+    plans: pd.DataFrame, settings: ReplaySettings, unit_s: float, budget_s: float, seed: int
+) -> tuple[Design, dict[str, Any]]:
+    """The design with the most strata (at most ``settings.n_strata``, at least 1) whose first
+    round the budget affords: its micro-batches × `unit_s` (a measured micro-batch with its
+    warm-up, every unit taken as a new shape) within `budget_s`. The first round always runs,
+    so without this a slow step (a trainer's on CPU) spends several budgets before the first
+    stop; with it, fewer strata, the same estimator, wider intervals. Returns the record."""
+    configured = int(settings.n_strata)
+    strata = configured
+    while strata > 1 and first_round_units(plans, strata) * unit_s > budget_s:
+        strata -= 1
+    record = {
+        "strata": strata,
+        "strata_configured": configured,
+        "first_round_micro_batches": first_round_units(plans, strata),
+        "first_round_predicted_s": float(first_round_units(plans, strata) * unit_s),
+        "unit_s": float(unit_s),
+        "rule": "the most strata (<= configured) whose first round (MIN_PER_STRATUM per stratum "
+        "of every strategy, each micro-batch with its warm-up) fits budget_s; at least 1",
+    }
+    return build_design(plans, strata, seed), record
 
 
 def strategy_weights(

@@ -12,7 +12,7 @@ import gc
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,6 +330,13 @@ def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int
         },
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def instrument_unit_s(instrument: Mapping[str, Any], warmup: int) -> float:
+    """Seconds one new-shape micro-batch costs to time: the instrument's mean micro-batch and
+    its `warmup` untimed runs (0 when the instrument did not time: nothing is then sized by it)."""
+    mean = float(instrument.get("mean_s", float("nan")))
+    return mean * (1 + max(int(warmup), 1)) if math.isfinite(mean) and mean > 0 else 0.0
 
 
 def median_row(plans: pd.DataFrame, strategy: str) -> Any:

@@ -10,7 +10,13 @@ from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.contracts import TRAINING_STATUSES
 from probes.replay.control import SimulatedCost
-from probes.replay.sequential import build_design, new_units, run_sequential
+from probes.replay.sequential import (
+    build_design,
+    first_round_units,
+    new_units,
+    run_sequential,
+    sized_design,
+)
 from probes.replay.strata import grow_allocation
 from probes.replay.timing import ReplaySettings
 
@@ -49,6 +55,26 @@ def test_new_units_interleave_strategies_and_never_repeat(plans):
     both = pd.concat([first, second])
     assert not both.duplicated(["strategy", "micro_batch_index"]).any()
     assert len(second) == sum(more.values()) - sum(takes.values())
+
+
+def test_the_first_round_gets_the_most_strata_its_budget_affords(plans):
+    settings = ReplaySettings(3, 2, 100, ACCUM, seed=0)
+    strategies = plans["strategy"].nunique()
+    assert first_round_units(plans, 3) == strategies * 6  # every plan has 6 rows or more
+    roomy, record = sized_design(plans, settings, 0.5, budget_s=1e6, seed=0)
+    assert record["strata"] == 3 and roomy.sizes.keys() == build_design(plans, 3, 0).sizes.keys()
+    # two strata fit a budget that three do not; the record says what was predicted
+    tight = (first_round_units(plans, 2) + 1) * 0.5
+    design, record = sized_design(plans, settings, 0.5, budget_s=tight, seed=0)
+    assert record["strata"] == 2 and record["strata_configured"] == 3
+    assert record["first_round_predicted_s"] == first_round_units(plans, 2) * 0.5 <= tight
+    assert {h for _, h in design.sizes} == {0, 1}
+    # never fewer than one: the first round always runs
+    _, record = sized_design(plans, settings, 100.0, budget_s=1.0, seed=0)
+    assert record["strata"] == 1
+    # an instrument that did not time sizes nothing
+    _, record = sized_design(plans, settings, 0.0, budget_s=1.0, seed=0)
+    assert record["strata"] == 3
 
 
 class KnownCostRunner:
