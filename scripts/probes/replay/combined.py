@@ -82,7 +82,7 @@ def time_combined(
     cfg: Mapping[str, Any],
     pricing: FitPricing,
     cv: tuple[float, float],
-    unit_s: float,
+    unit: tuple[float, float],
     progress: bool,
     cpu_note: str | None = None,
 ) -> CombinedResult:
@@ -103,7 +103,7 @@ def time_combined(
     settings = plan.settings
     section = replay_cfg["cpu"] if plan.cpu_only else replay_cfg
     budget_s = float(section["combined_budget_s"])
-    design, sizing = sized_design(pair, settings, unit_s, budget_s, settings.seed + 5)
+    design, sizing = sized_design(pair, settings, unit, budget_s, settings.seed + 5)
     LOG.info("combined configuration %s: timing it beside the baseline", combination.name)
     result = run_sequential(
         runner, design, settings, [pl.BASELINE, combination.name], cv[0], cv[1],

@@ -71,33 +71,48 @@ def build_design(plans: pd.DataFrame, n_strata: int, seed: int) -> Design:
     return Design(frames, strata, bounds, orders, sizes)
 
 
-def first_round_units(plans: pd.DataFrame, n_strata: int) -> int:
-    """Micro-batches round 1 times with `n_strata` strata: MIN_PER_STRATUM of every stratum of
-    every strategy (all of a smaller plan)."""
-    sizes = plans.groupby("strategy", sort=False).size()
-    return int(sum(min(int(n), MIN_PER_STRATUM * n_strata) for n in sizes))
+def first_round_seconds(
+    plans: pd.DataFrame, n_strata: int, unit_s: float, unit_tokens: float
+) -> float:
+    """What round 1 with `n_strata` strata is predicted to take: MIN_PER_STRATUM units of every
+    stratum of every strategy (all of a smaller plan), each a new shape (timed once, warmed
+    once: `unit_s` for a micro-batch of `unit_tokens` computed + loss tokens), scaled by the
+    strategy's mean tokens with the fixed share proxy_cost adds."""
+    tokens = plans["computed_tokens"].astype(float) + plans["loss_tokens"].astype(float)
+    fixed = 0.2 * float(tokens.mean())
+    total = 0.0
+    for _, group in tokens.groupby(plans["strategy"], sort=False):
+        units = min(len(group), MIN_PER_STRATUM * n_strata)
+        total += units * unit_s * (float(group.mean()) + fixed) / (float(unit_tokens) + fixed)
+    return total
 
 
 def sized_design(
-    plans: pd.DataFrame, settings: ReplaySettings, unit_s: float, budget_s: float, seed: int
+    plans: pd.DataFrame,
+    settings: ReplaySettings,
+    unit: tuple[float, float],
+    budget_s: float,
+    seed: int,
 ) -> tuple[Design, dict[str, Any]]:
     """The design with the most strata (at most ``settings.n_strata``, at least 1) whose first
-    round the budget affords: its micro-batches × `unit_s` (a measured micro-batch with its
-    warm-up, every unit taken as a new shape) within `budget_s`. The first round always runs,
-    so without this a slow step (a trainer's on CPU) spends several budgets before the first
-    stop; with it, fewer strata, the same estimator, wider intervals. Returns the record."""
+    round the budget affords (first_round_seconds; `unit`: seconds and tokens of a measured
+    micro-batch with its warm-up). The first round always runs, so without this a slow step (a
+    trainer's on CPU) spends several budgets before the first stop; with it: fewer strata, the
+    same estimator, wider intervals. Returns the design and what was sized, and why."""
+    unit_s, unit_tokens = unit
     configured = int(settings.n_strata)
     strata = configured
-    while strata > 1 and first_round_units(plans, strata) * unit_s > budget_s:
+    while strata > 1 and first_round_seconds(plans, strata, unit_s, unit_tokens) > budget_s:
         strata -= 1
     record = {
         "strata": strata,
         "strata_configured": configured,
-        "first_round_micro_batches": first_round_units(plans, strata),
-        "first_round_predicted_s": float(first_round_units(plans, strata) * unit_s),
+        "first_round_predicted_s": first_round_seconds(plans, strata, unit_s, unit_tokens),
         "unit_s": float(unit_s),
-        "rule": "the most strata (<= configured) whose first round (MIN_PER_STRATUM per stratum "
-        "of every strategy, each micro-batch with its warm-up) fits budget_s; at least 1",
+        "unit_tokens": float(unit_tokens),
+        "rule": "the most strata (<= configured, >= 1) whose first round (MIN_PER_STRATUM per "
+        "stratum of every strategy, each micro-batch warmed once, priced by its tokens from a "
+        "measured one) fits budget_s",
     }
     return build_design(plans, strata, seed), record
 

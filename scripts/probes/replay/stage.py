@@ -50,7 +50,7 @@ from probes.replay.sequential import run_sequential, sized_design
 from probes.replay.step_changes import StepChanges, add_step_changes
 from probes.replay.timing import (
     ReplayRunner,
-    instrument_unit_s,
+    instrument_unit,
     measure_fit,
     measure_instrument,
     median_row,
@@ -129,7 +129,7 @@ def time_plans(
     replay_cfg: Mapping[str, Any],
     invalid: Mapping[str, str],
     cv: tuple[float, float],
-    unit_s: float,
+    unit: tuple[float, float],
     progress: bool,
 ) -> tuple[Any, Any]:
     """The sequential design over every valid strategy within the budget: (design, result);
@@ -137,12 +137,11 @@ def time_plans(
     settings = plan.settings
     section = replay_cfg["cpu"] if plan.cpu_only else replay_cfg
     budget_s = float(section["budget_s"])
-    design, sizing = sized_design(plan.plans, settings, unit_s, budget_s, settings.seed)
+    design, sizing = sized_design(plan.plans, settings, unit, budget_s, settings.seed)
     if sizing["strata"] < sizing["strata_configured"]:
-        LOG.info("first round: %d stratum/strata per strategy of %d configured (%d micro-batches "
-                 "at %.2f s each fit budget_s %.0f s)", sizing["strata"],
-                 sizing["strata_configured"], sizing["first_round_micro_batches"], unit_s,
-                 budget_s)  # fmt: skip
+        LOG.info("first round: %d of %d strata per strategy (predicted %.0f s; budget_s %.0f s)",
+                 sizing["strata"], sizing["strata_configured"],
+                 sizing["first_round_predicted_s"], budget_s)  # fmt: skip
     valid = [name for name in design.strategies if name not in invalid]
     sequential = run_sequential(
         runner, design, settings, valid, cv[0], cv[1], budget_s, 0,
@@ -187,14 +186,12 @@ def run_replay(
     fit, fit_points, loss_share, instrument = measure_model(runner, plan, cfg)
     cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
     cv_df = max(instrument["repeats"] - 1.0, 1.0)
-    unit_s = instrument_unit_s(instrument, plan.settings.warmup)
-    design, sequential = time_plans(
-        runner, plan, replay_cfg, invalid, (cv, cv_df), unit_s, progress
-    )
+    unit = instrument_unit(instrument, plan.settings.warmup)
+    design, sequential = time_plans(runner, plan, replay_cfg, invalid, (cv, cv_df), unit, progress)
     table = price(plan, sequential, invalid, fit, cv, changes, cfg["training"]["max_seq_len"])
     pricing = FitPricing(fit.fit, plan.micro, fit.low, fit.high)
     combined = time_combined(
-        runner, plan, table, changes.changes, inputs, cfg, pricing, (cv, cv_df), unit_s, progress,
+        runner, plan, table, changes.changes, inputs, cfg, pricing, (cv, cv_df), unit, progress,
         CPU_NOTE.format(cap=plan.max_len, max_seq_len=cfg["training"]["max_seq_len"])
         if plan.cpu_only
         else None,

@@ -332,11 +332,18 @@ def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int
     }
 
 
-def instrument_unit_s(instrument: Mapping[str, Any], warmup: int) -> float:
-    """Seconds one new-shape micro-batch costs to time: the instrument's mean micro-batch and
-    its `warmup` untimed runs (0 when the instrument did not time: nothing is then sized by it)."""
+def instrument_unit(instrument: Mapping[str, Any], warmup: int) -> tuple[float, float]:
+    """(seconds, tokens) of one new-shape micro-batch: the instrument's mean micro-batch with its
+    `warmup` untimed runs, and its computed + loss tokens ((0, 1) when the instrument did not
+    time: nothing is then sized by it)."""
     mean = float(instrument.get("mean_s", float("nan")))
-    return mean * (1 + max(int(warmup), 1)) if math.isfinite(mean) and mean > 0 else 0.0
+    batch = instrument.get("micro_batch") or {}
+    tokens = float(
+        batch.get("rows", 0) * batch.get("padded_length", 0) + batch.get("loss_tokens", 0)
+    )
+    if not (math.isfinite(mean) and mean > 0 and tokens > 0):
+        return 0.0, 1.0
+    return mean * (1 + max(int(warmup), 1)), tokens
 
 
 def median_row(plans: pd.DataFrame, strategy: str) -> Any:

@@ -12,13 +12,13 @@ from probes.contracts import TRAINING_STATUSES
 from probes.replay.control import SimulatedCost
 from probes.replay.sequential import (
     build_design,
-    first_round_units,
+    first_round_seconds,
     new_units,
     run_sequential,
     sized_design,
 )
 from probes.replay.strata import grow_allocation
-from probes.replay.timing import ReplaySettings
+from probes.replay.timing import ReplaySettings, instrument_unit
 
 MICRO, ACCUM, MAX_LEN = 2, 4, 64
 
@@ -60,21 +60,31 @@ def test_new_units_interleave_strategies_and_never_repeat(plans):
 def test_the_first_round_gets_the_most_strata_its_budget_affords(plans):
     settings = ReplaySettings(3, 2, 100, ACCUM, seed=0)
     strategies = plans["strategy"].nunique()
-    assert first_round_units(plans, 3) == strategies * 6  # every plan has 6 rows or more
-    roomy, record = sized_design(plans, settings, 0.5, budget_s=1e6, seed=0)
+    tokens = plans["computed_tokens"] + plans["loss_tokens"]
+    mean = float(tokens.mean())
+    # a unit of the plans' mean tokens prices every strategy near unit_s: 6 units each at 3 strata
+    assert first_round_seconds(plans, 3, 1.0, mean) == pytest.approx(strategies * 6, rel=0.5)
+    roomy, record = sized_design(plans, settings, (0.5, mean), budget_s=1e6, seed=0)
     assert record["strata"] == 3 and roomy.sizes.keys() == build_design(plans, 3, 0).sizes.keys()
     # two strata fit a budget that three do not; the record says what was predicted
-    tight = (first_round_units(plans, 2) + 1) * 0.5
-    design, record = sized_design(plans, settings, 0.5, budget_s=tight, seed=0)
+    tight = first_round_seconds(plans, 2, 0.5, mean) * 1.01
+    assert first_round_seconds(plans, 3, 0.5, mean) > tight
+    design, record = sized_design(plans, settings, (0.5, mean), budget_s=tight, seed=0)
     assert record["strata"] == 2 and record["strata_configured"] == 3
-    assert record["first_round_predicted_s"] == first_round_units(plans, 2) * 0.5 <= tight
+    assert record["first_round_predicted_s"] <= tight
     assert {h for _, h in design.sizes} == {0, 1}
     # never fewer than one: the first round always runs
-    _, record = sized_design(plans, settings, 100.0, budget_s=1.0, seed=0)
+    _, record = sized_design(plans, settings, (100.0, mean), budget_s=1.0, seed=0)
     assert record["strata"] == 1
     # an instrument that did not time sizes nothing
-    _, record = sized_design(plans, settings, 0.0, budget_s=1.0, seed=0)
+    _, record = sized_design(plans, settings, (0.0, 1.0), budget_s=1.0, seed=0)
     assert record["strata"] == 3
+
+
+def test_the_instrument_prices_a_new_shape_with_its_warm_up():
+    measured = {"mean_s": 0.5, "micro_batch": {"rows": 2, "padded_length": 64, "loss_tokens": 30}}
+    assert instrument_unit(measured, warmup=1) == (1.0, 158.0)
+    assert instrument_unit({"mean_s": float("nan"), "micro_batch": {}}, warmup=1) == (0.0, 1.0)
 
 
 class KnownCostRunner:
