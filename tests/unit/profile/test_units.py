@@ -223,8 +223,8 @@ def test_profile_lengths_beyond_max_seq_len_are_said():
 
     schema = load_yaml(SCHEMA)["properties"]
     profile = fill_defaults({"device": "cpu"}, schema["profile"])
-    training = fill_defaults({"max_seq_len": 16}, schema["training"])
+    training = fill_defaults({"max_seq_len": 8}, schema["training"])
     settings = resolve_settings(profile, training)
     note = lengths_note(settings, "cpu")
-    assert note.startswith("profile.cpu.lengths [32, 64, 128] exceed training.max_seq_len=16")
-    assert lengths_note(resolve_settings(profile, {**training, "max_seq_len": 128}), "cpu") is None
+    assert note.startswith("profile.cpu.lengths [16, 32, 64] exceed training.max_seq_len=8")
+    assert lengths_note(resolve_settings(profile, {**training, "max_seq_len": 64}), "cpu") is None
