@@ -303,12 +303,13 @@ def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int
         runner._optimizer()
     finally:
         gc.enable()
-    times = times[warmup:]
+    warmup_times, times = times[:warmup], times[warmup:]
     arr = np.asarray(times, dtype=np.float64)
     ok = status == OK and arr.size >= 2 and float(arr.mean()) > 0
     affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {
         "status": status,
+        "warmup_times_s": [float(v) for v in warmup_times],
         "cv": float(arr.std(ddof=1) / arr.mean()) if ok else float("nan"),
         "repeats": int(arr.size),
         "times_s": [float(v) for v in arr],
@@ -333,17 +334,17 @@ def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int
 
 
 def instrument_unit(instrument: Mapping[str, Any], warmup: int) -> tuple[float, float]:
-    """(seconds, tokens) of one new-shape micro-batch: the instrument's mean micro-batch with its
-    `warmup` untimed runs, and its computed + loss tokens ((0, 1) when the instrument did not
-    time: nothing is then sized by it)."""
+    """(seconds, tokens) of one new-shape micro-batch: the instrument's mean micro-batch and its
+    measured warm-up runs (`warmup` × the mean where its shape had run already), and its
+    computed + loss tokens ((0, 1) when the instrument did not time: nothing is sized by it)."""
     mean = float(instrument.get("mean_s", float("nan")))
     batch = instrument.get("micro_batch") or {}
-    tokens = float(
-        batch.get("rows", 0) * batch.get("padded_length", 0) + batch.get("loss_tokens", 0)
-    )
+    computed = batch.get("rows", 0) * batch.get("padded_length", 0)
+    tokens = float(computed + batch.get("loss_tokens", 0))
     if not (math.isfinite(mean) and mean > 0 and tokens > 0):
         return 0.0, 1.0
-    return mean * (1 + max(int(warmup), 1)), tokens
+    warm = instrument.get("warmup_times_s") or [mean] * max(int(warmup), 1)
+    return mean + float(sum(warm)), tokens
 
 
 def median_row(plans: pd.DataFrame, strategy: str) -> Any:

@@ -83,7 +83,8 @@ def test_the_first_round_gets_the_most_strata_its_budget_affords(plans):
 
 def test_the_instrument_prices_a_new_shape_with_its_warm_up():
     measured = {"mean_s": 0.5, "micro_batch": {"rows": 2, "padded_length": 64, "loss_tokens": 30}}
-    assert instrument_unit(measured, warmup=1) == (1.0, 158.0)
+    assert instrument_unit(measured, warmup=1) == (1.0, 158.0)  # its shape had run: 1 x mean
+    assert instrument_unit({**measured, "warmup_times_s": [0.7]}, warmup=1) == (1.2, 158.0)
     assert instrument_unit({"mean_s": float("nan"), "micro_batch": {}}, warmup=1) == (0.0, 1.0)
 
 
