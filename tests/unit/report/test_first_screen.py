@@ -89,6 +89,10 @@ def test_the_device_line_says_what_was_timed():
     assert timed_step({"json": {"realize_summary": {"harness": trainer}}}) == (
         "your `SFTTrainer` from `my.py:build`"
     )
+    trainer["settings"] = {"per_device_train_batch_size": 2, "max_length": None, "optim": "adamw"}
+    assert timed_step({"json": {"realize_summary": {"harness": trainer}}}) == (
+        "your `SFTTrainer` from `my.py:build` at `per_device_train_batch_size=2`, `optim=adamw`"
+    )
     from_replay = {"json": {}, "provenance": {"replay": {"harness": harness}}}
     assert timed_step(from_replay) == "the harness `probes.reference_harness`"
     assert timed_step({"json": {}, "provenance": {}}) is None

@@ -155,6 +155,14 @@ def realized_text(realized: Mapping[str, Any] | None, realize: Mapping[str, Any]
     return f"{shown}: {realized['text']}"
 
 
+def trainer_settings(settings: Any) -> str:
+    """The timed trainer's settings as it was built (TrainerStep.describe), unset ones left out:
+    `per_device_train_batch_size=2, gradient_accumulation_steps=8, ...`."""
+    if not isinstance(settings, Mapping):
+        return ""
+    return ", ".join(f"`{k}={v}`" for k, v in settings.items() if v is not None)
+
+
 def timed_step(inputs: Mapping[str, Any]) -> str | None:
     """What was timed, from the realize summary's or the replay's provenance (``describe()`` of
     the step): the user's Trainer class and its factory, or the harness's spec; None unrecorded."""
@@ -168,7 +176,9 @@ def timed_step(inputs: Mapping[str, Any]) -> str | None:
         if described.get("kind") == "trainer" and described.get("trainer"):
             factory = described.get("factory") or {}
             spec = factory.get("spec") if isinstance(factory, Mapping) else None
-            return f"your `{described['trainer']}`" + (f" from `{spec}`" if spec else "")
+            named = f"your `{described['trainer']}`" + (f" from `{spec}`" if spec else "")
+            settings = trainer_settings(described.get("settings"))
+            return named + (f" at {settings}" if settings else "")
         if described.get("spec"):
             return f"the harness `{described['spec']}`"
     return None
