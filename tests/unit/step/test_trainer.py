@@ -11,7 +11,7 @@ import pytest
 import torch
 from trainer_factories import write_factory
 
-from conftest import chat_rows, write_jsonl
+from conftest import chat_rows, workflow_config, write_jsonl
 from probes.batching import plans as pl
 from probes.padding import trainer_rows as tr
 from probes.replay.timing import ReplayRunner
@@ -141,7 +141,7 @@ def test_a_step_level_change_is_set_the_way_the_trainer_sets_it_and_kept_by_its_
     from probes.step import changes as sc
 
     step = _step(factory_dir, "sft")
-    training = {"micro_batch_size": MICRO, "grad_accum": 2}
+    training = workflow_config(training={"micro_batch_size": MICRO, "grad_accum": 2}).training
     switch = step_switch(step, [sc.GC_ON, "attention_eager", pl.LENGTH_GROUPED], training)
     assert switch.base == sc.StepConfig(False, "sdpa")
     timer = StepTimer(step, 0, 0, 0)
@@ -172,9 +172,8 @@ def test_load_step_keeps_the_padding_stages_rows_at_a_cpu_cap(factory_dir):
 
     directory, model_dir, data = factory_dir
     spec = write_factory(directory, model_dir, data, "sft", micro=MICRO)
-    step, *_ = load_step(
-        {"trainer": {"factory": spec}}, model_dir, torch.device("cpu"), torch.float32, 8
-    )
+    config = workflow_config(trainer={"factory": spec})
+    step, *_ = load_step(config, model_dir, torch.device("cpu"), torch.float32, 8)
     full = _step(factory_dir, "sft")
     assert len(step.dataset) == len(full.dataset)
     assert step.plan_batch(SimpleNamespace(example_ids=["3"], layout=pl.PADDED))[
@@ -207,3 +206,36 @@ def test_the_builtin_group_by_length_plan_is_that_trainers_sampler(factory_dir):
     grouped = plans[plans["strategy"] == GROUP_BY_LENGTH_BUILTIN].sort_values("micro_batch_index")
     ours = [int(i) for ids in grouped["example_ids"] for i in ids]
     assert ours == [int(i) for i in theirs]
+
+
+@pytest.mark.parametrize("strategy", ["gradient_checkpointing_on", "attention_eager"])
+def test_a_switched_step_is_the_trainer_its_change_pastes(factory_dir, strategy):
+    """replay and realize switch a step-level change on the loaded trainer (StepSwitch) rather
+    than building a second one: the switched trainer must be the one the factory builds from the
+    change's own settings (what a user gets by pasting them): the same step setting, and the
+    same loss and LoRA gradients on one batch."""
+    from probes.step.changes import StepSwitch, current_config, step_changes
+
+    switched = _step(factory_dir, "sft")
+    base = current_config(switched.model, switched.trainer.args)
+    change = next(c for c in step_changes(base, MICRO, 2) if c.strategy == strategy)
+    StepSwitch(switched, [change]).set(strategy)
+    directory, model_dir, data = factory_dir
+    spec = write_factory(directory, model_dir, data, "sft", micro=MICRO)
+    settings = probe_settings(
+        str(directory / "out"), torch.device("cpu"), torch.float32, None, 0, change.settings
+    )
+    rebuilt = load_trainer_step(spec, settings)
+    assert current_config(rebuilt.model, rebuilt.trainer.args) == change.config
+    assert current_config(switched.model, switched.trainer.args) == change.config
+    rebuilt.model.load_state_dict(switched.model.state_dict())  # LoRA's random init aside
+    batch = switched.collate(["0", "1"], False)
+    losses = [step.forward_backward(dict(batch)) for step in (switched, rebuilt)]
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    grads = [
+        {n: p.grad for n, p in step.model.named_parameters() if p.requires_grad}
+        for step in (switched, rebuilt)
+    ]
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], rtol=1e-4, atol=1e-6), name
