@@ -29,6 +29,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from probes.config import load_config  # noqa: E402
 from probes.replay.prepare import replay_dtype  # noqa: E402
+from probes.settings import WorkflowConfig  # noqa: E402
 from probes.step import batches as bt  # noqa: E402
 from probes.step import changes as sc  # noqa: E402
 from probes.step.load import load_step  # noqa: E402
@@ -85,7 +86,9 @@ def main() -> None:
     device = torch.device("cpu")
     dtype, reason = replay_dtype(config["profile"]["dtype"], device)
     share = loss_share(args.lengths, args.loss_share)
-    runner, vocab, _, _ = load_step(config, args.model, device, dtype, None)
+    runner, vocab, _, _ = load_step(
+        WorkflowConfig.from_dict(config), args.model, device, dtype, None
+    )
     switch = sc.StepSwitch(runner)
     changes = {c.strategy: c for c in sc.step_changes(switch.base, 2, 2)}
     switch.configs = {STOCK: changes[STOCK].config}

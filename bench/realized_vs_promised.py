@@ -239,6 +239,7 @@ def run_promised(
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
     from probes.config import load_config
     from probes.replay.stage import run_replay
+    from probes.settings import WorkflowConfig
 
     model_dir = work / "model"
     longest = int(examples.lengths.max())
@@ -282,7 +283,7 @@ def run_promised(
     cfg["replay"]["step_changes"] = args.trainer == "sft"
     if args.trainer == "sft":  # the promise is the SFTTrainer's own step (probes.step.trainer)
         cfg["trainer"] = {"factory": FACTORY}
-    summary = run_replay(inputs, outputs, cfg, model_dir, progress=False)
+    summary = run_replay(inputs, outputs, WorkflowConfig.from_dict(cfg), model_dir, progress=False)
     estimates = pd.read_parquet(outputs["estimates"])
     summary["step_changes"] = pq_metadata(outputs["estimates"]).get("step_changes", [])
     return estimates, plans, summary

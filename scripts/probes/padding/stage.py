@@ -62,7 +62,7 @@ def run(
     if failed:
         raise ControlFailedError(f"padding synthetic control failed: {failed}")
 
-    if factory_of(cfg.raw):
+    if factory_of(cfg.trainer):
         lengths, tokenizer, check, source = trainer_lengths(cfg)
     else:
         lengths, tokenizer, check, source = data_lengths(inputs, cfg, progress)

@@ -16,6 +16,7 @@ import torch
 
 from probes.io import read_json
 from probes.profile import flops as fl
+from probes.settings import WorkflowConfig
 from probes.step.fit import QuadraticFit
 
 LOG = logging.getLogger("probes.profile")
@@ -27,7 +28,7 @@ LOG = logging.getLogger("probes.profile")
 
 
 def timed_run_provenance(
-    raw: Any,
+    cfg: WorkflowConfig,
     device: torch.device,
     cpu_only: bool,
     dtype: tuple[str, str],
@@ -45,7 +46,8 @@ def timed_run_provenance(
     from probes.io import run_metadata
 
     return {
-        **run_metadata(dict(raw)),
+        # the whole config as a dict: run_metadata hashes it for the provenance
+        **run_metadata(dict(cfg.raw)),
         "device": device_description(device),
         "cpu_only": cpu_only,
         "dtype": str(dtype[0]).replace("torch.", ""),

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import torch
 
 from probes.profile import flops as fl
 from probes.profile.scaling import FlopModel
+from probes.settings import WorkflowConfig
 from probes.step.harness import Harness, load_harness
 from probes.step.load import factory_of
 from probes.step.runner import (
@@ -47,12 +47,12 @@ class ProfiledStep:
 
 
 def load_profiled_step(
-    model_path: str | Path, config: Mapping[str, Any], settings: Settings
+    model_path: str | Path, cfg: WorkflowConfig, settings: Settings
 ) -> ProfiledStep:
     """The user's trainer where trainer.factory is set (its model as it built it), else the
     weights in the profiled dtype with the harness's adapters and optimizer."""
-    profile = config["profile"]
-    spec = factory_of(config)
+    profile = cfg.profile
+    spec = factory_of(cfg.trainer)
     if spec:
         output_dir = tempfile.mkdtemp(prefix="probes-trainer-")
         step_settings = probe_settings(
@@ -64,10 +64,10 @@ def load_profiled_step(
         params = fl.model_active_parameters(base)
         described = runner.describe()
     else:
-        harness = load_harness(profile["harness"])
-        model = load_model(model_path, settings, profile["attn_implementation"])
+        harness = load_harness(profile.harness)
+        model = load_model(model_path, settings, profile.attn_implementation)
         params = fl.model_active_parameters(model)
-        options = {"ce_chunk_tokens": int(profile["ce_chunk_tokens"]), **profile["harness_options"]}
+        options = {"ce_chunk_tokens": int(profile.ce_chunk_tokens), **profile.harness_options}
         model, optimizer, targets = prepare_harness(model, harness, options)
         runner = StepRunner(model, harness, optimizer, settings.device)
         head_positions = fl.head_positions_of(harness.module)

@@ -5,7 +5,6 @@ and the log's summary (``profile_summary``)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from probes.errors import ControlFailedError
 from probes.profile import flops as fl
 from probes.profile.evidence import read_recommendation
 from probes.profile.load import ProfiledStep
+from probes.settings import ProfileConfig
 from probes.step.cluster import slurm_environment
 from probes.step.runner import Settings
 
@@ -50,7 +50,7 @@ def control_record(controls: list[dict[str, Any]], provenance: dict[str, Any]) -
 def profile_provenance(
     step: ProfiledStep,
     settings: Settings,
-    profile: Mapping[str, Any],
+    profile: ProfileConfig,
     run: dict[str, Any],
     model_path: str | Path,
     recommendation_path: str | Path | None,
@@ -69,7 +69,7 @@ def profile_provenance(
         "cpu_only": settings.cpu_only,
         "dtype": str(settings.dtype).replace("torch.", ""),
         "dtype_reason": settings.dtype_reason,
-        "attn_implementation": profile["attn_implementation"],
+        "attn_implementation": profile.attn_implementation,
         "lengths": settings.lengths,
         "lengths_note": beyond_note,
         "warmup": settings.warmup,

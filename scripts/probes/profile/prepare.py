@@ -5,12 +5,12 @@ loss, whether a micro-batch fits the data at all, and the peak TFLOP/s MFU divid
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from probes.profile import flops as fl
+from probes.settings import ProfileConfig, TrainingConfig
 from probes.step import batches as bt
 from probes.step.dtype import resolve_dtype
 from probes.step.runner import ProfileError, Settings, resolve_device
@@ -19,29 +19,29 @@ LOG = logging.getLogger("probes.profile")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def resolve_settings(profile: Mapping[str, Any], training: Mapping[str, Any]) -> Settings:
-    device = resolve_device(profile["device"], profile["allow_cpu"])
-    per_device = profile["cuda" if device.type == "cuda" else "cpu"]
-    lengths = sorted({int(v) for v in per_device["lengths"]})
+def resolve_settings(profile: ProfileConfig, training: TrainingConfig) -> Settings:
+    device = resolve_device(profile.device, profile.allow_cpu)
+    per_device = profile.cuda if device.type == "cuda" else profile.cpu
+    lengths = sorted({int(v) for v in per_device.lengths})
     if len(lengths) < 3:
         raise ProfileError(
             f"profile.{device.type}.lengths: {lengths} has {len(lengths)} distinct length(s); the "
             "scaling fit t(T)=aT^2+bT+c needs at least 3."
         )
-    dtype_name, dtype_reason = resolve_dtype(profile["dtype"], device.type)
+    dtype_name, dtype_reason = resolve_dtype(profile.dtype, device.type)
     return Settings(
         device=device,
         cpu_only=device.type != "cuda",
         dtype=DTYPES[dtype_name],
         dtype_reason=dtype_reason,
         lengths=lengths,
-        warmup=int(per_device["warmup"]),
-        repeats=int(per_device["repeats"]),
-        kernel_steps=int(per_device["kernel_steps"]),
-        probe_length=per_device.get("probe_length"),
-        micro_batch=int(profile.get("micro_batch_size") or training["micro_batch_size"]),
-        max_seq_len=int(training["max_seq_len"]),
-        seed=int(profile["seed"]),
+        warmup=int(per_device.warmup),
+        repeats=int(per_device.repeats),
+        kernel_steps=int(per_device.kernel_steps),
+        probe_length=per_device.probe_length,
+        micro_batch=int(profile.micro_batch_size or training.micro_batch_size),
+        max_seq_len=int(training.max_seq_len),
+        seed=int(profile.seed),
     )
 
 
@@ -59,12 +59,12 @@ def lengths_note(settings: Settings, device_type: str) -> str | None:
 
 
 def training_loss_share(
-    train: Any, profile: Mapping[str, Any], training: Mapping[str, Any]
+    train: Any, profile: ProfileConfig, training: TrainingConfig
 ) -> tuple[float, str]:
     """Which tokens carry loss (training.loss_on): the padding stage counted them per example."""
-    if profile.get("loss_fraction") is not None:
-        return float(profile["loss_fraction"]), "config profile.loss_fraction"
-    if training.get("loss_on", "assistant") == "all":
+    if profile.loss_fraction is not None:
+        return float(profile.loss_fraction), "config profile.loss_fraction"
+    if training.loss_on == "all":
         return 1.0, "training.loss_on: all"
     return bt.loss_fraction(
         train
@@ -83,10 +83,10 @@ def check_batchable(train: Any, settings: Settings) -> None:
         )
 
 
-def peak_of(profile: Mapping[str, Any], settings: Settings, device_name: str) -> tuple[Any, str]:
+def peak_of(profile: ProfileConfig, settings: Settings, device_name: str) -> tuple[Any, str]:
     """The peak TFLOP/s MFU divides by, and where it came from."""
-    if profile.get("peak_tflops") is not None:
-        return profile["peak_tflops"], "config profile.peak_tflops"
+    if profile.peak_tflops is not None:
+        return profile.peak_tflops, "config profile.peak_tflops"
     peak = fl.peak_tflops_for(device_name) if not settings.cpu_only else None
     if peak is not None:
         return peak, f"bf16 dense peak for '{device_name}'"
@@ -94,7 +94,7 @@ def peak_of(profile: Mapping[str, Any], settings: Settings, device_name: str) ->
 
 
 def logged_settings(
-    profile: Mapping[str, Any], training: Mapping[str, Any]
+    profile: ProfileConfig, training: TrainingConfig
 ) -> tuple[Settings, str | None]:
     """The settings for this device, said in the log, with the note (also warned) when the
     profile's lengths pass training.max_seq_len."""

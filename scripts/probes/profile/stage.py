@@ -43,7 +43,7 @@ from probes.profile.scaling import (
     run_kernel_profile,
     run_scaling,
 )
-from probes.settings import WorkflowConfig
+from probes.settings import MemoryConfig, ProfileConfig, WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step import batches as bt
 from probes.step.fit import QuadraticFit, fit_control, fit_step_time
@@ -78,7 +78,7 @@ def measure_scaling(
 
 
 def measure_penalty(
-    step: ProfiledStep, settings: Settings, train: Any, profile: Mapping[str, Any], fit, ok
+    step: ProfiledStep, settings: Settings, train: Any, profile: ProfileConfig, fit, ok
 ):
     """The padding batches come from the upper length band and stay within the lengths that
     ran, so the fit interpolates them."""
@@ -88,10 +88,10 @@ def measure_penalty(
             settings.micro_batch,
             int(ok["seq_len"].max()),
             settings.seed,
-            profile["padding_draws"],
-            profile["padding_waste_quantile"],
+            profile.padding_draws,
+            profile.padding_waste_quantile,
             n_batches=int(
-                profile["cuda" if settings.device.type == "cuda" else "cpu"]["padding_batches"]
+                (profile.cuda if settings.device.type == "cuda" else profile.cpu).padding_batches
             ),
         )
         return run_padding_penalty(step.runner, settings, picks, fit, step.vocab_size, step.pad_id)
@@ -120,7 +120,7 @@ def real_peak_control(
     step: ProfiledStep,
     settings: Settings,
     model_path: str | Path,
-    config: Mapping[str, Any],
+    memory: MemoryConfig,
     lengths: list[int],
     loss_share: float,
 ) -> dict[str, Any] | None:
@@ -133,8 +133,7 @@ def real_peak_control(
     from probes.memory.check import real_vs_predicted, trainer_vs_predicted
     from probes.memory.real import scaling_step_peaks
 
-    memory = config.get("memory") or {}
-    if not memory.get("enabled", True):
+    if not memory.enabled:
         return None
     generator = torch.Generator().manual_seed(settings.seed + 6)
 
@@ -144,7 +143,7 @@ def real_peak_control(
         return bt.to_device(made, settings.device)
 
     real = scaling_step_peaks(step.runner, batch_of, lengths)
-    tolerance = float(memory.get("tolerance", 0.10))
+    tolerance = float(memory.tolerance)
     round_to = 512 if settings.device.type == "cuda" else 1
     try:
         if step.harness is None:
@@ -171,7 +170,7 @@ def real_peak_control(
 def probe_at_one_length(
     step: ProfiledStep,
     settings: Settings,
-    profile: Mapping[str, Any],
+    profile: ProfileConfig,
     length: int,
     step_time: tuple[float, bool],
     loss_share: float,
@@ -186,7 +185,7 @@ def probe_at_one_length(
         step_time[0],
         loss_share,
         step.vocab_size,
-        int(profile["ce_chunk_tokens"]),
+        int(profile.ce_chunk_tokens),
         "measured" if step_time[1] else "predicted by the fit",
     )
     kernels, raw_table, check = run_kernel_profile(
@@ -195,7 +194,7 @@ def probe_at_one_length(
         length,
         loss_share,
         step.vocab_size,
-        profile["double_count_tolerance"],
+        profile.double_count_tolerance,
         step.has_experts,
     )
     return ce, kernels, raw_table, check
@@ -227,27 +226,27 @@ def fit_control_first(settings: Settings) -> dict[str, Any]:
 
 
 def load_seeded_step(
-    model_path: str | Path, config: Mapping[str, Any], settings: Settings
+    model_path: str | Path, cfg: WorkflowConfig, settings: Settings
 ) -> ProfiledStep:
     """The profiled step, loaded after the CPU threads are set and torch is seeded."""
     if settings.cpu_only:
-        torch.set_num_threads(int(config["profile"]["cpu"]["threads"]))
+        torch.set_num_threads(int(cfg.profile.cpu.threads))
     torch.manual_seed(settings.seed)
-    return load_profiled_step(model_path, config, settings)
+    return load_profiled_step(model_path, cfg, settings)
 
 
 def measure_all(
     step: ProfiledStep,
     settings: Settings,
     train: Any,
-    config: Mapping[str, Any],
+    cfg: WorkflowConfig,
     model_path: str | Path,
     loss_share: float,
     peak: Any,
 ) -> ProfileTables:
     """Scaling points and fit -> FLOP-count control (one real step at the shortest length that
     ran) -> memory check -> padding penalty -> CE variants and kernel table at the probe length."""
-    profile = config["profile"]
+    profile = cfg.profile
     scaling, fit, ok = measure_scaling(step, settings, loss_share, peak)
     shortest = int(ok["seq_len"].min())
     controls = [
@@ -256,7 +255,7 @@ def measure_all(
         )
     ]
     peak_check = real_peak_control(
-        step, settings, model_path, config, [int(v) for v in ok["seq_len"]], loss_share
+        step, settings, model_path, cfg.memory, [int(v) for v in ok["seq_len"]], loss_share
     )
     if peak_check is not None:
         controls.append(peak_check)
@@ -300,7 +299,7 @@ def run_profile(
     recommendation_path: str | Path | None,
     model_path: str | Path,
     outputs: Mapping[str, str | Path],
-    config: Mapping[str, Any],
+    cfg: WorkflowConfig,
     card_probe: Callable[[int], Any] = probe_card,
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, Any]:
@@ -308,19 +307,19 @@ def run_profile(
     missing = [key for key in OUTPUT_KEYS if key not in outputs]
     if missing:
         raise ProfileError(f"profile outputs missing path(s) for {missing}")
-    profile, training = config["profile"], config["training"]
+    profile, training = cfg.profile, cfg.training
     settings, beyond_note = logged_settings(profile, training)
     controls = [fit_control_first(settings)]
     train = read_training_lengths(lengths_path, settings.max_seq_len)
     loss = training_loss_share(train, profile, training)
     check_batchable(train, settings)
-    idle = check_idle_card(profile, settings.device, card_probe, sleep)
-    step = load_seeded_step(model_path, config, settings)
+    idle = check_idle_card(profile.idle, settings.device, card_probe, sleep)
+    step = load_seeded_step(model_path, cfg, settings)
     device_info = device_description(settings.device)
     peak = peak_of(profile, settings, device_info["name"])
-    tables = measure_all(step, settings, train, config, model_path, loss[0], peak[0])
+    tables = measure_all(step, settings, train, cfg, model_path, loss[0], peak[0])
     controls.extend(tables.controls)
-    run = run_metadata(dict(config))
+    run = run_metadata(dict(cfg.raw))  # the whole config as a dict: the provenance hashes it
     provenance = profile_provenance(
         step, settings, profile, run, model_path, recommendation_path,
         idle=idle, device=device_info, beyond_note=beyond_note,
@@ -340,6 +339,6 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         inputs.get("recommendation"),
         Path(inputs["tokenizer"][0]).parent,
         outputs,
-        cfg.raw,
+        cfg,
     )
     LOG.info("profile summary: %s", summary)

@@ -35,7 +35,7 @@ from probes.realize.estimate import REALIZED_COLUMNS, realized_table, step_auxil
 from probes.realize.promise import step_promises
 from probes.realize.steps import StepTimer
 from probes.realize.timing import STEP_COLUMNS, measure
-from probes.settings import WorkflowConfig
+from probes.settings import RealizeConfig, TrainingConfig, WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step.idle import check_idle_card
 
@@ -74,8 +74,8 @@ def select_changes(estimates: pd.DataFrame, max_changes: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def write_not_run(outputs: Mapping[str, str | Path], reason: str, cfg: Mapping[str, Any]) -> None:
-    meta = run_metadata(dict(cfg))
+def write_not_run(outputs: Mapping[str, str | Path], reason: str, cfg: WorkflowConfig) -> None:
+    meta = run_metadata(dict(cfg.raw))  # the whole config as a dict: the provenance hashes it
     with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
         out.parquet("realized", pd.DataFrame(columns=list(REALIZED_COLUMNS)), meta)
         out.parquet("steps", pd.DataFrame(columns=list(STEP_COLUMNS)), meta)
@@ -103,14 +103,14 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
 
 
 def load_real_runner(
-    model_path: str | Path, raw: Mapping[str, Any], device: torch.device, max_length: int
+    model_path: str | Path, cfg: WorkflowConfig, device: torch.device, max_length: int
 ) -> tuple[Any, int, int, dict[str, Any], str, str]:
     """The replay's step (the user's trainer, or the harness on the real model), its dtype."""
     from probes.replay.prepare import replay_dtype
     from probes.step.load import load_step
 
-    dtype, reason = replay_dtype(raw["profile"]["dtype"], device)
-    runner, vocab, pad_id, step = load_step(raw, model_path, device, dtype, max_length)
+    dtype, reason = replay_dtype(cfg.profile.dtype, device)
+    runner, vocab, pad_id, step = load_step(cfg, model_path, device, dtype, max_length)
     return runner, vocab, pad_id, step, str(dtype).replace("torch.", ""), reason
 
 
@@ -118,7 +118,7 @@ def with_step_change_plans(
     plans: pd.DataFrame,
     changes: Sequence[str],
     inputs: Mapping[str, Any],
-    training: Mapping[str, Any],
+    training: TrainingConfig,
     cpu_only: bool,
     max_len: int,
 ) -> pd.DataFrame:
@@ -129,7 +129,7 @@ def with_step_change_plans(
     from probes.step import changes as sc
     from probes.step import combined as cb
 
-    micro, accum = int(training["micro_batch_size"]), int(training["grad_accum"])
+    micro, accum = int(training.micro_batch_size), int(training.grad_accum)
     shapes = sc.plan_shapes(changes, micro, accum)
     added = [change_plans_for(shapes, plans, inputs, training, cpu_only, max_len)] if shapes else []
     for name in filter(cb.is_combined, changes):
@@ -139,7 +139,7 @@ def with_step_change_plans(
     return pd.concat([plans, *added], ignore_index=True) if added else plans
 
 
-def step_switch(runner: Any, changes: Sequence[str], training: Mapping[str, Any]) -> Any:
+def step_switch(runner: Any, changes: Sequence[str], training: TrainingConfig) -> Any:
     """The loaded step set per strategy: each step-level change the replay priced, by name."""
     from probes.replay.step_changes import step_changes_for
     from probes.step import changes as sc
@@ -165,16 +165,14 @@ def step_switch(runner: Any, changes: Sequence[str], training: Mapping[str, Any]
 
 
 def device_plans(
-    inputs: Mapping[str, Any], raw: Mapping[str, Any], changes: Sequence[str], cpu_only: bool
+    inputs: Mapping[str, Any], cfg: WorkflowConfig, changes: Sequence[str], cpu_only: bool
 ) -> tuple[pd.DataFrame, int]:
     """The replay's plans on this device, the step-level changes' among them; every change
     the replay ranks must have one."""
     from probes.replay.prepare import plans_for_device
 
-    training = raw["training"]
-    plans, max_len = plans_for_device(
-        inputs, training, cpu_only, int(raw["replay"]["cpu"]["max_seq_len"])
-    )
+    training = cfg.training
+    plans, max_len = plans_for_device(inputs, training, cpu_only, int(cfg.replay.cpu.max_seq_len))
     plans = with_step_change_plans(plans, changes, inputs, training, cpu_only, max_len)
     unknown = sorted(set(changes) - set(plans["strategy"]))
     if unknown:
@@ -188,8 +186,8 @@ def device_plans(
 def control_first(
     plans: pd.DataFrame,
     strategies: Sequence[str],
-    settings: Any,
-    raw: Mapping[str, Any],
+    settings: RealizeConfig,
+    grad_accum: int,
     promises: Any,
 ) -> dict[str, Any]:
     """The positive control: no wall time, and a broken estimator must not cost a GPU run."""
@@ -198,7 +196,7 @@ def control_first(
         strategies,
         settings.control_steps,
         settings.seed,
-        int(raw["training"]["grad_accum"]),
+        int(grad_accum),
         settings.control_tolerance,
         promises,
     )
@@ -214,7 +212,7 @@ def realize_summary(
     table: pd.DataFrame,
     steps: pd.DataFrame,
     changes: Sequence[str],
-    settings: Any,
+    settings: RealizeConfig,
     cpu_only: bool,
     sample_size: int,
     budget_s: float,
@@ -256,18 +254,18 @@ class RealizeWork:
 
 
 def plan_work(
-    inputs: Mapping[str, Any], raw: Mapping[str, Any], settings: Any, estimates: pd.DataFrame
+    inputs: Mapping[str, Any], cfg: WorkflowConfig, estimates: pd.DataFrame
 ) -> RealizeWork:
     """The changes to check on this device, the plans they run and the replay's promise."""
     from probes.step.runner import resolve_device
 
-    profile = raw["profile"]
-    device = resolve_device(profile["device"], profile["allow_cpu"])
+    profile, settings = cfg.profile, cfg.realize
+    device = resolve_device(profile.device, profile.allow_cpu)
     cpu_only = device.type != "cuda"
     changes = select_changes(
         estimates, settings.cpu_max_changes if cpu_only else settings.max_changes
     )
-    plans, max_len = device_plans(inputs, raw, changes, cpu_only)
+    plans, max_len = device_plans(inputs, cfg, changes, cpu_only)
     work = RealizeWork(
         device=device,
         cpu_only=cpu_only,
@@ -290,24 +288,24 @@ def plan_work(
 def load_timer(
     load: Callable[..., tuple],
     model_path: str | Path,
-    raw: Mapping[str, Any],
-    settings: Any,
+    cfg: WorkflowConfig,
     work: RealizeWork,
 ) -> tuple[StepTimer, dict[str, Any], tuple[str, str]]:
     """The step through `load` (seeded, CPU threads set), its timer switched per step-level
     change: (timer, harness description, (dtype name, why))."""
+    seed = cfg.realize.seed
     if work.cpu_only:
-        torch.set_num_threads(int(raw["replay"]["cpu"]["threads"]))
-    torch.manual_seed(settings.seed)
+        torch.set_num_threads(int(cfg.replay.cpu.threads))
+    torch.manual_seed(seed)
     runner, vocab, pad_id, harness, dtype, dtype_reason, *clock = load(
-        model_path, raw, work.device, work.max_len
+        model_path, cfg, work.device, work.max_len
     )
-    timer = StepTimer(runner, vocab, pad_id, settings.seed, *clock)
-    timer.switch = step_switch(runner, work.changes, raw["training"])
+    timer = StepTimer(runner, vocab, pad_id, seed, *clock)
+    timer.switch = step_switch(runner, work.changes, cfg.training)
     return timer, harness, (dtype, dtype_reason)
 
 
-def time_steps(timer: StepTimer, work: RealizeWork, settings: Any) -> pd.DataFrame:
+def time_steps(timer: StepTimer, work: RealizeWork, settings: RealizeConfig) -> pd.DataFrame:
     """The sampled steps, timed (probes.realize.timing.measure), each beside its promise."""
     strategies = work.strategies
     steps = measure(
@@ -323,7 +321,7 @@ def time_steps(timer: StepTimer, work: RealizeWork, settings: Any) -> pd.DataFra
 
 
 def realize_provenance(
-    raw: Mapping[str, Any],
+    cfg: WorkflowConfig,
     work: RealizeWork,
     dtype: tuple[str, str],
     harness: dict[str, Any],
@@ -334,7 +332,7 @@ def realize_provenance(
     from probes.profile.evidence import timed_run_provenance
 
     return timed_run_provenance(
-        raw, work.device, work.cpu_only, dtype, work.max_len, harness, idle, started
+        cfg, work.device, work.cpu_only, dtype, work.max_len, harness, idle, started
     )
 
 
@@ -347,35 +345,38 @@ def run_realize(
     card_probe: Callable[[int], Any] | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, Any]:
-    """Run the stage and write every output, or none. `load(model_path, raw, device)` returns
-    (StepRunner, vocab_size, pad_id, harness description, dtype name, dtype reason) and may add
-    a seventh item, the clock the steps are timed with (default perf_counter)."""
+    """Run the stage and write every output, or none. `load(model_path, cfg, device, max_len)`
+    (`cfg` the WorkflowConfig) returns (StepRunner, vocab_size, pad_id, harness description,
+    dtype name, dtype reason) and may add a seventh item, the clock the steps are timed with
+    (default perf_counter)."""
     missing = [k for k in OUTPUT_KEYS if k not in outputs] + [
         k for k in INPUT_KEYS if k not in inputs
     ]
     if missing:
         raise RealizeError(f"realize: missing path(s) for {missing}")
-    raw, settings = cfg.raw, cfg.realize
+    settings = cfg.realize
     if not settings.enabled:
-        write_not_run(outputs, "realize.enabled is false", raw)
+        write_not_run(outputs, "realize.enabled is false", cfg)
         return {"status": NOT_RUN}
     estimates = read_estimates(inputs["estimates"])
     if estimates.empty or RANDOM not in set(estimates["strategy"]):
         reason = f"{inputs['estimates']}: the replay measured no '{RANDOM}' baseline"
-        write_not_run(outputs, reason, raw)
+        write_not_run(outputs, reason, cfg)
         return {"status": NOT_RUN, "reason": reason}
     started = time.perf_counter()
-    work = plan_work(inputs, raw, settings, estimates)
+    work = plan_work(inputs, cfg, estimates)
     # the positive control first: no wall time, and a broken estimator must not cost a GPU run
-    control = control_first(work.plans, work.strategies, settings, raw, work.promises)
-    idle = check_idle_card(raw["profile"], work.device, card_probe, sleep)
-    timer, harness, dtype = load_timer(load, model_path, raw, settings, work)
+    control = control_first(
+        work.plans, work.strategies, settings, cfg.training.grad_accum, work.promises
+    )
+    idle = check_idle_card(cfg.profile.idle, work.device, card_probe, sleep)
+    timer, harness, dtype = load_timer(load, model_path, cfg, work)
     steps = time_steps(timer, work, settings)
     table = realized_table(
         steps, estimates, work.plans, work.changes, settings.agree_within, work.cpu_only,
         work.max_len, work.promises,
     )  # fmt: skip
-    provenance = realize_provenance(raw, work, dtype, harness, idle, started)
+    provenance = realize_provenance(cfg, work, dtype, harness, idle, started)
     summary = realize_summary(
         table, steps, work.changes, settings, work.cpu_only, work.sample_size, work.budget_s
     )

@@ -21,6 +21,7 @@ from probes.batching import plans as pl
 from probes.io import read_json, read_provenance
 from probes.replay.estimate import FitPricing, ranked, strategy_table
 from probes.replay.sequential import run_sequential, sized_design
+from probes.settings import TrainingConfig, WorkflowConfig
 from probes.step import combined as cb
 
 LOG = logging.getLogger("probes.replay")
@@ -39,11 +40,11 @@ def not_run(why: str) -> CombinedResult:
 
 
 def plans_at_shape(
-    inputs: Mapping[str, Any], training: Mapping[str, Any], cap: int | None, shape: tuple[int, int]
+    inputs: Mapping[str, Any], training: TrainingConfig, cap: int | None, shape: tuple[int, int]
 ) -> pd.DataFrame:
     """Every strategy's plan at another (micro-batch size, grad_accum), built as the device's
     plans are (same seed, same bucket size; lengths capped at `cap` on CPU)."""
-    max_seq_len = int(training["max_seq_len"])
+    max_seq_len = int(training.max_seq_len)
     examples = pl.read_examples(inputs["lengths"], max_seq_len)
     if cap is not None:
         examples = pl.cap_examples(examples, cap)
@@ -59,7 +60,7 @@ def plans_at_shape(
 
 def combination_plan(
     combination: cb.Combination, changes: list[Any], plan: Any, inputs: Mapping[str, Any],
-    training: Mapping[str, Any],
+    training: TrainingConfig,
 ) -> pd.DataFrame:  # fmt: skip
     """The baseline's rows and the combination's (its batching plan at its micro-batch size)."""
     shape = cb.micro_shape(changes, plan.micro, plan.grad_accum)
@@ -79,7 +80,7 @@ def time_combined(
     table: pd.DataFrame,
     step_changes: list[Any],
     inputs: Mapping[str, Any],
-    cfg: Mapping[str, Any],
+    cfg: WorkflowConfig,
     pricing: FitPricing,
     cv: tuple[float, float],
     unit: tuple[float, float],
@@ -88,8 +89,8 @@ def time_combined(
 ) -> CombinedResult:
     """Choose, build, time and price the combined configuration (or say why not); `cpu_note`
     is the CPU run's label every row of the table carries."""
-    replay_cfg = cfg["replay"]
-    if not replay_cfg.get("combined", True):
+    replay_cfg = cfg.replay
+    if not replay_cfg.combined:
         return not_run("replay.combined is false")
     switch = getattr(runner, "switch", None)
     if switch is None or not step_changes:
@@ -98,16 +99,16 @@ def time_combined(
     if combination is None:
         return not_run("no batching change and no step-level change that both save time")
     chosen = [c for c in step_changes if c.strategy in combination.steps]
-    pair = combination_plan(combination, chosen, plan, inputs, cfg["training"])
+    pair = combination_plan(combination, chosen, plan, inputs, cfg.training)
     switch.configs[combination.name] = cb.merged_config(switch.base, chosen)
     settings = plan.settings
-    section = replay_cfg["cpu"] if plan.cpu_only else replay_cfg
-    budget_s = float(section["combined_budget_s"])
+    section = replay_cfg.cpu if plan.cpu_only else replay_cfg
+    budget_s = float(section.combined_budget_s)
     design, sizing = sized_design(pair, settings, unit, budget_s, settings.seed + 5)
     LOG.info("combined configuration %s: timing it beside the baseline", combination.name)
     result = run_sequential(
         runner, design, settings, [pl.BASELINE, combination.name], cv[0], cv[1],
-        budget_s, 0, int(section["round_size"]), progress=progress,
+        budget_s, 0, int(section.round_size), progress=progress,
         per_strategy=sizing["strata"] * settings.samples_per_stratum,
     )  # fmt: skip
     result.record["first_round"] = sizing

@@ -15,6 +15,7 @@ from probes.replay.estimate import FitPricing, strategy_table
 from probes.replay.prepare import CPU_NOTE, ReplayPlan
 from probes.replay.step_changes import StepChanges
 from probes.replay.timing import OPTIMIZER_STEP
+from probes.settings import ReplayConfig, WorkflowConfig
 
 # the log's summary: each strategy's estimate, saving and rank
 SUMMARY_COLUMNS = (
@@ -58,7 +59,7 @@ def price(
 
 
 def replay_provenance(
-    cfg: Mapping[str, Any],
+    cfg: WorkflowConfig,
     plan: ReplayPlan,
     dtype: tuple[torch.dtype, str],
     described: dict[str, Any],
@@ -86,7 +87,7 @@ def completed_control(
     sequential: Any,
     combined: Any,
     plan: ReplayPlan,
-    replay_cfg: Mapping[str, Any],
+    replay_cfg: ReplayConfig,
 ) -> dict[str, Any]:
     """replay_control.json: the positive control with the coverage control, the instrument, the
     stopping record and the combined configuration's, one row per check for the report."""
@@ -97,7 +98,7 @@ def completed_control(
     control["checks"] = control_checks(control, coverage)
     control["observed"]["cpu_only"] = plan.cpu_only
     # the report shows and applies the threshold the replay used (its one home: the config)
-    control["host_bound_threshold"] = float(replay_cfg["host_bound_threshold"])
+    control["host_bound_threshold"] = float(replay_cfg.host_bound_threshold)
     return control
 
 
@@ -142,10 +143,16 @@ def steps_table(
 
 
 def fit_table_row(
-    fit: Any, micro: int, loss_share: float, cpu_only: bool, max_len: int, replay_cfg: Mapping
+    fit: Any,
+    micro: int,
+    loss_share: float,
+    cpu_only: bool,
+    max_len: int,
+    replay_cfg: ReplayConfig,
 ) -> dict[str, Any]:
     """replay_fit.parquet's one row: the fit with its intervals, and what it was measured on."""
     fit_row = fit.as_row()
+    fit_cfg = replay_cfg.fit
     fit_row.update(
         rows=micro,
         loss_share=loss_share,
@@ -153,8 +160,8 @@ def fit_table_row(
         max_seq_len=max_len,
         lengths_source=(
             "configured"
-            if replay_cfg["fit"]["cpu_lengths" if cpu_only else "lengths"]
-            else f"quantiles {replay_cfg['fit']['low_quantile']}..1 of random's padded micro-batch "
+            if (fit_cfg.cpu_lengths if cpu_only else fit_cfg.lengths)
+            else f"quantiles {fit_cfg.low_quantile}..1 of random's padded micro-batch "
             f"length, up to max_seq_len {max_len}"
         ),
         time_basis="forward + backward of one micro-batch (optimizer step excluded)",

@@ -17,6 +17,7 @@ from probes.batching import plans as pl
 from probes.errors import ProbeError
 from probes.io import read_json, read_provenance
 from probes.replay.timing import ReplaySettings
+from probes.settings import ReplayConfig, TrainingConfig, WorkflowConfig
 from probes.step import fit as ft
 
 LOG = logging.getLogger("probes.replay")
@@ -63,21 +64,21 @@ def replay_dtype(requested: str, device: torch.device) -> tuple[torch.dtype, str
 
 def plans_for_device(
     inputs: Mapping[str, str | Path],
-    training: Mapping[str, Any],
+    training: TrainingConfig,
     cpu_only: bool,
     cap: int,
 ) -> tuple[pd.DataFrame, int]:
     """The bucket stage's plans, or on CPU the same plans rebuilt with lengths capped at `cap`."""
     plans = pl.read_plans(inputs["plans"])
-    max_seq_len = int(training["max_seq_len"])
+    max_seq_len = int(training.max_seq_len)
     if not cpu_only or cap >= max_seq_len:
         return plans, max_seq_len
     seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
     examples = pl.cap_examples(pl.read_examples(inputs["lengths"], max_seq_len), cap)
     capped = pl.build_plans(
         examples,
-        micro_batch_size=int(training["micro_batch_size"]),
-        grad_accum=int(training["grad_accum"]),
+        micro_batch_size=int(training.micro_batch_size),
+        grad_accum=int(training.grad_accum),
         max_seq_len=cap,
         bucket_size_batches=pl.recommended_bucket_size(read_json(inputs["recommendation"])),
         seed=seed,
@@ -85,39 +86,39 @@ def plans_for_device(
     return capped, cap
 
 
-def settings_for(cfg: Mapping[str, Any], grad_accum: int, cpu_only: bool) -> ReplaySettings:
-    section = cfg["cpu"] if cpu_only else cfg
+def settings_for(cfg: ReplayConfig, grad_accum: int, cpu_only: bool) -> ReplaySettings:
+    section = cfg.cpu if cpu_only else cfg
     return ReplaySettings(
-        n_strata=int(section["n_strata"]),
-        samples_per_stratum=int(section["samples_per_stratum"]),
-        bootstrap_resamples=int(cfg["bootstrap_resamples"]),
+        n_strata=int(section.n_strata),
+        samples_per_stratum=int(section.samples_per_stratum),
+        bootstrap_resamples=int(cfg.bootstrap_resamples),
         grad_accum=grad_accum,
-        seed=int(cfg["seed"]),
-        warmup=int(section["warmup"]),
-        busy_samples_per_stratum=int(cfg["busy_samples_per_stratum"]),
-        host_bound_threshold=float(cfg["host_bound_threshold"]),
+        seed=int(cfg.seed),
+        warmup=int(section.warmup),
+        busy_samples_per_stratum=int(cfg.busy_samples_per_stratum),
+        host_bound_threshold=float(cfg.host_bound_threshold),
     )
 
 
-def control_settings(cfg: Mapping[str, Any], grad_accum: int) -> ReplaySettings:
-    control = cfg["control"]
+def control_settings(cfg: ReplayConfig, grad_accum: int) -> ReplaySettings:
+    control = cfg.control
     return ReplaySettings(
-        n_strata=int(control["n_strata"]),
-        samples_per_stratum=int(control["samples_per_stratum"]),
-        bootstrap_resamples=int(cfg["bootstrap_resamples"]),
+        n_strata=int(control.n_strata),
+        samples_per_stratum=int(control.samples_per_stratum),
+        bootstrap_resamples=int(cfg.bootstrap_resamples),
         grad_accum=grad_accum,
-        seed=int(cfg["seed"]),
+        seed=int(cfg.seed),
         warmup=0,
         busy_samples_per_stratum=0,
     )
 
 
 def fit_lengths_for(
-    plans: pd.DataFrame, cfg: Mapping[str, Any], max_seq_len: int, cpu_only: bool
+    plans: pd.DataFrame, cfg: ReplayConfig, max_seq_len: int, cpu_only: bool
 ) -> list[int]:
     """Configured lengths, else quantiles of the baseline's padded micro-batch lengths."""
-    fit_cfg = cfg["fit"]
-    configured = fit_cfg["cpu_lengths" if cpu_only else "lengths"]
+    fit_cfg = cfg.fit
+    configured = fit_cfg.cpu_lengths if cpu_only else fit_cfg.lengths
     if configured:
         return sorted({min(int(v), max_seq_len) for v in configured})
     baseline = plans[plans["strategy"] == pl.BASELINE]["padded_length"].to_numpy()
@@ -125,8 +126,8 @@ def fit_lengths_for(
     return ft.default_fit_lengths(
         baseline,
         max_seq_len,
-        int(fit_cfg["n_points"]),
-        float(fit_cfg["low_quantile"]),
+        int(fit_cfg.n_points),
+        float(fit_cfg.low_quantile),
         shortest=shortest,
     )
 
@@ -146,35 +147,31 @@ class ReplayPlan:
     fit_lengths: list[int]
 
 
-def prepare(inputs: Mapping[str, Any], cfg: Mapping[str, Any]) -> ReplayPlan:
+def prepare(inputs: Mapping[str, Any], cfg: WorkflowConfig) -> ReplayPlan:
     from probes.step.runner import resolve_device
 
     missing = [k for k in INPUT_KEYS if k not in inputs]
     if missing:
         raise ReplayError(f"replay: missing path(s) for {missing}")
-    replay_cfg, training, profile = cfg["replay"], cfg["training"], cfg["profile"]
-    device = resolve_device(profile["device"], profile["allow_cpu"])
+    replay_cfg, training, profile = cfg.replay, cfg.training, cfg.profile
+    device = resolve_device(profile.device, profile.allow_cpu)
     cpu_only = device.type != "cuda"
-    plans, max_len = plans_for_device(
-        inputs, training, cpu_only, int(replay_cfg["cpu"]["max_seq_len"])
-    )
-    grad_accum = int(training["grad_accum"])
+    plans, max_len = plans_for_device(inputs, training, cpu_only, int(replay_cfg.cpu.max_seq_len))
+    grad_accum = int(training.grad_accum)
     plan = ReplayPlan(
         device=device,
         cpu_only=cpu_only,
         plans=plans,
         max_len=max_len,
         settings=settings_for(replay_cfg, grad_accum, cpu_only),
-        micro=int(training["micro_batch_size"]),
+        micro=int(training.micro_batch_size),
         grad_accum=grad_accum,
         fit_lengths=fit_lengths_for(plans, replay_cfg, max_len, cpu_only),
     )
     LOG.info(
         "replay on %s%s: %d strategies, %d micro-batches; fit lengths %s",
         device,
-        f" ({CPU_NOTE.format(cap=max_len, max_seq_len=training['max_seq_len'])})"
-        if cpu_only
-        else "",
+        f" ({CPU_NOTE.format(cap=max_len, max_seq_len=training.max_seq_len)})" if cpu_only else "",
         plans["strategy"].nunique(),
         len(plans),
         plan.fit_lengths,

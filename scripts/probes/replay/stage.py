@@ -55,7 +55,7 @@ from probes.replay.timing import (
     measure_instrument,
     median_row,
 )
-from probes.settings import WorkflowConfig
+from probes.settings import ReplayConfig, WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step.idle import check_idle_card
 from probes.step.load import load_step
@@ -66,27 +66,27 @@ OUTPUT_KEYS = tuple(STAGE_OUTPUTS["replay"])
 
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
     """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
-    summary = run_replay(inputs, outputs, cfg.raw, Path(inputs["tokenizer"][0]).parent)
+    summary = run_replay(inputs, outputs, cfg, Path(inputs["tokenizer"][0]).parent)
     LOG.info("replay summary: %s", summary)
 
 
 def load_replay_step(
-    plan: ReplayPlan, cfg: Mapping[str, Any], inputs: Mapping[str, Any], model_path: str | Path
+    plan: ReplayPlan, cfg: WorkflowConfig, inputs: Mapping[str, Any], model_path: str | Path
 ) -> tuple[ReplayRunner, StepChanges, tuple[torch.dtype, str], dict[str, Any]]:
     """The step (the user's trainer or harness) in the profiled dtype, its step-level changes
     added to the plans."""
-    replay_cfg = cfg["replay"]
+    replay_cfg = cfg.replay
     if plan.cpu_only:
-        torch.set_num_threads(int(replay_cfg["cpu"]["threads"]))
+        torch.set_num_threads(int(replay_cfg.cpu.threads))
     torch.manual_seed(plan.settings.seed)
-    dtype = replay_dtype(cfg["profile"]["dtype"], plan.device)
+    dtype = replay_dtype(cfg.profile.dtype, plan.device)
     step, vocab_size, pad_id, described = load_step(
         cfg, model_path, plan.device, dtype[0], plan.max_len if plan.cpu_only else None,
         plan.settings.seed,
     )  # fmt: skip
-    runner = ReplayRunner(step, vocab_size, pad_id, plan.settings.seed, int(replay_cfg["repeats"]))
+    runner = ReplayRunner(step, vocab_size, pad_id, plan.settings.seed, int(replay_cfg.repeats))
     changes = add_step_changes(
-        runner, plan.plans, inputs, cfg["training"], replay_cfg, plan.cpu_only, plan.max_len
+        runner, plan.plans, inputs, cfg.training, replay_cfg, plan.cpu_only, plan.max_len
     )
     if changes:
         plan.plans = pd.concat([plan.plans, changes.plans], ignore_index=True)
@@ -94,19 +94,17 @@ def load_replay_step(
 
 
 def measure_model(
-    runner: ReplayRunner, plan: ReplayPlan, cfg: Mapping[str, Any]
+    runner: ReplayRunner, plan: ReplayPlan, cfg: WorkflowConfig
 ) -> tuple[Any, pd.DataFrame, float, dict[str, Any]]:
     """The scaling fit over the data's own lengths and the instrument's own spread on random's
     median micro-batch (the model is warm from the fit): (fit, its points, loss share,
     instrument)."""
-    replay_cfg, settings = cfg["replay"], plan.settings
+    replay_cfg, settings = cfg.replay, plan.settings
     random_plan = plan.plans[plan.plans["strategy"] == pl.BASELINE]
     loss_share = float(random_plan["loss_tokens"].sum()) / float(random_plan["real_tokens"].sum())
-    if cfg["training"].get("loss_on") == "all":
+    if cfg.training.loss_on == "all":
         loss_share = 1.0
-    fit_repeats = int(
-        replay_cfg["cpu"]["fit_repeats"] if plan.cpu_only else replay_cfg["fit"]["repeats"]
-    )
+    fit_repeats = int(replay_cfg.cpu.fit_repeats if plan.cpu_only else replay_cfg.fit.repeats)
     fit, fit_points = measure_fit(
         runner, plan.fit_lengths, plan.micro, loss_share, fit_repeats, settings.seed,
         settings.bootstrap_resamples,
@@ -115,7 +113,7 @@ def measure_model(
     instrument = measure_instrument(
         runner,
         median_row(plan.plans, pl.BASELINE),
-        int(replay_cfg["instrument_repeats"]),
+        int(replay_cfg.instrument_repeats),
         max(settings.warmup, 1),
     )
     LOG.info("instrument CV %.3f over %d identical micro-batches", instrument["cv"],
@@ -126,7 +124,7 @@ def measure_model(
 def time_plans(
     runner: ReplayRunner,
     plan: ReplayPlan,
-    replay_cfg: Mapping[str, Any],
+    replay_cfg: ReplayConfig,
     invalid: Mapping[str, str],
     cv: tuple[float, float],
     unit: tuple[float, float],
@@ -135,8 +133,8 @@ def time_plans(
     """The sequential design over every valid strategy within the budget: (design, result);
     its strata as many as the budget affords the first round (sized_design)."""
     settings = plan.settings
-    section = replay_cfg["cpu"] if plan.cpu_only else replay_cfg
-    budget_s = float(section["budget_s"])
+    section = replay_cfg.cpu if plan.cpu_only else replay_cfg
+    budget_s = float(section.budget_s)
     design, sizing = sized_design(plan.plans, settings, unit, budget_s, settings.seed)
     if sizing["strata"] < sizing["strata_configured"]:
         LOG.info("first round: %d of %d strata per strategy (predicted %.0f s; budget_s %.0f s)",
@@ -145,7 +143,7 @@ def time_plans(
     valid = [name for name in design.strategies if name not in invalid]
     sequential = run_sequential(
         runner, design, settings, valid, cv[0], cv[1], budget_s, 0,
-        int(section["round_size"]), progress=progress,
+        int(section.round_size), progress=progress,
         per_strategy=sizing["strata"] * settings.samples_per_stratum,
     )  # fmt: skip
     sequential.record["first_round"] = sizing
@@ -161,26 +159,26 @@ def time_plans(
 def run_replay(
     inputs: Mapping[str, Any],
     outputs: Mapping[str, str | Path],
-    cfg: Mapping[str, Any],
+    cfg: WorkflowConfig,
     model_path: str | Path,
     card_probe: Callable[[int], Any] | None = None,
     sleep: Callable[[float], None] = time.sleep,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Run the stage and write every output, or none. `cfg` is the whole (default-filled)
-    workflow config: sections replay, training, profile and trainer are read."""
+    """Run the stage and write every output, or none. `cfg` is the whole workflow config:
+    sections replay, training, profile and trainer are read."""
     missing = [k for k in OUTPUT_KEYS if k not in outputs]
     if missing:
         raise ReplayError(f"replay: missing path(s) for {missing}")
     started = time.perf_counter()
-    replay_cfg = cfg["replay"]
+    replay_cfg = cfg.replay
     plan = prepare(inputs, cfg)
     # the positive control first: cheap, and a broken estimator must not cost a GPU run
     control = synthetic_control_first(
         plan.plans, replay_cfg, plan.grad_accum, plan.fit_lengths, plan.micro
     )
     invalid = invalid_strategies(inputs)
-    idle = check_idle_card(cfg["profile"], plan.device, card_probe, sleep)
+    idle = check_idle_card(cfg.profile.idle, plan.device, card_probe, sleep)
     runner, changes, dtype, described = load_replay_step(plan, cfg, inputs, model_path)
     invalid = {**invalid, **changes.invalid}  # padding-free where documents would mix
     fit, fit_points, loss_share, instrument = measure_model(runner, plan, cfg)
@@ -188,11 +186,11 @@ def run_replay(
     cv_df = max(instrument["repeats"] - 1.0, 1.0)
     unit = instrument_unit(instrument, plan.settings.warmup)
     design, sequential = time_plans(runner, plan, replay_cfg, invalid, (cv, cv_df), unit, progress)
-    table = price(plan, sequential, invalid, fit, cv, changes, cfg["training"]["max_seq_len"])
+    table = price(plan, sequential, invalid, fit, cv, changes, cfg.training.max_seq_len)
     pricing = FitPricing(fit.fit, plan.micro, fit.low, fit.high)
     combined = time_combined(
         runner, plan, table, changes.changes, inputs, cfg, pricing, (cv, cv_df), unit, progress,
-        CPU_NOTE.format(cap=plan.max_len, max_seq_len=cfg["training"]["max_seq_len"])
+        CPU_NOTE.format(cap=plan.max_len, max_seq_len=cfg.training.max_seq_len)
         if plan.cpu_only
         else None,
     )  # fmt: skip
@@ -219,22 +217,22 @@ def run_replay(
 
 def synthetic_control_first(
     plans: pd.DataFrame,
-    replay_cfg: Mapping[str, Any],
+    replay_cfg: ReplayConfig,
     grad_accum: int,
     fit_lengths: list[int],
     micro: int,
 ) -> dict[str, Any]:
     """The busy-wait harness of known cost through the whole estimator; raises when it fails."""
-    control_cfg = replay_cfg["control"]
+    control_cfg = replay_cfg.control
     control = run_synthetic_control(
         plans,
         control_settings(replay_cfg, grad_accum),
         fit_lengths,
         micro,
-        fit_repeats=int(control_cfg["fit_repeats"]),
-        saving_tolerance=float(control_cfg["saving_tolerance"]),
-        fit_tolerance=float(control_cfg["fit_tolerance"]),
-        repeats=int(control_cfg["repeats"]),
+        fit_repeats=int(control_cfg.fit_repeats),
+        saving_tolerance=float(control_cfg.saving_tolerance),
+        fit_tolerance=float(control_cfg.fit_tolerance),
+        repeats=int(control_cfg.repeats),
     )
     return passed_or_raise(
         control,
@@ -257,24 +255,24 @@ def coverage_control(
     sequential: Any,
     cv: float,
     n_optimizer_steps: int,
-    replay_cfg: Mapping[str, Any],
+    replay_cfg: ReplayConfig,
     seed: int,
 ) -> dict[str, Any]:
     """The same design and estimator on simulated timings of known cost at the measured CV;
     raises when fewer than `replay.coverage.threshold` of the 95% intervals cover."""
-    coverage_cfg = replay_cfg["coverage"]
+    coverage_cfg = replay_cfg.coverage
     coverage = run_coverage_control(
         design,
         sequential.takes,
-        max(cv, float(coverage_cfg["min_cv"])),
+        max(cv, float(coverage_cfg.min_cv)),
         n_optimizer_steps,
-        int(coverage_cfg["replications"]),
+        int(coverage_cfg.replications),
         seed + 3,
-        float(coverage_cfg["threshold"]),
+        float(coverage_cfg.threshold),
     )
     return passed_or_raise(
         coverage,
         f"coverage control %s: min coverage {coverage['observed']['min_coverage']:.3f}",
         f"coverage control failed (95% intervals cover the exact saving in fewer than "
-        f"{coverage_cfg['threshold']} of simulated runs): {coverage['observed']['coverage']}",
+        f"{coverage_cfg.threshold} of simulated runs): {coverage['observed']['coverage']}",
     )

@@ -12,6 +12,7 @@ import pandas as pd
 
 from probes.batching import plans as pl
 from probes.io import read_json, read_provenance
+from probes.settings import ReplayConfig, TrainingConfig
 
 LOG = logging.getLogger("probes.replay")
 GPU_ONLY = "GPU only: not measured on this device"
@@ -36,8 +37,8 @@ def add_step_changes(
     runner: Any,
     plans: pd.DataFrame,
     inputs: Mapping[str, Any],
-    training: Mapping[str, Any],
-    replay_cfg: Mapping[str, Any],
+    training: TrainingConfig,
+    replay_cfg: ReplayConfig,
     cpu_only: bool,
     max_len: int,
 ) -> StepChanges:
@@ -47,7 +48,7 @@ def add_step_changes(
 
     switch = sc.StepSwitch(runner.runner)
     runner.switch = switch
-    if not replay_cfg.get("step_changes", True):
+    if not replay_cfg.step_changes:
         return StepChanges([], pd.DataFrame(), {})
     changes = step_changes_for(switch.base, training)
     switch.configs = {c.strategy: c.config for c in changes}
@@ -105,17 +106,17 @@ def not_measured(step: Any, cpu_only: bool) -> dict[str, str]:
     }
 
 
-def step_changes_for(base: Any, training: Mapping[str, Any]) -> list[Any]:
+def step_changes_for(base: Any, training: TrainingConfig) -> list[Any]:
     from probes.step import changes as sc
 
-    return sc.step_changes(base, int(training["micro_batch_size"]), int(training["grad_accum"]))
+    return sc.step_changes(base, int(training.micro_batch_size), int(training.grad_accum))
 
 
 def change_plans_for(
     changes: list[Any],
     plans: pd.DataFrame,
     inputs: Mapping[str, Any],
-    training: Mapping[str, Any],
+    training: TrainingConfig,
     cpu_only: bool,
     max_len: int,
 ) -> pd.DataFrame:
@@ -123,7 +124,7 @@ def change_plans_for(
     random order at a changed micro-batch size (the lengths capped as the device's plans are)."""
     from probes.step import changes as sc
 
-    examples = pl.read_examples(inputs["lengths"], int(training["max_seq_len"]))
+    examples = pl.read_examples(inputs["lengths"], int(training.max_seq_len))
     if cpu_only:
         examples = pl.cap_examples(examples, max_len)
     seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from probes.errors import ProbeError
+from probes.settings import IdleConfig
 
 LOG = logging.getLogger("probes.step.idle")
 
@@ -196,26 +197,25 @@ def wait_for_idle_card(
 
 
 def check_idle_card(
-    profile: Any,
+    idle: IdleConfig,
     device: Any,
     card_probe: Callable[[int], CardState] | None = None,
     sleep: Callable[[float], None] = time.sleep,
 ) -> dict[str, Any]:
-    """The idle-card check of a GPU stage (profile section's `idle` limits), as a provenance
+    """The idle-card check of a GPU stage (the profile section's `idle` limits), as a provenance
     record; on CPU nothing to check. Used by the profile, replay and realize stages."""
     if device.type != "cuda":
         return {"checked": False, "reason": "CPU run: no card to check"}
-    idle = profile["idle"]
     limits = IdleLimits(
-        idle["max_memory_used_mib"], idle["max_utilization_pct"], idle["allow_other_processes"]
+        idle.max_memory_used_mib, idle.max_utilization_pct, idle.allow_other_processes
     )
     probe = card_probe or probe_card
     state, polls = wait_for_idle_card(
         lambda: probe(device.index or 0),
         limits,
-        idle["timeout_s"],
-        idle["initial_backoff_s"],
-        idle["max_backoff_s"],
+        idle.timeout_s,
+        idle.initial_backoff_s,
+        idle.max_backoff_s,
         sleep=sleep,
     )
     return {"checked": True, "polls": polls, "state": state.as_dict(), "limits": vars(limits)}

@@ -5,29 +5,31 @@ small interface, so replay and realize have one code path."""
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from probes.settings import TrainerConfig, WorkflowConfig
 
-def factory_of(raw: Mapping[str, Any]) -> str | None:
-    return (raw.get("trainer") or {}).get("factory") or None
+
+def factory_of(trainer: TrainerConfig) -> str | None:
+    return trainer.factory or None
 
 
 def load_step(
-    raw: Mapping[str, Any],
+    cfg: WorkflowConfig,
     model_path: str | Path,
     device: torch.device,
     dtype: torch.dtype,
     max_length: int | None,
     seed: int = 0,
 ) -> tuple[Any, int, int, dict[str, Any]]:
-    """(step, vocab size, pad id, description) for the whole workflow config `raw`."""
+    """(step, vocab size, pad id, description) for the workflow config `cfg` (its trainer and
+    profile sections)."""
     from probes.step import runner as ts
 
-    spec = factory_of(raw)
+    spec = factory_of(cfg.trainer)
     if spec:
         from probes.step.trainer import load_trainer_step, probe_settings
 
@@ -39,7 +41,7 @@ def load_step(
         text = ts.model_text_config(step.model)
         return step, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), step.describe()
     model, harness, optimizer, targets, options = ts.load_for_steps(
-        model_path, raw["profile"], device, dtype
+        model_path, ts.harness_section(cfg.profile), device, dtype
     )
     runner = ts.StepRunner(model, harness, optimizer, device)
     runner.described = {"target_modules": len(targets), "options": options}

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from probes.errors import ProbeError
+from probes.settings import ProfileConfig
 from probes.step.harness import Harness
 from probes.step.timing import OK, Timing, time_repeats
 
@@ -160,6 +161,17 @@ def prepare_harness(
     model.train()
     build_optimizer = harness.hook("build_optimizer") or reference_harness.build_optimizer
     return model, build_optimizer(model), targets
+
+
+def harness_section(profile: ProfileConfig) -> dict[str, Any]:
+    """The profile section's keys `load_for_steps` reads, as the plain mapping the
+    data-parallel worker also receives (its job is JSON)."""
+    return {
+        "harness": profile.harness,
+        "harness_options": dict(profile.harness_options),
+        "attn_implementation": profile.attn_implementation,
+        "ce_chunk_tokens": profile.ce_chunk_tokens,
+    }
 
 
 def load_for_steps(

@@ -9,10 +9,12 @@ import pandas as pd
 import pytest
 import torch
 
+from conftest import workflow_config
 from probes.config import SCHEMA, fill_defaults, load_yaml
 from probes.contracts import STAGE_OUTPUTS
 from probes.io import read_provenance
 from probes.profile.stage import OUTPUT_KEYS, run_profile
+from probes.settings import WorkflowConfig
 from probes.step.idle import CardBusyError, CardState, GpuProcess
 
 CANARY = "CANARY-7f3a9c-DO-NOT-LEAK"
@@ -46,6 +48,8 @@ def lengths_path(tmp_path):
 
 
 def stage_config(**profile):
+    """The profile and training sections of the tests' runs (schema-filled dicts, to change
+    before `typed_config` makes the run's config of them)."""
     schema = load_yaml(SCHEMA)["properties"]
     base = {
         "device": "cpu",
@@ -65,13 +69,18 @@ def stage_config(**profile):
     }
 
 
+def typed_config(sections: dict) -> WorkflowConfig:
+    """The workflow config run_profile takes: `sections` over the embedded default."""
+    return workflow_config(**sections)
+
+
 def outputs_in(directory: Path) -> dict[str, Path]:
     return {key: directory / Path(rel).name for key, rel in STAGE_OUTPUTS["profile"].items()}
 
 
 def run(tmp_path, lengths_path, model_dir, **profile):
     out = outputs_in(tmp_path / "out")
-    summary = run_profile(lengths_path, None, model_dir, out, stage_config(**profile))
+    summary = run_profile(lengths_path, None, model_dir, out, typed_config(stage_config(**profile)))
     return out, summary
 
 
@@ -322,7 +331,7 @@ def test_busy_card_stops_the_stage_before_weights_load(
             None,
             tiny_model_dir,
             out,
-            config,
+            typed_config(config),
             card_probe=lambda i: busy,
             sleep=lambda s: None,
         )
@@ -359,7 +368,7 @@ def test_a_trainer_is_profiled_through_its_own_training_step(
     config = stage_config()
     config["trainer"] = {"factory": spec}
     out = outputs_in(tmp_path / "out")
-    summary = run_profile(lengths_path, None, tiny_model_dir, out, config)
+    summary = run_profile(lengths_path, None, tiny_model_dir, out, typed_config(config))
     assert all(point["status"] == "OK" for point in summary["scaling"])
     provenance = json.loads(Path(out["provenance"]).read_text())
     assert provenance["harness"]["kind"] == "trainer"

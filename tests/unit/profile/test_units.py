@@ -1,6 +1,7 @@
 """Pure pieces of the profile stage: FLOPs/MoE, chunked CE, batch shapes, harness loading,
 schema defaults."""
 
+import dataclasses
 import textwrap
 
 import pandas as pd
@@ -8,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import workflow_config
 from probes.config import SCHEMA, fill_defaults, load_yaml
 from probes.lengths import LengthsError, read_training_lengths
 from probes.profile.flops import (
@@ -224,7 +226,9 @@ def test_profile_lengths_beyond_max_seq_len_are_said():
     schema = load_yaml(SCHEMA)["properties"]
     profile = fill_defaults({"device": "cpu"}, schema["profile"])
     training = fill_defaults({"max_seq_len": 8}, schema["training"])
-    settings = resolve_settings(profile, training)
+    cfg = workflow_config(profile=profile, training=training)
+    settings = resolve_settings(cfg.profile, cfg.training)
     note = lengths_note(settings, "cpu")
     assert note.startswith("profile.cpu.lengths [16, 32, 64] exceed training.max_seq_len=8")
-    assert lengths_note(resolve_settings(profile, {**training, "max_seq_len": 64}), "cpu") is None
+    longer = dataclasses.replace(cfg.training, max_seq_len=64)
+    assert lengths_note(resolve_settings(cfg.profile, longer), "cpu") is None

@@ -121,7 +121,7 @@ def run_stage(tmp_path, plans, promise, runner, clock=None, units=None, **realiz
         },
     )
 
-    def load(model_path, raw, device, max_length):
+    def load(model_path, cfg, device, max_length):
         clocks = () if clock is None else (clock,)
         return (runner, 64, 0, {"spec": "synthetic"}, "float32", "test", *clocks)
 

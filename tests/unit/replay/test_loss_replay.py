@@ -14,7 +14,7 @@ from probes.io import read_provenance
 from probes.replay import stage as rs
 from probes.replay.control import SyntheticCost, exact_epoch_s
 from probes.replay.timing import batch_shape
-from unit.replay.test_replay import ACCUM, _config, _stage_inputs
+from unit.replay.test_replay import ACCUM, _config, _stage_inputs, typed_config
 
 HEAD_S = 0.006  # the stock loss's extra cost at the largest padded micro-batch
 HARNESS = """
@@ -63,7 +63,7 @@ def test_a_harness_whose_loss_kernel_has_a_known_cost_has_its_saving_inside_its_
     config = _config(tiny_model_dir)
     config["profile"]["harness"] = str(harness)
     config["replay"]["cpu"] = {**config["replay"]["cpu"], "max_seq_len": 128, "budget_s": 6.0}
-    summary = rs.run_replay(inputs, outputs, config, tiny_model_dir, progress=False)
+    summary = rs.run_replay(inputs, outputs, typed_config(config), tiny_model_dir, progress=False)
     assert summary["control_passed"]
     table = pd.read_parquet(outputs["estimates"]).set_index("strategy")
     # the harness's step costs the known cost; the optimizer (LoRA's AdamW) is real and small

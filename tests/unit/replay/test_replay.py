@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import WIRING_TRIMS
+from conftest import WIRING_TRIMS, workflow_config
 from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.config import fill_defaults, schema
@@ -44,6 +44,7 @@ from probes.replay.timing import (
     gpu_busy_share,
     sample_all,
 )
+from probes.settings import WorkflowConfig
 from probes.step import fit
 from probes.step.load import load_step
 
@@ -329,8 +330,13 @@ def _config(model_dir) -> dict:
     return config
 
 
+def typed_config(config: dict) -> WorkflowConfig:
+    """The workflow config the stage takes: `config`'s sections over the embedded default."""
+    return workflow_config(**config)
+
+
 def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
-    config = _config(tiny_model_dir)
+    config = typed_config(_config(tiny_model_dir))
     runner, vocab, pad_id, info = load_step(
         config, tiny_model_dir, torch.device("cpu"), torch.float32, None
     )
@@ -411,7 +417,7 @@ def _stage_inputs(tmp_path, gate_violations=0):
 def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
     inputs, outputs = _stage_inputs(tmp_path, gate_violations=2)
     summary = rs.run_replay(
-        inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False
+        inputs, outputs, typed_config(_config(tiny_model_dir)), tiny_model_dir, progress=False
     )
     assert summary["control_passed"] and summary["cpu_only"]
     table = pd.read_parquet(outputs["estimates"])
@@ -457,7 +463,9 @@ def test_failed_control_writes_nothing(tmp_path, tiny_model_dir, monkeypatch):
         rs, "run_synthetic_control", lambda *a, **k: {"passed": False, "observed": {"wall_s": 0}}
     )
     with pytest.raises(ControlFailedError, match="positive control failed"):
-        rs.run_replay(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)
+        rs.run_replay(
+            inputs, outputs, typed_config(_config(tiny_model_dir)), tiny_model_dir, progress=False
+        )
     assert not any(path.exists() for path in outputs.values())
 
 
@@ -469,5 +477,7 @@ def test_failed_coverage_control_writes_nothing(tmp_path, tiny_model_dir, monkey
     }
     monkeypatch.setattr(rs, "run_coverage_control", lambda *a, **k: failed)
     with pytest.raises(ControlFailedError, match="coverage control failed"):
-        rs.run_replay(inputs, outputs, _config(tiny_model_dir), tiny_model_dir, progress=False)
+        rs.run_replay(
+            inputs, outputs, typed_config(_config(tiny_model_dir)), tiny_model_dir, progress=False
+        )
     assert not any(path.exists() for path in outputs.values())

@@ -18,7 +18,7 @@ from probes.io import write_json, write_parquet
 from probes.replay import stage as rs
 from probes.replay.control import SyntheticCost, exact_epoch_s
 from probes.settings import TrainingConfig
-from unit.replay.test_replay import ACCUM, MICRO, _config
+from unit.replay.test_replay import ACCUM, MICRO, _config, typed_config
 
 OVERHEAD_S = 0.004  # per micro-batch, inside the trainer's compute_loss
 CHECKPOINTING_FACTOR = 1.5  # the known cost of gradient checkpointing on
@@ -114,7 +114,7 @@ def known_cost_replay(tmp_path, tiny_model_dir, eager_s: float = EAGER_S, **repl
         "gate": tmp_path / "gate.json",
     }
     outputs = {key: tmp_path / "out" / key for key in rs.OUTPUT_KEYS}
-    summary = rs.run_replay(inputs, outputs, config, tiny_model_dir, progress=False)
+    summary = rs.run_replay(inputs, outputs, typed_config(config), tiny_model_dir, progress=False)
     return SimpleNamespace(
         plans=plans, cost=cost, lengths=lengths, summary=summary, outputs=outputs, inputs=inputs,
         config=config,

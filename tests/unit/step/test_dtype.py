@@ -5,6 +5,7 @@ import logging
 import pytest
 import torch
 
+from conftest import workflow_config
 from probes.profile import prepare as pp
 from probes.step import dtype as dc
 
@@ -83,12 +84,18 @@ PROFILE = {
 TRAINING = {"micro_batch_size": 2, "max_seq_len": 256}
 
 
+def resolve(dtype: str):
+    """The profile's settings for PROFILE with `dtype`, from the typed sections."""
+    cfg = workflow_config(profile={**PROFILE, "dtype": dtype}, training=TRAINING)
+    return pp.resolve_settings(cfg.profile, cfg.training)
+
+
 @pytest.mark.parametrize(
     ("cpu", "expected"), [(AVX2_EPYC, torch.float32), (SAPPHIRE_RAPIDS, torch.bfloat16)]
 )
 def test_settings_resolve_auto_from_the_cpu(monkeypatch, cpu, expected):
     monkeypatch.setattr(dc, "cpu_bf16_facts", lambda: cpu)
-    settings = pp.resolve_settings({**PROFILE, "dtype": "auto"}, TRAINING)
+    settings = resolve("auto")
     assert settings.dtype == expected
     assert settings.dtype_reason.startswith("auto:")
 
@@ -96,7 +103,7 @@ def test_settings_resolve_auto_from_the_cpu(monkeypatch, cpu, expected):
 def test_settings_warn_when_an_explicit_bf16_is_emulated(monkeypatch, caplog):
     monkeypatch.setattr(dc, "cpu_bf16_facts", lambda: AVX2_EPYC)
     with caplog.at_level(logging.WARNING, logger="probes.dtype"):
-        settings = pp.resolve_settings({**PROFILE, "dtype": "bfloat16"}, TRAINING)
+        settings = resolve("bfloat16")
     assert settings.dtype == torch.bfloat16
     assert "emulated" in settings.dtype_reason
     assert any("emulated" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
@@ -105,5 +112,5 @@ def test_settings_warn_when_an_explicit_bf16_is_emulated(monkeypatch, caplog):
 def test_settings_do_not_warn_where_bf16_is_native(monkeypatch, caplog):
     monkeypatch.setattr(dc, "cpu_bf16_facts", lambda: SAPPHIRE_RAPIDS)
     with caplog.at_level(logging.WARNING, logger="probes.dtype"):
-        pp.resolve_settings({**PROFILE, "dtype": "bfloat16"}, TRAINING)
+        resolve("bfloat16")
     assert not [r for r in caplog.records if r.levelname == "WARNING"]

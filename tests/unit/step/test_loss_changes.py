@@ -12,7 +12,8 @@ import torch
 import transformers
 import trl
 
-from conftest import tiny_gemma
+from conftest import tiny_gemma, workflow_config
+from probes.settings import WorkflowConfig
 from probes.step import changes as sc
 from probes.step import loss_changes as lc
 from probes.step import reference_harness as rh
@@ -83,19 +84,19 @@ def test_configure_keeps_the_heads_positions_in_step_and_refuses_an_unknown_kern
         rh.configure({rh.LOSS_OPTION: "fused"})
 
 
-def _raw() -> dict:
-    return {
-        "profile": {
+def _config() -> WorkflowConfig:
+    return workflow_config(
+        profile={
             "harness": "probes.reference_harness",
             "attn_implementation": "sdpa",
             "ce_chunk_tokens": 16,
             "harness_options": {"lora_r": 4},
         }
-    }
+    )
 
 
 def test_the_switch_flips_the_harness_loss_through_its_configure(tiny_model_dir):
-    runner, *_ = load_step(_raw(), tiny_model_dir, torch.device("cpu"), torch.float32, None)
+    runner, *_ = load_step(_config(), tiny_model_dir, torch.device("cpu"), torch.float32, None)
     switch = sc.StepSwitch(runner)
     assert switch.base == sc.StepConfig(False, "sdpa", rh.CHUNKED)
     changes = {c.strategy: c for c in sc.step_changes(switch.base, 2, 8)}
