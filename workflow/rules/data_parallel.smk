@@ -24,6 +24,7 @@ if stage_enabled("data_parallel", config):
             # no `tasks`: on a GPU job the SLURM plugin turns it into --ntasks-per-gpu (W srun
             # copies of the job); sbatch's default of one task is what torchrun needs
             gpu=dp_gpus(config),
+            timing=1,
         params:
             # the config sections the stage reads: a change reruns it
             data_parallel=config["data_parallel"],

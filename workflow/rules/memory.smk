@@ -17,6 +17,9 @@ rule memory:
         "benchmarks/memory.tsv"
     conda:
         "../envs/probes.yaml"
+    resources:
+        # no GPU, but its tracing would take the cores a timing rule's steps need
+        timing=1,
     params:
         # the config sections the stage reads: a change reruns it
         memory=config["memory"],

@@ -24,6 +24,7 @@ rule profile:
         "../envs/probes.yaml"
     resources:
         gpu=1,
+        timing=1,
     params:
         # the config sections the stage reads: a change reruns it
         trainer=config["trainer"],

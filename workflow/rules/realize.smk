@@ -16,6 +16,7 @@ rule realize:
         "../envs/probes.yaml"
     resources:
         gpu=1,
+        timing=1,
     params:
         # the config sections the stage reads: a change reruns it
         trainer=config["trainer"],
