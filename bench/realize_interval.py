@@ -36,15 +36,16 @@ from probes.realize.promise import step_promises  # noqa: E402
 def capped_plans(results: Path) -> pd.DataFrame:
     from probes.config import load_config
     from probes.replay.prepare import plans_for_device
+    from probes.settings import WorkflowConfig
 
-    config = load_config()
+    config = WorkflowConfig.from_dict(load_config())
     inputs = {
         "plans": results / "bucket" / "plans.parquet",
         "lengths": results / "padding" / "lengths.parquet",
         "recommendation": results / "bucket" / "recommendation.json",
     }
-    cap = int(config["replay"]["cpu"]["max_seq_len"])
-    return plans_for_device(inputs, config["training"], True, cap)[0]
+    cap = int(config.replay.cpu.max_seq_len)
+    return plans_for_device(inputs, config.training, True, cap)[0]
 
 
 def draws(steps: pd.DataFrame, k: int, limit: int, rng: np.random.Generator):

@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 from probes.config import load_config  # noqa: E402
 from probes.replay import prepare as replay_prepare  # noqa: E402
 from probes.replay.control import SyntheticCost, run_synthetic_control  # noqa: E402
+from probes.settings import WorkflowConfig  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +33,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=REPO / "results")
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    config = load_config()
+    config = WorkflowConfig.from_dict(load_config())
     results = args.results
     inputs = {
         "plans": results / "bucket" / "plans.parquet",
@@ -41,13 +42,13 @@ def main() -> None:
     }
     if not inputs["plans"].exists():
         sys.exit(f"{inputs['plans']}: missing; run `snakemake --cores 2 bucket_sweep` first")
-    replay_cfg, training = config["replay"], config["training"]
+    replay_cfg, training = config.replay, config.training
     plans, max_len = replay_prepare.plans_for_device(
-        inputs, training, True, int(replay_cfg["cpu"]["max_seq_len"])
+        inputs, training, True, int(replay_cfg.cpu.max_seq_len)
     )
     fit_lengths = replay_prepare.fit_lengths_for(plans, replay_cfg, max_len, True)
     cost = dataclasses.replace(SyntheticCost.scaled_to(plans, linear_s=0.006), a=0.0)
-    settings = replay_prepare.control_settings(replay_cfg, int(training["grad_accum"]))
+    settings = replay_prepare.control_settings(replay_cfg, int(training.grad_accum))
     print(
         f"known cost per micro-batch: C = {cost.c * 1e3:.2f} ms + K = {cost.b * 1e6:.2f} µs "
         f"× rows·T; optimizer step {cost.optimizer_s * 1e3:.1f} ms; "

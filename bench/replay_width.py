@@ -70,8 +70,9 @@ def real(results: Path) -> bool:
 
     from probes.config import load_config
     from probes.replay.prepare import plans_for_device
+    from probes.settings import WorkflowConfig
 
-    config = load_config()
+    config = WorkflowConfig.from_dict(load_config())
     steps = pd.read_parquet(steps_path)
     control = json.loads(control_path.read_text())
     cv = float(control.get("instrument", {}).get("cv") or 0.0)
@@ -84,11 +85,9 @@ def real(results: Path) -> bool:
         bool(steps.get("cpu_only", pd.Series([True])).iloc[0]) if "cpu_only" in steps else True
     )
     plans, _ = plans_for_device(
-        inputs, config["training"], cpu_only, int(config["replay"]["cpu"]["max_seq_len"])
+        inputs, config.training, cpu_only, int(config.replay.cpu.max_seq_len)
     )
-    design = build_design(
-        plans, int(config["replay"]["cpu"]["n_strata"]), int(config["replay"]["seed"])
-    )
+    design = build_design(plans, int(config.replay.cpu.n_strata), int(config.replay.seed))
     micro = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == "OK")]
     optimizer = steps.loc[steps["kind"] == "optimizer_step", "time_s"].to_numpy(np.float64)
     print(f"real: {len(micro)} timed micro-batches, instrument CV {cv:.3f}")
