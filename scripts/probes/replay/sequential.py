@@ -101,9 +101,10 @@ def sized_design(
 ) -> tuple[Design, dict[str, Any]]:
     """The design with the most strata (at most ``settings.n_strata``, at least MIN_SIZED_STRATA
     unless fewer are configured) whose first round the budget affords (first_round_seconds;
-    `unit`: seconds and tokens of a measured micro-batch with its warm-up). The first round always runs, so without this a slow step (a
-    trainer's on CPU) spends several budgets before the first stop; with it: fewer strata, the
-    same estimator, wider intervals. Returns the design and what was sized, and why."""
+    `unit`: seconds and tokens of a measured micro-batch with its warm-up). The first round
+    always runs, so without this a slow step (a trainer's on CPU) spends several budgets before
+    the first stop; with it: fewer strata, the same estimator, wider intervals. Returns the design
+    and what was sized, and why."""
     unit_s, unit_tokens = unit
     configured = int(settings.n_strata)
     strata = configured
