@@ -3,10 +3,13 @@
     python tools/compare_results.py OLD_RESULTS NEW_RESULTS
 
 Parquet tables are compared as data (provenance metadata ignored). Timed columns (`*time*`,
-`*_s`, `mfu`, shares, memory, fitted coefficients) differ run to run, so for profile tables
-only the shape, the columns and the untimed text/integer columns (as sets of rows) are
-compared; JSON files are compared with their run-specific keys (provenance, wall time, dates)
-removed. Prints one line per file and exits 1 on a difference.
+`*_s`, `*seconds*`, `mfu`, shares, memory, fitted coefficients) differ run to run: they are
+left out of every table, and for profile tables only the shape, the columns and the untimed
+text/integer columns (as sets of rows) are compared. The replay's and realize's outputs and
+recommendations.json come from sequential designs that follow the timings (which micro-batches
+get timed, which change ranks first), so only their columns / keys are compared ("measured").
+JSON files are compared with their run-specific keys (provenance, wall time, dates) removed.
+Prints one line per file and exits 1 on a difference.
 """
 
 from __future__ import annotations
@@ -20,13 +23,25 @@ import pandas as pd
 RUN_SPECIFIC_KEYS = {
     "provenance",
     "wall_seconds",
+    "build_seconds",
     "trace_seconds",
     "config_hash",
     "run",
     "date",
     "versions",
 }
-TIMED_MARKERS = ("time", "_s", "mfu", "share", "mem", "penalty", "tokens_per_s", "residual", "top_")
+TIMED_MARKERS = (
+    "time",
+    "_s",
+    "seconds",
+    "mfu",
+    "share",
+    "mem",
+    "penalty",
+    "tokens_per_s",
+    "residual",
+    "top_",
+)
 
 
 def timed(column: str) -> bool:
@@ -52,10 +67,23 @@ def relative_to_root(text: str, root: Path) -> str:
     return text
 
 
+def follows_timings(path: Path) -> bool:
+    """Outputs of a design that adapts to what it timed (replay, realize, the recommendations)."""
+    return (
+        "realize" in path.parts
+        or path.name.startswith("replay")
+        or path.name == "recommendations.json"
+    )
+
+
 def compare_table(old: Path, new: Path) -> str | None:
     a, b = pd.read_parquet(old), pd.read_parquet(new)
     if list(a.columns) != list(b.columns):
         return f"columns differ: {sorted(set(a.columns) ^ set(b.columns))}"
+    if follows_timings(old):
+        return None
+    a = a[[c for c in a.columns if not timed(str(c))]]
+    b = b[[c for c in b.columns if not timed(str(c))]]
     if a.shape != b.shape:
         return f"shape {a.shape} -> {b.shape}"
     if "profile" in old.parts:  # measured: compare the untimed text/integer columns as sets
@@ -89,7 +117,7 @@ def main(old_dir: str, new_dir: str) -> int:
             problem = "missing in the new results"
         elif old.suffix == ".parquet":
             problem = compare_table(old, new)
-        elif "profile" in old.parts:
+        elif "profile" in old.parts or follows_timings(old):
             problem = (
                 None
                 if set(json.loads(old.read_text())) <= set(json.loads(new.read_text()))
@@ -101,7 +129,8 @@ def main(old_dir: str, new_dir: str) -> int:
             )
             problem = None if same else "content differs"
         failures += problem is not None
-        print(f"{'DIFF' if problem else 'same'}  {old.relative_to(old_root)}  {problem or ''}")
+        kind = "measured" if follows_timings(old) and not problem else "same"
+        print(f"{'DIFF' if problem else kind}  {old.relative_to(old_root)}  {problem or ''}")
     return 1 if failures else 0
 
 

@@ -28,3 +28,21 @@ def test_paths_inside_each_results_directory_do_not_count_as_a_difference(
     changed = _results(tmp_path / "changed", tmp_path / "changed/padding/lengths.parquet", m=8)
     assert compare_results.main(str(old), str(changed)) == 1
     assert new.is_dir()
+
+
+def test_timings_and_timing_led_outputs_are_not_differences(tmp_path, capsys):
+    import pandas as pd
+
+    for name, seconds, strategy in (("old", 1.0, "random"), ("new", 2.0, "packing")):
+        root = tmp_path / name
+        (root / "memory").mkdir(parents=True)
+        (root / "realize").mkdir()
+        shapes = pd.DataFrame({"shape": ["2x64"], "peak_gib": [1.5], "seconds": [seconds]})
+        shapes.to_parquet(root / "memory" / "shapes.parquet")
+        pd.DataFrame({"strategy": [strategy]}).to_parquet(root / "realize" / "steps.parquet")
+    assert compare_results.main(str(tmp_path / "old"), str(tmp_path / "new")) == 0
+    out = capsys.readouterr().out
+    assert "same  memory/shapes.parquet" in out and "measured  realize/steps.parquet" in out
+    changed = pd.DataFrame({"shape": ["2x64"], "peak_gib": [9.0], "seconds": [1.0]})
+    changed.to_parquet(tmp_path / "new" / "memory" / "shapes.parquet")
+    assert compare_results.main(str(tmp_path / "old"), str(tmp_path / "new")) == 1
