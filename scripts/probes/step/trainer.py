@@ -260,7 +260,9 @@ class TrainerStep:
                 "max_length": getattr(args, "max_length", None),
                 "gradient_checkpointing": args.gradient_checkpointing,
                 "max_grad_norm": args.max_grad_norm,
-                "optim": str(args.optim),
+                "optim": str(
+                    getattr(args.optim, "value", args.optim)
+                ),  # the enum's name users write
             },
             "train_rows": len(self.dataset),
             "rows_cut_at": self.cap,

@@ -98,6 +98,10 @@ def test_a_step_trains_the_adapters_through_the_trainers_optimizer_and_scheduler
         ]
         step.step(batches)
         assert any(not torch.equal(a, b) for a, b in zip(before, trainable, strict=True))
+        # what the report names as timed: the settings as a user writes them
+        settings = step.describe()["settings"]
+        assert settings["optim"] == step.trainer.args.optim.value and "." not in settings["optim"]
+        assert settings["per_device_train_batch_size"] == MICRO
         assert step.trainer.lr_scheduler.last_epoch == 1
         assert all(p.grad is None for p in trainable)  # the loop's zero_grad
 
