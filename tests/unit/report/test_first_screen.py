@@ -294,3 +294,14 @@ def test_a_step_level_or_combined_change_shows_its_settings():
     assert "per_device_train_batch_size=4" in settings["micro_batch_size_4"]
     assert "group_by_length=True" in settings["length_grouped+micro_batch_size_4"]
     assert NO_SETTING not in settings.values()
+
+
+def test_the_provenance_names_the_timed_trainer_or_harness():
+    from probes.report.sections.provenance import timed_name
+
+    trainer = {"kind": "trainer", "trainer": "SFTTrainer", "factory": {"spec": "my.py:build"}}
+    assert timed_name(trainer) == "SFTTrainer from my.py:build"
+    assert timed_name({"kind": "harness", "spec": "probes.reference_harness"}) == (
+        "probes.reference_harness"
+    )
+    assert timed_name(None) is None

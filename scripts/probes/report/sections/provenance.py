@@ -51,10 +51,24 @@ def provenance_section(
         "versions_differ": differing,
         "device": device_name(profile.get("device")) if "profile" not in not_run else MISSING,
         "cpu_only": bool(profile.get("cpu_only")),
-        "harness": harness.get("spec", MISSING) if isinstance(harness, Mapping) else harness,
+        "harness": timed_name(harness),
+        "timed_kind": harness.get("kind") if isinstance(harness, Mapping) else None,
         "slurm": (
             {str(k): v for k, v in slurm.items() if v is not None}
             if isinstance(slurm, Mapping)
             else None
         ),
     }
+
+
+def timed_name(described: Any) -> Any:
+    """What the profile timed, from its provenance (the step's ``describe()``): the user's
+    Trainer class and factory, else the harness's spec."""
+    if not isinstance(described, Mapping):
+        return described
+    if described.get("kind") == "trainer":
+        factory = described.get("factory")
+        spec = factory.get("spec") if isinstance(factory, Mapping) else None
+        trainer = described.get("trainer", MISSING)
+        return f"{trainer} from {spec}" if spec else trainer
+    return described.get("spec", MISSING)
