@@ -37,6 +37,7 @@ from probes.replay.strata import (
     MIN_PER_STRATUM,
     grow_allocation,
     proxy_cost,
+    proxy_fixed,
     proxy_spread,
     stratum_orders,
 )
@@ -82,13 +83,12 @@ def first_round_seconds(
     """What round 1 with `n_strata` strata is predicted to take: MIN_PER_STRATUM units of every
     stratum of every strategy (all of a smaller plan), each a new shape (timed once, warmed
     once: `unit_s` for a micro-batch of `unit_tokens` computed + loss tokens), scaled by the
-    strategy's mean tokens with the fixed share proxy_cost adds."""
-    tokens = plans["computed_tokens"].astype(float) + plans["loss_tokens"].astype(float)
-    fixed = 0.2 * float(tokens.mean())
+    strategy's proxy cost (strata.proxy_cost over the whole plan)."""
     total = 0.0
-    for _, group in tokens.groupby(plans["strategy"], sort=False):
-        units = min(len(group), MIN_PER_STRATUM * n_strata)
-        total += units * unit_s * (float(group.mean()) + fixed) / (float(unit_tokens) + fixed)
+    for _, plan in plans.groupby("strategy", sort=False):
+        units = min(len(plan), MIN_PER_STRATUM * n_strata)
+        mean_cost = proxy_cost(plan, np.zeros(len(plan), dtype=np.int64))[0]
+        total += units * unit_s * mean_cost / (float(unit_tokens) + proxy_fixed(plan))
     return total
 
 

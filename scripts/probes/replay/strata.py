@@ -138,12 +138,22 @@ def grow_allocation(
     return out
 
 
+# a unit's fixed cost before anything is timed, as a share of its plan's mean tokens
+FIXED_SHARE = 0.2
+
+
+def proxy_fixed(plan: pd.DataFrame) -> float:
+    """The step's overhead in token units: FIXED_SHARE of the plan's mean computed + loss
+    tokens."""
+    cost = plan["computed_tokens"].to_numpy(np.float64) + plan["loss_tokens"].to_numpy(np.float64)
+    return FIXED_SHARE * float(cost.mean())
+
+
 def proxy_cost(plan: pd.DataFrame, stratum: np.ndarray) -> dict[int, float]:
     """Before anything is timed: a unit's timing cost per stratum in token units, its mean
-    computed + loss tokens plus a fixed share (a fifth of the plan's mean) for the step's
-    overhead."""
+    computed + loss tokens plus the plan's fixed share (proxy_fixed)."""
     cost = plan["computed_tokens"].to_numpy(np.float64) + plan["loss_tokens"].to_numpy(np.float64)
-    fixed = 0.2 * float(cost.mean())
+    fixed = proxy_fixed(plan)
     return {int(h): float(cost[stratum == h].mean()) + fixed for h in np.unique(stratum)}
 
 
