@@ -7,7 +7,7 @@ from typing import Any
 
 from probes.contracts import STAGES
 from probes.report.format import MISSING
-from probes.report.sections.shared import device_name
+from probes.report.sections.shared import device_name, timed_parts
 
 
 def provenance_section(
@@ -62,13 +62,11 @@ def provenance_section(
 
 
 def timed_name(described: Any) -> Any:
-    """What the profile timed, from its provenance (the step's ``describe()``): the user's
-    Trainer class and factory, else the harness's spec."""
-    if not isinstance(described, Mapping):
-        return described
-    if described.get("kind") == "trainer":
-        factory = described.get("factory")
-        spec = factory.get("spec") if isinstance(factory, Mapping) else None
-        trainer = described.get("trainer", MISSING)
-        return f"{trainer} from {spec}" if spec else trainer
-    return described.get("spec", MISSING)
+    """What the profile timed (shared.timed_parts): "SFTTrainer from its:factory", or the
+    harness's spec."""
+    parts = timed_parts(described)
+    if parts is None:
+        return described.get("spec", MISSING) if isinstance(described, Mapping) else described
+    if parts["factory"]:
+        return f"{parts['name']} from {parts['factory']}"
+    return parts["name"]

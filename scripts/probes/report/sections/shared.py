@@ -38,3 +38,18 @@ def device_name(device: Any) -> str:
 def stage_text(value: Any, limit: int = 100) -> str:
     """A message a stage generated (rules, violations): printable, short, safe in a cell."""
     return label(value, limit)
+
+
+def timed_parts(described: Any) -> dict[str, str | None] | None:
+    """What a timing stage ran, from its provenance (the step's ``describe()``): kind
+    "trainer" with the user's Trainer class and factory spec, or kind "harness" with the
+    harness's spec; None when nothing is recorded."""
+    if not isinstance(described, Mapping):
+        return None
+    if described.get("kind") == "trainer" and described.get("trainer"):
+        factory = described.get("factory")
+        spec = factory.get("spec") if isinstance(factory, Mapping) else None
+        return {"kind": "trainer", "name": str(described["trainer"]), "factory": spec}
+    if described.get("spec"):
+        return {"kind": "harness", "name": str(described["spec"]), "factory": None}
+    return None

@@ -22,6 +22,7 @@ from probes.apply.document import settings_line
 from probes.realize import verdict as vd
 from probes.report.format import finite, fmt_pct
 from probes.report.sections.replay import CHANGE_STRATEGY
+from probes.report.sections.shared import timed_parts
 
 # the memory stage's table (probes.memory): key in the report's inputs, and its verdict words
 MEMORY_TABLE = "memory_changes"
@@ -171,16 +172,16 @@ def timed_step(inputs: Mapping[str, Any]) -> str | None:
         (jsons.get("realize_summary") or {}).get("harness"),
         (provenance.get("replay") or {}).get("harness"),
     ):
-        if not isinstance(described, Mapping):
+        parts = timed_parts(described)
+        if parts is None:
             continue
-        if described.get("kind") == "trainer" and described.get("trainer"):
-            factory = described.get("factory") or {}
-            spec = factory.get("spec") if isinstance(factory, Mapping) else None
-            named = f"your `{described['trainer']}`" + (f" from `{spec}`" if spec else "")
-            settings = trainer_settings(described.get("settings"))
-            return named + (f" at {settings}" if settings else "")
-        if described.get("spec"):
-            return f"the harness `{described['spec']}`"
+        if parts["kind"] == "harness":
+            return f"the harness `{parts['name']}`"
+        named = f"your `{parts['name']}`" + (
+            f" from `{parts['factory']}`" if parts["factory"] else ""
+        )
+        settings = trainer_settings(described.get("settings"))
+        return named + (f" at {settings}" if settings else "")
     return None
 
 
