@@ -2,13 +2,14 @@
 
     python tools/compare_results.py OLD_RESULTS NEW_RESULTS
 
-Parquet tables are compared as data (provenance metadata ignored). Timed columns (`*time*`,
-`*_s`, `*seconds*`, `mfu`, shares, memory, fitted coefficients) differ run to run: they are
-left out of every table, and for profile tables only the shape, the columns and the untimed
-text/integer columns (as sets of rows) are compared. The replay's and realize's outputs and
-recommendations.json come from sequential designs that follow the timings (which micro-batches
-get timed, which change ranks first), so only their columns / keys are compared ("measured").
-JSON files are compared with their run-specific keys (provenance, wall time, dates) removed.
+Parquet tables are compared as data (provenance metadata ignored). Durations (`*_s`,
+`seconds`, `time`, by whole name parts) differ run to run and are left out of every table; for
+profile tables, whose measured columns are broader (`mfu`, shares, memory, fitted coefficients),
+only the shape, the columns and the untimed text/integer columns (as sets of rows) are
+compared. The replay's and realize's outputs and recommendations.json come from sequential
+designs that follow the timings (which micro-batches get timed, which change ranks first), so
+only their columns / keys are compared ("measured"). JSON files are compared with their
+run-specific keys (provenance, wall time, dates) removed.
 Prints one line per file and exits 1 on a difference.
 """
 
@@ -45,7 +46,15 @@ TIMED_MARKERS = (
 
 
 def timed(column: str) -> bool:
+    """A profile table's measured column (broad: anything a timing or a fit made)."""
     return any(marker in column for marker in TIMED_MARKERS)
+
+
+def timing(column: str) -> bool:
+    """A duration in any table, by whole name parts (`wall_s`, `seconds`, `time_s`), so that
+    `n_steps` or `micro_batch_size` are never taken for one."""
+    parts = str(column).split("_")
+    return parts[-1] == "s" or "seconds" in parts or "time" in parts
 
 
 def strip(obj, root: Path | None = None):
@@ -82,8 +91,8 @@ def compare_table(old: Path, new: Path) -> str | None:
         return f"columns differ: {sorted(set(a.columns) ^ set(b.columns))}"
     if follows_timings(old):
         return None
-    a = a[[c for c in a.columns if not timed(str(c))]]
-    b = b[[c for c in b.columns if not timed(str(c))]]
+    a = a[[c for c in a.columns if not timing(c)]]
+    b = b[[c for c in b.columns if not timing(c)]]
     if a.shape != b.shape:
         return f"shape {a.shape} -> {b.shape}"
     if "profile" in old.parts:  # measured: compare the untimed text/integer columns as sets

@@ -46,3 +46,14 @@ def test_timings_and_timing_led_outputs_are_not_differences(tmp_path, capsys):
     changed = pd.DataFrame({"shape": ["2x64"], "peak_gib": [9.0], "seconds": [1.0]})
     changed.to_parquet(tmp_path / "new" / "memory" / "shapes.parquet")
     assert compare_results.main(str(tmp_path / "old"), str(tmp_path / "new")) == 1
+
+
+def test_counts_whose_names_hold_an_s_are_still_compared(tmp_path, capsys):
+    import pandas as pd
+
+    for name, steps in (("old", 14), ("new", 25)):
+        (tmp_path / name / "bucket").mkdir(parents=True)
+        frame = pd.DataFrame({"n_steps": [steps], "micro_batch_size": [2], "wall_s": [1.0]})
+        frame.to_parquet(tmp_path / name / "bucket" / "summary.parquet")
+    assert compare_results.main(str(tmp_path / "old"), str(tmp_path / "new")) == 1
+    assert "DIFF  bucket/summary.parquet" in capsys.readouterr().out
