@@ -78,17 +78,22 @@ MIN_SIZED_STRATA = 2
 
 
 def first_round_seconds(
-    plans: pd.DataFrame, n_strata: int, unit_s: float, unit_tokens: float
+    plans: pd.DataFrame, n_strata: int, per_stratum: int, unit: tuple[float, float]
 ) -> float:
-    """What round 1 with `n_strata` strata is predicted to take: MIN_PER_STRATUM units of every
-    stratum of every strategy (all of a smaller plan), each a new shape (timed once, warmed
-    once: `unit_s` for a micro-batch of `unit_tokens` computed + loss tokens), scaled by the
-    strategy's proxy cost (strata.proxy_cost over the whole plan)."""
+    """What round 1 with `n_strata` strata is predicted to take: `per_stratum` units (at least
+    MIN_PER_STRATUM) of every stratum of every strategy (all of a smaller plan), as
+    initial_takes grows it, each a new shape (timed once, warmed once: `unit` = seconds and
+    computed + loss tokens of the instrument's micro-batch, a baseline one), scaled by the
+    strategy's proxy cost (strata.proxy_cost) over the instrument's, both with the baseline
+    plan's fixed share."""
+    unit_s, unit_tokens = unit
+    baseline = plans[plans["strategy"] == pl.BASELINE]
+    instrument_cost = float(unit_tokens) + proxy_fixed(baseline if len(baseline) else plans)
     total = 0.0
     for _, plan in plans.groupby("strategy", sort=False):
-        units = min(len(plan), MIN_PER_STRATUM * n_strata)
+        units = min(len(plan), max(per_stratum, MIN_PER_STRATUM) * n_strata)
         mean_cost = proxy_cost(plan, np.zeros(len(plan), dtype=np.int64))[0]
-        total += units * unit_s * mean_cost / (float(unit_tokens) + proxy_fixed(plan))
+        total += units * unit_s * mean_cost / instrument_cost
     return total
 
 
@@ -106,22 +111,22 @@ def sized_design(
     the first stop; with it: fewer strata, the same estimator, wider intervals. Returns the design
     and what was sized, and why."""
     unit_s, unit_tokens = unit
+    per_stratum = int(settings.samples_per_stratum)
     configured = int(settings.n_strata)
     strata = configured
-    while (
-        strata > MIN_SIZED_STRATA
-        and first_round_seconds(plans, strata, unit_s, unit_tokens) > budget_s
-    ):
+    predicted = first_round_seconds(plans, strata, per_stratum, unit)
+    while strata > MIN_SIZED_STRATA and predicted > budget_s:
         strata -= 1
+        predicted = first_round_seconds(plans, strata, per_stratum, unit)
     record = {
         "strata": strata,
         "strata_configured": configured,
-        "first_round_predicted_s": first_round_seconds(plans, strata, unit_s, unit_tokens),
+        "first_round_predicted_s": predicted,
         "unit_s": float(unit_s),
         "unit_tokens": float(unit_tokens),
-        "rule": "the most strata (<= configured, >= 2) whose first round (MIN_PER_STRATUM per "
-        "stratum of every strategy, each micro-batch warmed once, priced by its tokens from a "
-        "measured one) fits budget_s",
+        "rule": "the most strata (<= configured, >= 2) whose first round (samples_per_stratum "
+        "per stratum of every strategy, each micro-batch warmed once, priced by its tokens from "
+        "a measured one) fits budget_s",
     }
     return build_design(plans, strata, seed), record
 

@@ -184,7 +184,7 @@ def run_replay(
     fit, fit_points, loss_share, instrument = measure_model(runner, plan, cfg)
     cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
     cv_df = max(instrument["repeats"] - 1.0, 1.0)
-    unit = instrument_unit(instrument, plan.settings.warmup)
+    unit = instrument_unit(instrument)
     design, sequential = time_plans(runner, plan, replay_cfg, invalid, (cv, cv_df), unit, progress)
     table = price(plan, sequential, invalid, fit, cv, changes, cfg.training.max_seq_len)
     pricing = FitPricing(fit.fit, plan.micro, fit.low, fit.high)

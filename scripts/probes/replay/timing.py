@@ -333,18 +333,20 @@ def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int
     }
 
 
-def instrument_unit(instrument: Mapping[str, Any], warmup: int) -> tuple[float, float]:
+def instrument_unit(instrument: Mapping[str, Any]) -> tuple[float, float]:
     """(seconds, tokens) of one new-shape micro-batch: the instrument's mean micro-batch and its
-    measured warm-up runs (`warmup` × the mean where its shape had run already), and its
-    computed + loss tokens ((0, 1) when the instrument did not time: nothing is sized by it)."""
+    shape's first run, and its computed + loss tokens ((0, 1) when the instrument did not time:
+    nothing is sized by it)."""
     mean = float(instrument.get("mean_s", float("nan")))
     batch = instrument.get("micro_batch") or {}
     computed = batch.get("rows", 0) * batch.get("padded_length", 0)
     tokens = float(computed + batch.get("loss_tokens", 0))
     if not (math.isfinite(mean) and mean > 0 and tokens > 0):
         return 0.0, 1.0
-    warm = instrument.get("warmup_times_s") or [mean] * max(int(warmup), 1)
-    return mean + float(sum(warm)), tokens
+    # a new shape in the replay is warmed once (ShapesRun's default), whatever the instrument's
+    # own warm-up count: its first run, else one more mean where its shape had run already
+    first = (instrument.get("warmup_times_s") or [mean])[0]
+    return mean + float(first), tokens
 
 
 def median_row(plans: pd.DataFrame, strategy: str) -> Any:

@@ -63,12 +63,16 @@ def test_the_first_round_gets_the_most_strata_its_budget_affords(plans):
     tokens = plans["computed_tokens"] + plans["loss_tokens"]
     mean = float(tokens.mean())
     # a unit of the plans' mean tokens prices every strategy near unit_s: 6 units each at 3 strata
-    assert first_round_seconds(plans, 3, 1.0, mean) == pytest.approx(strategies * 6, rel=0.5)
+    assert first_round_seconds(plans, 3, 2, (1.0, mean)) == pytest.approx(strategies * 6, rel=0.5)
+    # samples_per_stratum units a stratum, as initial_takes grows round 1 (4 on a GPU)
+    assert first_round_seconds(plans, 3, 4, (1.0, mean)) == pytest.approx(
+        2 * first_round_seconds(plans, 3, 2, (1.0, mean)), rel=0.05
+    )
     roomy, record = sized_design(plans, settings, (0.5, mean), budget_s=1e6, seed=0)
     assert record["strata"] == 3 and roomy.sizes.keys() == build_design(plans, 3, 0).sizes.keys()
     # two strata fit a budget that three do not; the record says what was predicted
-    tight = first_round_seconds(plans, 2, 0.5, mean) * 1.01
-    assert first_round_seconds(plans, 3, 0.5, mean) > tight
+    tight = first_round_seconds(plans, 2, 2, (0.5, mean)) * 1.01
+    assert first_round_seconds(plans, 3, 2, (0.5, mean)) > tight
     design, record = sized_design(plans, settings, (0.5, mean), budget_s=tight, seed=0)
     assert record["strata"] == 2 and record["strata_configured"] == 3
     assert record["first_round_predicted_s"] <= tight
@@ -83,9 +87,11 @@ def test_the_first_round_gets_the_most_strata_its_budget_affords(plans):
 
 def test_the_instrument_prices_a_new_shape_with_its_warm_up():
     measured = {"mean_s": 0.5, "micro_batch": {"rows": 2, "padded_length": 64, "loss_tokens": 30}}
-    assert instrument_unit(measured, warmup=1) == (1.0, 158.0)  # its shape had run: 1 x mean
-    assert instrument_unit({**measured, "warmup_times_s": [0.7]}, warmup=1) == (1.2, 158.0)
-    assert instrument_unit({"mean_s": float("nan"), "micro_batch": {}}, warmup=1) == (0.0, 1.0)
+    assert instrument_unit(measured) == (1.0, 158.0)  # its shape had run: one more mean
+    assert instrument_unit({**measured, "warmup_times_s": [0.7]}) == (1.2, 158.0)
+    # a new shape is warmed once in the replay, however many warm-ups the instrument took
+    assert instrument_unit({**measured, "warmup_times_s": [0.7, 0.6]}) == (1.2, 158.0)
+    assert instrument_unit({"mean_s": float("nan"), "micro_batch": {}}) == (0.0, 1.0)
 
 
 class KnownCostRunner:
