@@ -28,5 +28,9 @@ rule memory:
         harness=config["profile"]["harness"],
         harness_options=config["profile"]["harness_options"],
         ce_chunk_tokens=config["profile"]["ce_chunk_tokens"],
+        attn_implementation=config["profile"]["attn_implementation"],
+        trainer=config["trainer"],
+        bucket_seeds=config["bucket"]["seeds"],
+        step_changes=config["replay"]["step_changes"],
     script:
         "../../scripts/run_memory.py"

@@ -244,16 +244,13 @@ def worker_job(
     indices: dict[str, list[int]],
 ) -> dict[str, Any]:
     """The job file every rank reads (probes.dp.worker)."""
+    from probes.step.runner import harness_section  # torch: only when a job is written
+
     dp_cfg, profile = cfg.data_parallel, cfg.profile
     return {
         "out_dir": out_dir,
         "model_path": model_path,
-        "profile": {
-            "harness": profile.harness,
-            "harness_options": dict(profile.harness_options),
-            "attn_implementation": profile.attn_implementation,
-            "ce_chunk_tokens": profile.ce_chunk_tokens,
-        },
+        "profile": harness_section(profile),
         "dtype": setup.dtype,
         "dtype_reason": setup.dtype_reason,
         "device_type": setup.device_type,

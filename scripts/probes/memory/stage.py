@@ -80,7 +80,12 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     fit_table = fitting_frame(shapes, predictor, target, cfg)
     shape_table = add_fitting_advice(shape_table, fit_table, target, gradient_checkpointing(cfg))
     shape_table = with_checkpointing_checked(cfg, config, shapes, shape_table, target)
-    steps = step_change_rows(predictor, loaded, cfg, inputs, plans, target)
+    # the replay prices step-level changes only where replay.step_changes is on
+    steps = (
+        step_change_rows(predictor, loaded, cfg, inputs, plans, target)
+        if cfg.replay.step_changes
+        else []
+    )
     shape_table = pd.concat([shape_table, pd.DataFrame(steps)], ignore_index=True)
     changes = changes_frame(shape_table)
     summary = {
@@ -311,9 +316,16 @@ def step_change_rows(
         if isinstance(shape, str):
             rows.append(unpredicted_row(change.strategy, shape, target))
             continue
-        with configured(predictor, harness, base, change):
-            gc = change.config.gradient_checkpointing
-            rows.append(shape_row(change.strategy, shape, predictor, target, gc))
+        try:
+            with configured(predictor, harness, base, change):
+                gc = change.config.gradient_checkpointing
+                rows.append(shape_row(change.strategy, shape, predictor, target, gc))
+        except (ValueError, NotImplementedError) as error:
+            # the model or the user's harness refusing the setting (an attention implementation
+            # it lacks, checkpointing it does not support, a loss_kernel option it rejects) is
+            # this change's answer, not the stage's failure
+            reason = f"{change.strategy}: setting it raised {type(error).__name__}: {error}"
+            rows.append(unpredicted_row(change.strategy, reason, target))
     return rows
 
 

@@ -241,3 +241,27 @@ def test_unpredicted_rows_keep_the_table_columns():
     frame = pd.DataFrame([row])
     assert frame.loc[0, "verdict"] == "unknown"
     assert memory_check(frame, "micro_batch_size_4")["text"] == "unknown: no lengths input"
+
+
+def test_a_setting_the_model_refuses_is_that_changes_answer(predictor, loaded, monkeypatch):
+    """A model without an attention implementation, or a harness rejecting an option, raises
+    ValueError when the change is set: that change's row says so, the others are predicted."""
+    from contextlib import contextmanager
+
+    real = stage.configured
+
+    @contextmanager
+    def refusing(predictor, harness, base, change):
+        if change.strategy == "attention_eager":
+            raise ValueError("eager is not supported by this model")
+        with real(predictor, harness, base, change):
+            yield
+
+    monkeypatch.setattr(stage, "configured", refusing)
+    cfg = workflow_config(training={"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 64})
+    rows = stage.step_change_rows(predictor, loaded, cfg, {}, None, 2**40)
+    by_strategy = {r["strategy"]: r for r in rows}
+    refused = by_strategy.pop("attention_eager")
+    assert "eager is not supported" in refused["reason"]
+    assert refused["predicted_peak_gib"] is None
+    assert by_strategy and all(r["predicted_peak_gib"] for r in by_strategy.values())
