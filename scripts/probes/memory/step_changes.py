@@ -71,8 +71,7 @@ def _base_model(model: Any) -> Any:
 
 
 def _has_input_grad_hook(model: Any) -> bool:
-    """Whether transformers' enable_input_require_grads hooks are on the model."""
-    return bool(getattr(_base_model(model), "_require_grads_hooks", None))
+    return sc.input_grads_hooked(_base_model(model))
 
 
 @contextmanager

@@ -150,8 +150,16 @@ def enable_checkpointing(base: Any, args: Any = None) -> None:
         )
     else:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
-    if hasattr(base, "enable_input_require_grads"):
-        base.enable_input_require_grads()  # frozen embeddings under adapters
+    # frozen embeddings under adapters; transformers' enable above may have hooked them already,
+    # and a second call replaces its handles, leaking a hook that disabling never removes (the
+    # embeddings' outputs kept requiring gradients after checkpointing was turned off again)
+    if hasattr(base, "enable_input_require_grads") and not input_grads_hooked(base):
+        base.enable_input_require_grads()
+
+
+def input_grads_hooked(base: Any) -> bool:
+    """Whether transformers' enable_input_require_grads hooks are on the (base) model."""
+    return bool(getattr(base, "_require_grads_hooks", None))
 
 
 def apply_config(model: Any, config: StepConfig, args: Any = None) -> None:
