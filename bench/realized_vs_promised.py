@@ -707,10 +707,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def data_line(examples: Any, args: argparse.Namespace, load: tuple[float, ...]) -> str:
-    import torch
     import transformers
 
-    bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    from probes.step.dtype import cpu_bf16_facts
+
+    # oneDNN's flag alone says yes on AVX512 cores without bf16 units (probes.step.dtype)
+    bf16 = cpu_bf16_facts().native_bf16
     return (
         f"data: {examples.lengths.size} examples of {args.lengths} (seed {args.seed}), capped at "
         f"{args.cap}: {int(examples.lengths.sum())} tokens, "
