@@ -6,6 +6,7 @@ benchmark files every rule writes (`benchmark:`; columns s and cpu_time), with t
 wall time against the 5-minute budget, the load the machine ran under and the profile's dtype.
 
     python bench/default_run.py [--cores 2] [--keep]
+    python bench/default_run.py --configfile config/trainer.yaml   # what `make run` runs
     python bench/default_run.py --directory DIR   # only the table, from a run already made there
 
 It runs the whole default workflow (minutes): run it once, not in a loop.
@@ -81,7 +82,7 @@ def profile_dtype(directory: Path) -> str:
     return f"profile dtype {provenance.get('dtype')}: {provenance.get('dtype_reason', 'no reason')}"
 
 
-def run_cold(directory: Path, cores: int) -> float:
+def run_cold(directory: Path, cores: int, configfile: str | None = None) -> float:
     """`snakemake --cores N report` in a fresh copy of the workflow; its wall seconds."""
     copy_workflow(directory)
     env = dict(os.environ)
@@ -89,9 +90,10 @@ def run_cold(directory: Path, cores: int) -> float:
     env["PYTHONPATH"] = os.pathsep.join(
         [str(directory / "scripts"), *filter(None, [env.get("PYTHONPATH")])]
     )
+    extra = ["--configfile", configfile] if configfile else []
     started = time.perf_counter()
     run = subprocess.run(
-        [sys.executable, "-m", "snakemake", TARGET, "--cores", str(cores)],
+        [sys.executable, "-m", "snakemake", TARGET, "--cores", str(cores), *extra],
         cwd=directory,
         env=env,
         capture_output=True,
@@ -112,6 +114,9 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=2)
     parser.add_argument("--keep", action="store_true", help="keep the run directory")
     parser.add_argument(
+        "--configfile", help="merged over config/config.yaml, e.g. config/trainer.yaml"
+    )
+    parser.add_argument(
         "--directory", type=Path, help="read the benchmarks of a run already made there"
     )
     args = parser.parse_args()
@@ -121,11 +126,12 @@ def main() -> None:
         directory, total = args.directory, None
     else:
         directory = Path(tempfile.mkdtemp(prefix="probes-default-run-"))
-        total = run_cold(directory, args.cores)
+        total = run_cold(directory, args.cores, args.configfile)
     rules = read_benchmarks(directory)
     if rules.empty:
         sys.exit(f"no benchmark files under {directory / BENCHMARKS}")
-    print(f"cold default run: snakemake --cores {args.cores} {TARGET} in {directory}")
+    configfile = f" --configfile {args.configfile}" if args.configfile else ""
+    print(f"cold default run: snakemake --cores {args.cores} {TARGET}{configfile} in {directory}")
     print(
         f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
         f"(on {os.cpu_count()} CPUs)"

@@ -40,16 +40,20 @@ def tokenized(tokenizer: Any) -> Any:
         new_fingerprint=f"chitchat-assistant-{digest.hexdigest()[:16]}",
     )
 
-    def tokenize(example: dict[str, Any]) -> dict[str, Any]:
+    def tokenize(batch: dict[str, Any]) -> dict[str, Any]:
+        # a batch of conversations at once: the same ids and masks as one by one (checked on
+        # the default data), in half the time (the fast tokenizer encodes the batch together)
         out = tokenizer.apply_chat_template(
-            example["messages"], return_dict=True, return_assistant_tokens_mask=True
+            batch["messages"], return_dict=True, return_assistant_tokens_mask=True
         )
         return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
 
     return dataset.map(
         tokenize,
+        batched=True,
+        batch_size=512,
         remove_columns=["messages"],
-        new_fingerprint=f"chitchat-tokenized-{digest.hexdigest()[:16]}",
+        new_fingerprint=f"chitchat-tokenized-batched-{digest.hexdigest()[:16]}",
         desc="Tokenizing (once; cached)",
     )
 

@@ -136,7 +136,7 @@ def chat_jsonl(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "chat.jsonl", chat_rows(24))
 
 
-WORKFLOW_PARTS = ("Snakefile", "workflow", "scripts", "config", "profiles")
+WORKFLOW_PARTS = ("Snakefile", "workflow", "scripts", "config", "profiles", "examples")
 
 
 def copy_workflow(destination: Path) -> Path:
