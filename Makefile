@@ -34,5 +34,5 @@ test: setup
 	. $(BIN)/activate && pytest -n 2 --dist loadgroup
 
 lint: setup
-	. $(BIN)/activate && ruff check scripts tests bench tools && ruff format --check scripts tests bench tools \
+	. $(BIN)/activate && ruff check scripts tests bench tools examples && ruff format --check scripts tests bench tools examples \
 		&& snakefmt --check Snakefile workflow && snakemake --lint

@@ -59,7 +59,6 @@ def tokenized(tokenizer: Any) -> Any:
 
 
 def build_trainer(settings: dict[str, Any]):
-    import datasets
     import torch
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -86,13 +85,22 @@ def build_trainer(settings: dict[str, Any]):
     args = apply_settings(args, settings)
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(
-        MODEL_DIR, **{"dtype": torch.float32, "attn_implementation": "sdpa", **model_kwargs(settings)}
+        MODEL_DIR,
+        **{"dtype": torch.float32, "attn_implementation": "sdpa", **model_kwargs(settings)},
     )
     dataset = tokenized(tokenizer)
     peft_config = LoraConfig(
         r=16,
         lora_alpha=32,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=[
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
         task_type="CAUSAL_LM",
     )
     return SFTTrainer(
