@@ -8,6 +8,7 @@ shape, the largest micro-batch that fits at max_seq_len and at the p99 length, a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from probes.batching.plans import read_examples, read_plans
+from probes.batching.plans import read_plans
 from probes.contracts import BATCH_REBALANCE
 from probes.io import read_provenance, run_metadata
 from probes.mask.trace import config_from_dict, read_config_json
@@ -40,6 +41,7 @@ from probes.memory.shapes import (
 )
 from probes.memory.step_changes import (
     LoadedHarness,
+    at_base,
     base_config,
     change_shapes,
     configured,
@@ -55,9 +57,11 @@ from probes.memory.verdict import (
     largest_fitting_rows,
     verdict,
 )
+from probes.replay.step_changes import step_changes_for
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
-from probes.step.changes import step_changes
+from probes.step import changes as sc
+from probes.step.change_types import StepConfig
 
 LOG = logging.getLogger("probes.memory")
 MAX_SEQ_LEN = "max_seq_len"
@@ -74,15 +78,21 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     config = config_from_dict(read_config_json(model_config), source=model_config)
     predictor, scaled = build_predictor(cfg, config, functions)
     LOG.info("model on fake tensors in %.1f s", predictor.step.build_seconds)
+    harness = None if cfg.trainer.factory else loaded  # a trainer's loss is not a setting
+    base = step_base(predictor, harness, cfg, inputs)
+    at_base(predictor, base)
     shapes = shapes_to_predict(cfg, plans)
     target = int(cfg.memory.target_gib * GIB)
-    shape_table = shapes_frame(shapes, predictor, target, gradient_checkpointing(cfg))
+    checkpointing = base.gradient_checkpointing
+    shape_table = shapes_frame(shapes, predictor, target, checkpointing)
     fit_table = fitting_frame(shapes, predictor, target, cfg)
-    shape_table = add_fitting_advice(shape_table, fit_table, target, gradient_checkpointing(cfg))
-    shape_table = with_checkpointing_checked(cfg, config, shapes, shape_table, target)
+    shape_table = add_fitting_advice(shape_table, fit_table, target, checkpointing)
+    shape_table = with_checkpointing_checked(
+        predictor, harness, base, cfg, shapes, shape_table, target
+    )
     # the replay prices step-level changes only where replay.step_changes is on
     steps = (
-        step_change_rows(predictor, loaded, cfg, inputs, plans, target)
+        step_change_rows(predictor, harness, base, cfg, inputs, plans, target)
         if cfg.replay.step_changes
         else []
     )
@@ -94,7 +104,8 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         "dtype": cfg.mask.dtype,
         "model_config": model_config,
         "harness": cfg.profile.harness,
-        "gradient_checkpointing": gradient_checkpointing(cfg),
+        "gradient_checkpointing": checkpointing,
+        "step_base": dataclasses.asdict(base),
         "plans": "read" if plans is not None else "not given: training shape only",
         "scale_layers": scaled,
         "step_changes": [row["strategy"] for row in steps],
@@ -134,10 +145,6 @@ def load_harness(cfg: WorkflowConfig, **overrides: Any) -> LoadedHarness:
     return LoadedHarness(harness, {"options": options})
 
 
-def load_functions(cfg: WorkflowConfig, **overrides: Any) -> StepFunctions:
-    return functions_of(load_harness(cfg, **overrides).harness)
-
-
 def build_predictor(
     cfg: WorkflowConfig, config: Any, functions: StepFunctions
 ) -> tuple[CachedPredictor, bool]:
@@ -160,43 +167,77 @@ def build_predictor(
     return CachedPredictor(step, predict_fn), scaled
 
 
-def with_checkpointing_checked(
+def step_base(
+    predictor: CachedPredictor,
+    harness: LoadedHarness | None,
     cfg: WorkflowConfig,
-    config: Any,
+    inputs: Mapping[str, Any],
+) -> StepConfig:
+    """The step the replay's StepSwitch starts from (its step-level changes' base): a user's
+    trainer as the padding stage recorded it where it did, else the harness's fake model at the
+    profile's attention implementation (probes.memory.step_changes.base_config)."""
+    recorded = trainer_record(inputs) if cfg.trainer.factory else None
+    if cfg.trainer.factory and recorded is None:
+        LOG.info(
+            "trainer.factory: its step (checkpointing, attention) is not recorded in the "
+            "lengths' provenance; the harness options and the profile's attention stand in"
+        )
+    base = base_config(predictor.step, harness, cfg.profile.attn_implementation, recorded)
+    LOG.info("step-level base: %s", base)
+    return base
+
+
+def trainer_record(inputs: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The trainer's step as the padding stage recorded it (probes.step.changes.config_record
+    under "trainer" in the lengths' provenance), or None."""
+    lengths = inputs.get("lengths")
+    if not _given(lengths):
+        return None
+    trainer = read_provenance(lengths).get("trainer") or {}
+    return trainer.get(sc.RECORD_KEY)
+
+
+def with_checkpointing_checked(
+    predictor: CachedPredictor,
+    harness: LoadedHarness | None,
+    base: StepConfig,
+    cfg: WorkflowConfig,
     shapes: list[tuple[str, Shape]],
     table: pd.DataFrame,
     target: int,
 ) -> pd.DataFrame:
     """Checkpointing off and a shape that does not fit: predict it with checkpointing on (the
-    harness's `gradient_checkpointing` option) and say whether that fits."""
+    replay's gradient_checkpointing_on change, set on the same fake model) and say whether that
+    fits."""
     over = set(table.index[table["verdict"] == DOES_NOT_FIT])
-    if gradient_checkpointing(cfg) or not over:
+    if base.gradient_checkpointing or not over:
         return table
+    (on,) = [c for c in step_changes_for(base, cfg.training) if c.strategy == sc.GC_ON]
+    checked = table.copy()
     try:
-        functions = load_functions(cfg, gradient_checkpointing=True)
-        predictor, _ = build_predictor(cfg, config, functions)
-    except (ValueError, PredictError) as error:
+        with configured(predictor, harness, base, on):
+            for index in sorted(over):
+                note_checkpointing(checked, index, shapes[index][1], predictor, target)
+    except (ValueError, NotImplementedError) as error:
         LOG.info("checkpointing not checked: %s", error)
         return table
-    finally:
-        load_functions(cfg)  # the harness's own options back
-    table = table.copy()
-    for index in sorted(over):
-        try:
-            peak = predictor(shapes[index][1]).peak_bytes
-        except PredictError as error:
-            LOG.info("checkpointing not checked for %s: %s", shapes[index][1].name, error)
-            continue
-        words = "fits" if peak <= target else "still does not fit"
-        before = table.at[index, "reason"]
-        table.at[index, "reason"] = (
-            f"with gradient checkpointing {peak / GIB:.1f} GiB, {words}; {before}"
-        )
-    return table
+    return checked
 
 
-def gradient_checkpointing(cfg: WorkflowConfig) -> bool:
-    return bool(dict(cfg.profile.harness_options).get("gradient_checkpointing", False))
+def note_checkpointing(
+    table: pd.DataFrame, index: int, shape: Shape, predictor: CachedPredictor, target: int
+) -> None:
+    """The row's reason led by the shape's peak with checkpointing on (set on `predictor`)."""
+    try:
+        peak = predictor(shape).peak_bytes
+    except PredictError as error:
+        LOG.info("checkpointing not checked for %s: %s", shape.name, error)
+        return
+    words = "fits" if peak <= target else "still does not fit"
+    before = table.at[index, "reason"]
+    table.at[index, "reason"] = (
+        f"with gradient checkpointing {peak / GIB:.1f} GiB, {words}; {before}"
+    )
 
 
 def _given(path: Any) -> bool:
@@ -289,27 +330,20 @@ def shape_row(
 
 def step_change_rows(
     predictor: CachedPredictor,
-    loaded: LoadedHarness,
+    harness: LoadedHarness | None,
+    base: StepConfig,
     cfg: WorkflowConfig,
     inputs: Mapping[str, Any],
     plans: pd.DataFrame | None,
     target: int,
 ) -> list[dict[str, Any]]:
-    """Each step-level change the replay prices, predicted on the same fake model with the
-    change set as the replay sets it, at its own largest micro-batch (probes.memory.step_changes).
-    A user's trainer (trainer.factory): the loss is not a setting of its step, as in the replay."""
-    training = cfg.training
-    harness = None if cfg.trainer.factory else loaded
-    base = base_config(predictor.step, harness)
-    changes = step_changes(base, training.micro_batch_size, training.grad_accum)
-    examples, seed = None, 0
-    if plans is not None and _given(inputs.get("lengths")):
-        # the replay's own plan for a changed micro-batch size: these examples, the plans' seed
-        examples = read_examples(inputs["lengths"], training.max_seq_len)
-        seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
-    shapes = change_shapes(
-        changes, plans, examples, seed, training.micro_batch_size, training.max_seq_len
-    )
+    """Each step-level change the replay prices against `base` (its step_changes_for), predicted
+    on the same fake model with the change set as the replay sets it, at its own largest
+    micro-batch (probes.memory.step_changes). `harness` None: a user's trainer, whose loss is not
+    a setting of its step, as in the replay."""
+    changes = step_changes_for(base, cfg.training)
+    lengths_given = _given(inputs.get("lengths"))
+    shapes = change_shapes(changes, plans, inputs, cfg.training, lengths_given)
     rows = []
     for change in changes:
         shape = shapes[change.strategy]

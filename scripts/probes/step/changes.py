@@ -41,6 +41,8 @@ from probes.step.change_types import (
 GC_ON, GC_OFF = "gradient_checkpointing_on", "gradient_checkpointing_off"
 ATTENTION_PREFIX = "attention_"
 MICRO_BATCH_PREFIX = "micro_batch_size_"
+# the key a trainer's recorded step (config_record) goes under in a stage's provenance
+RECORD_KEY = "step_config"
 
 
 def checkpointing_field() -> str:
@@ -70,6 +72,16 @@ def current_config(model: Any, args: Any = None) -> StepConfig:
     if args is not None and getattr(args, checkpointing_field(), False):
         gc = True
     return StepConfig(gc, str(getattr(base.config, "_attn_implementation", None) or "eager"))
+
+
+def config_record(model: Any, args: Any = None) -> dict[str, Any]:
+    """``current_config`` as JSON, for a stage that builds the user's trainer to record (under
+    ``RECORD_KEY``) for one that does not build it (the memory stage reads it back)."""
+    return dataclasses.asdict(current_config(model, args))
+
+
+def from_record(record: Mapping[str, Any]) -> StepConfig:
+    return StepConfig(**record)
 
 
 def step_changes(base: StepConfig, micro: int, grad_accum: int) -> list[StepChange]:

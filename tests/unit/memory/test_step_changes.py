@@ -3,6 +3,7 @@ largest micro-batch (probes.memory.step_changes), and read by the report's Memor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from probes.memory.step_changes import (
     configured,
 )
 from probes.memory.tracker import ACTIVATIONS
+from probes.replay.step_changes import step_changes_for
 from probes.report.sections.verdicts import memory_check, verdicts_section
 from probes.settings import TrainingConfig
 from probes.step import changes as sc
@@ -55,7 +57,7 @@ def predictor(loaded):
 
 
 def _change(predictor, loaded, strategy):
-    base = base_config(predictor.step, loaded)
+    base = base_config(predictor.step, loaded, "sdpa")
     (change,) = [c for c in sc.step_changes(base, 2, 2) if c.strategy == strategy]
     return base, change
 
@@ -67,7 +69,7 @@ def _predict(predictor, loaded, strategy, shape=SHAPE):
 
 
 def test_the_base_is_read_as_the_replay_reads_it(predictor, loaded):
-    base = base_config(predictor.step, loaded)
+    base = base_config(predictor.step, loaded, "sdpa")
     assert base == sc.StepConfig(False, "sdpa", "chunked")
     names = [c.strategy for c in sc.step_changes(base, 2, 2)]
     assert names[:2] == [sc.GC_ON, "attention_eager"] and LOSS_PREFIX + STOCK in names
@@ -107,7 +109,7 @@ def test_a_change_is_set_back_so_the_order_does_not_matter(predictor, loaded):
     for strategy in (sc.GC_ON, "attention_eager", LOSS_PREFIX + STOCK):
         _predict(predictor, loaded, strategy)
     assert predictor.predict_fn(predictor.step, SHAPE).peak_bytes == before
-    assert base_config(predictor.step, loaded) == sc.StepConfig(False, "sdpa", "chunked")
+    assert base_config(predictor.step, loaded, "sdpa") == sc.StepConfig(False, "sdpa", "chunked")
     assert predictor.step.grad_accum == 2 and predictor.setting == ()
 
 
@@ -133,15 +135,19 @@ def bucket_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {"model_config": str(config), "plans": str(plans), "lengths": str(lengths)}
 
 
-def _run(tmp_path, inputs, **harness_options):
-    from probes.contracts import STAGE_OUTPUTS
-
-    cfg = workflow_config(
+def _config(**sections):
+    return workflow_config(
         training={"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": MAX_LEN},
         mask={"dtype": "float32"},
         memory={"target_gib": 139, "allocator_round_bytes": 1, "scale_layers": False},
-        profile={"harness_options": harness_options},
+        **sections,
     )
+
+
+def _run(tmp_path, inputs, **sections):
+    from probes.contracts import STAGE_OUTPUTS
+
+    cfg = _config(**sections)
     out = tmp_path / "out"
     outputs = {k: str(out / Path(rel).name) for k, rel in STAGE_OUTPUTS["memory"].items()}
     with pytest.MonkeyPatch.context() as patch:
@@ -194,7 +200,9 @@ def test_the_stage_predicts_every_step_change_at_its_own_largest_micro_batch(
 
 
 def test_checkpointing_on_in_the_harness_prices_turning_it_off(tmp_path, bucket_inputs):
-    outputs = _run(tmp_path, bucket_inputs, gradient_checkpointing=True)
+    outputs = _run(
+        tmp_path, bucket_inputs, profile={"harness_options": {"gradient_checkpointing": True}}
+    )
     table = read_parquet(outputs["changes"]).set_index("strategy")
     assert sc.GC_OFF in table.index and sc.GC_ON not in table.index
     assert table.loc[sc.GC_OFF, "predicted_peak_gib"] > table.loc["random", "predicted_peak_gib"]
@@ -204,7 +212,8 @@ def test_checkpointing_on_in_the_harness_prices_turning_it_off(tmp_path, bucket_
 def test_without_plans_the_changes_take_the_training_shape():
     base = sc.StepConfig(False, "sdpa", "chunked")
     changes = sc.step_changes(base, 2, 8)
-    shapes = change_shapes(changes, None, None, 0, 2, 4096)
+    training = TrainingConfig(2, 8, 4096, "assistant", 1)
+    shapes = change_shapes(changes, None, {}, training, False)
     assert shapes["micro_batch_size_4"] == Shape("micro_batch_size_4", 4, 4096)
     assert shapes["padding_free_sdpa"] == Shape("padding_free_sdpa", 1, 8192, PACKED)
     assert shapes[sc.GC_ON] == Shape(sc.GC_ON, 2, 4096)
@@ -214,7 +223,8 @@ def test_plans_without_lengths_say_why_the_micro_batch_size_is_not_predicted(buc
     base = sc.StepConfig(False, "sdpa", "chunked")
     changes = sc.step_changes(base, MICRO, ACCUM)
     plans = read_parquet(bucket_inputs["plans"])
-    shapes = change_shapes(changes, plans, None, 0, MICRO, MAX_LEN)
+    training = TrainingConfig(MICRO, ACCUM, MAX_LEN, "assistant", 1)
+    shapes = change_shapes(changes, plans, {}, training, False)
     assert "no lengths input" in shapes["micro_batch_size_4"]
     assert isinstance(shapes["attention_eager"], Shape)
 
@@ -259,9 +269,78 @@ def test_a_setting_the_model_refuses_is_that_changes_answer(predictor, loaded, m
 
     monkeypatch.setattr(stage, "configured", refusing)
     cfg = workflow_config(training={"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 64})
-    rows = stage.step_change_rows(predictor, loaded, cfg, {}, None, 2**40)
+    base = base_config(predictor.step, loaded, "sdpa")
+    rows = stage.step_change_rows(predictor, loaded, base, cfg, {}, None, 2**40)
     by_strategy = {r["strategy"]: r for r in rows}
     refused = by_strategy.pop("attention_eager")
     assert "eager is not supported" in refused["reason"]
     assert refused["predicted_peak_gib"] is None
     assert by_strategy and all(r["predicted_peak_gib"] for r in by_strategy.values())
+
+
+# ------------------------------------------------- the same base and changes as the replay's
+
+
+def test_a_gpu_only_profile_attention_names_the_replays_changes(
+    tmp_path, tiny_model_dir, bucket_inputs
+):
+    """profile.attn_implementation flex_attention: the replay loads the real model at it and
+    prices eager and SDPA against it; memory names the same changes from the same base (its fake
+    model stands SDPA in for flex), where it had read the stand-in as the base."""
+    import torch
+
+    from probes.step.load import load_step
+
+    profile = {"attn_implementation": "flex_attention"}
+    runner, *_ = load_step(
+        _config(profile=profile), tiny_model_dir, torch.device("cpu"), torch.float32, None
+    )
+    replay_base = sc.StepSwitch(runner).base
+    assert replay_base.attn_implementation == "flex_attention"
+    names = [c.strategy for c in step_changes_for(replay_base, _config().training)]
+    assert "attention_sdpa" in names and "attention_eager" in names
+    inputs = {**bucket_inputs, "model_config": str(tiny_model_dir / "config.json")}
+    outputs = _run(tmp_path, inputs, profile=profile)
+    summary = read_json(outputs["summary"])
+    assert summary["step_changes"] == names
+    assert summary["step_base"] == dataclasses.asdict(replay_base)
+    table = read_parquet(outputs["changes"]).set_index("strategy")
+    assert table.loc[names, "predicted_peak_gib"].notna().all()
+    shapes = read_parquet(outputs["shapes"]).set_index("shape")
+    assert "flex_attention: predicted as sdpa" in shapes.loc["training", "assumptions"]
+
+
+def _trainer_lengths(tmp_path, lengths, model, args):
+    """The lengths table with a trainer's step recorded in its provenance, as padding records it
+    for a trainer run (probes.step.changes.config_record)."""
+    record = {"trainer": {sc.RECORD_KEY: sc.config_record(model, args)}}
+    path = tmp_path / "trainer_lengths.parquet"
+    write_parquet(read_parquet(lengths), path, record)
+    return str(path)
+
+
+def test_a_trainers_checkpointing_and_attention_give_the_replays_changes(tmp_path, bucket_inputs):
+    """A trainer whose args turn checkpointing on, its model at eager: the replay's base (StepSwitch
+    on the trainer) prices turning it off and SDPA; memory names the same, from the trainer's
+    step as recorded beside its lengths, not from the harness options and the profile."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    config = config_from_dict(dict(control.TINY_GEMMA3))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    args = SimpleNamespace(**{sc.checkpointing_field(): True})
+    trainer = SimpleNamespace(model=model, trainer=SimpleNamespace(args=args))
+    replay_base = sc.StepSwitch(trainer).base
+    assert replay_base == sc.StepConfig(True, "eager", None)
+    names = [c.strategy for c in step_changes_for(replay_base, _config().training)]
+    assert sc.GC_OFF in names and sc.GC_ON not in names and "attention_sdpa" in names
+    lengths = _trainer_lengths(tmp_path, bucket_inputs["lengths"], model, args)
+    inputs = {**bucket_inputs, "lengths": lengths}
+    outputs = _run(tmp_path, inputs, trainer={"factory": "train.py:build_trainer"})
+    summary = read_json(outputs["summary"])
+    assert summary["step_changes"] == names and summary["gradient_checkpointing"] is True
+    assert summary["step_base"] == dataclasses.asdict(replay_base)
+    table = read_parquet(outputs["changes"]).set_index("strategy")
+    # checkpointing on is the trainer's base: turning it off holds more activations
+    assert table.loc[sc.GC_OFF, "predicted_peak_gib"] > table.loc["random", "predicted_peak_gib"]
