@@ -109,6 +109,7 @@ def trainer_lengths(
 
     import torch
 
+    from probes.step import changes as sc
     from probes.step.factory import build_trainer, load_factory
     from probes.step.trainer import probe_settings
 
@@ -139,6 +140,9 @@ def trainer_lengths(
             "collator": type(trainer.data_collator).__name__,
             "rows": len(lengths),
             "build_seconds": round(seconds, 3),
+            # its step as built (checkpointing, attention): the memory stage's base, so it
+            # names the step-level changes the replay's StepSwitch names
+            sc.RECORD_KEY: sc.config_record(trainer.model, trainer.args),
         }
     }
     return lengths, trainer.processing_class, check, source

@@ -243,3 +243,23 @@ def test_a_switched_step_is_the_trainer_its_change_pastes(factory_dir, strategy)
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name, grad in grads[0].items():
         assert torch.allclose(grad, grads[1][name], rtol=1e-4, atol=1e-6), name
+
+
+def test_the_padding_stage_records_the_step_the_replay_switches_from(factory_dir):
+    """The memory stage never builds the trainer: it starts its step-level changes from what the
+    padding stage recorded beside the lengths, which must be the replay's StepSwitch base."""
+    import dataclasses
+
+    from probes.padding.stage import trainer_lengths
+    from probes.step.changes import RECORD_KEY, StepSwitch, from_record
+
+    directory, model_dir, data = factory_dir
+    spec = write_factory(directory, model_dir, data, "sft", micro=MICRO)
+    config = workflow_config(
+        trainer={"factory": spec},
+        training={"micro_batch_size": MICRO, "grad_accum": 2, "max_seq_len": 128},
+    )
+    *_, source = trainer_lengths(config)
+    recorded = from_record(source["trainer"][RECORD_KEY])
+    base = StepSwitch(_step(factory_dir, "sft")).base
+    assert recorded == dataclasses.replace(base, loss=recorded.loss)
