@@ -4,6 +4,7 @@ small data files. Everything is built in code, so the suite needs no network and
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,11 @@ import pytest
 
 from probes.config import load_config
 from probes.settings import WorkflowConfig
+from probes.step.threads import RULE_THREADS_ENV
+
+# Stages run in the test process time on one thread, as if their rule were given one core: the
+# default (every core) would take both cores beside the other test worker, and thrash.
+os.environ.setdefault(RULE_THREADS_ENV, "1")
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = REPO / "config" / "chat_templates" / "gemma.jinja"
@@ -172,7 +178,9 @@ WIRING_TRIMS = {
     "replay": {
         "control": {"n_strata": 2, "samples_per_stratum": 2, "fit_repeats": 3},
         "coverage": {"threshold": 0.8, "replications": 100},
-        "cpu": {"budget_s": 1},
+        # one thread (and profile.cpu.threads 1 in each test): these runs share the machine
+        # with another test worker, and 2 threads beside another job thrash
+        "cpu": {"budget_s": 1, "threads": 1},
     },
     "report": {"figure_dpi": 40},
 }

@@ -106,7 +106,7 @@ class CpuProfileConfig:
     repeats: int
     kernel_steps: int
     padding_batches: int
-    threads: int
+    threads: int | None
     probe_length: int | None
 
 
@@ -159,7 +159,7 @@ class ReplayCpuConfig:
     budget_s: float
     round_size: int
     fit_repeats: int
-    threads: int
+    threads: int | None
     combined_budget_s: float
 
 

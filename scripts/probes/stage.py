@@ -26,6 +26,7 @@ from probes.contracts import RESULTS_DIR, report_inputs, stage_outputs
 from probes.errors import ControlFailedError, ProbeError
 from probes.logs import setup_logging
 from probes.settings import WorkflowConfig
+from probes.step.threads import RULE_THREADS_ENV
 
 StageRun = Callable[[Mapping[str, Any], Mapping[str, str], WorkflowConfig], None]
 
@@ -238,6 +239,7 @@ def main(
         log = setup_logging(smk.log[0] if smk.log else None, f"probes.{stage}")
         # The Rust tokenizer sizes its thread pool once, at first use: honour the rule's threads.
         os.environ.setdefault("RAYON_NUM_THREADS", str(smk.threads))
+        os.environ[RULE_THREADS_ENV] = str(smk.threads)  # what a timing stage may use
         cfg = WorkflowConfig.from_dict(dict(smk.config))
         outputs = {key: str(smk.output[key]) for key in smk.output.keys()}
         sys.exit(call_stage(run, _snakemake_inputs(smk), outputs, cfg, log))

@@ -28,7 +28,10 @@ def tiny_config(tmp_path: Path, model_dir: Path) -> Path:
         "data": {"files": [{"path": str(data)}]},
         "trainer": {"factory": factory},
         "training": {"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 96},
-        "profile": {"device": "cpu", "cpu": {"lengths": [16, 32, 64], "warmup": 1, "repeats": 2}},
+        "profile": {
+            "device": "cpu",
+            "cpu": {"lengths": [16, 32, 64], "warmup": 1, "repeats": 2, "threads": 1},
+        },
         **WIRING_TRIMS,
     }
     path = tmp_path / "config.yaml"

@@ -188,7 +188,10 @@ def assert_gpu_only_for(rules_with_gpu: set[str], cpu_rules: set[str], log: str)
 # hands out here is fake), every other stage runs as configured.
 TINY_CONFIG = {
     "training": {"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 96},
-    "profile": {"device": "cpu", "cpu": {"lengths": [16, 32, 64], "warmup": 1, "repeats": 2}},
+    "profile": {
+        "device": "cpu",
+        "cpu": {"lengths": [16, 32, 64], "warmup": 1, "repeats": 2, "threads": 1},
+    },
     **WIRING_TRIMS,
 }
 

@@ -1,6 +1,7 @@
 from snakemake.utils import min_version, validate
 
 from probes.config import check_config_paths, check_removed_options, stage_inputs
+from probes.step.threads import available_cores
 from probes.contracts import (
     optional_report_inputs,
     report_inputs,
@@ -35,3 +36,10 @@ def dp_ranks(config):
 def dp_gpus(config):
     """GPUs the data_parallel job asks for: one per rank, none when profile.device is cpu."""
     return 0 if config["profile"]["device"] == "cpu" else dp_ranks(config)
+
+
+def cpu_threads(section):
+    """A timing rule's threads: <section>.cpu.threads, null for every core (probes.step.threads);
+    Snakemake caps it at --cores and runs nothing beside it."""
+    configured = config[section]["cpu"]["threads"]
+    return available_cores() if configured is None else int(configured)

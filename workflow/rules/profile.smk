@@ -22,6 +22,7 @@ rule profile:
         "benchmarks/profile.tsv"
     conda:
         "../envs/probes.yaml"
+    threads: cpu_threads("profile")
     resources:
         gpu=1,
         timing=1,

@@ -14,6 +14,7 @@ rule realize:
         "benchmarks/realize.tsv"
     conda:
         "../envs/probes.yaml"
+    threads: cpu_threads("replay")
     resources:
         gpu=1,
         timing=1,

@@ -18,6 +18,7 @@ rule replay:
         "benchmarks/replay.tsv"
     conda:
         "../envs/probes.yaml"
+    threads: cpu_threads("replay")
     resources:
         gpu=1,
         timing=1,

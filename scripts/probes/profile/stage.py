@@ -49,6 +49,7 @@ from probes.step import batches as bt
 from probes.step.fit import QuadraticFit, fit_control, fit_step_time
 from probes.step.idle import check_idle_card, probe_card
 from probes.step.runner import ProfileError, Settings
+from probes.step.threads import timing_threads
 from probes.step.timing import OK
 
 LOG = logging.getLogger("probes.profile")
@@ -230,7 +231,7 @@ def load_seeded_step(
 ) -> ProfiledStep:
     """The profiled step, loaded after the CPU threads are set and torch is seeded."""
     if settings.cpu_only:
-        torch.set_num_threads(int(cfg.profile.cpu.threads))
+        torch.set_num_threads(timing_threads(cfg.profile.cpu.threads))
     torch.manual_seed(settings.seed)
     return load_profiled_step(model_path, cfg, settings)
 

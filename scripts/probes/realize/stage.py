@@ -38,6 +38,7 @@ from probes.realize.timing import STEP_COLUMNS, measure
 from probes.settings import RealizeConfig, TrainingConfig, WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step.idle import check_idle_card
+from probes.step.threads import timing_threads
 
 LOG = logging.getLogger("probes.realize")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["realize"])
@@ -295,7 +296,7 @@ def load_timer(
     change: (timer, harness description, (dtype name, why))."""
     seed = cfg.realize.seed
     if work.cpu_only:
-        torch.set_num_threads(int(cfg.replay.cpu.threads))
+        torch.set_num_threads(timing_threads(cfg.replay.cpu.threads))
     torch.manual_seed(seed)
     runner, vocab, pad_id, harness, dtype, dtype_reason, *clock = load(
         model_path, cfg, work.device, work.max_len

@@ -59,6 +59,7 @@ from probes.settings import ReplayConfig, WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step.idle import check_idle_card
 from probes.step.load import load_step
+from probes.step.threads import timing_threads
 
 LOG = logging.getLogger("probes.replay")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["replay"])
@@ -77,7 +78,7 @@ def load_replay_step(
     added to the plans."""
     replay_cfg = cfg.replay
     if plan.cpu_only:
-        torch.set_num_threads(int(replay_cfg.cpu.threads))
+        torch.set_num_threads(timing_threads(replay_cfg.cpu.threads))
     torch.manual_seed(plan.settings.seed)
     dtype = replay_dtype(cfg.profile.dtype, plan.device)
     step, vocab_size, pad_id, described = load_step(

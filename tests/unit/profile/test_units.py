@@ -213,7 +213,7 @@ def test_schema_defaults_fill_the_profile_section():
         "kernel_steps": 1,
         "padding_batches": 2,
         "probe_length": None,
-        "threads": 1,
+        "threads": None,
     }
     assert filled["cuda"]["lengths"] == [4096, 8192, 16384]
     assert filled["harness"] == "probes.reference_harness"

@@ -1,0 +1,33 @@
+"""How many CPU threads a timing stage uses: one fact for the rule (Snakemake's `threads`, which
+reserves the cores so nothing runs beside it) and for the stage (torch's intra-op threads).
+
+On CPU a timed step is the whole point of the run: one thread on a 2-core machine left a core idle
+(the trainer's micro-batch 2 x 16 took 0.93 s on one thread, 0.60 s on two), while two threads
+*beside another job* thrash (5-10x slower). So a timing rule takes every core it is given and
+Snakemake runs nothing beside it; `profile.cpu.threads` / `replay.cpu.threads` set a count.
+Light on purpose: the Snakefile imports it.
+"""
+
+from __future__ import annotations
+
+import os
+
+# set by probes.stage.main from the rule's `threads` (capped by Snakemake at --cores)
+RULE_THREADS_ENV = "PROBES_RULE_THREADS"
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. a SLURM job's CPUs)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def timing_threads(configured: int | None) -> int:
+    """The CPU threads of a timing stage: the configured count; else the rule's threads (what
+    Snakemake reserved); else every core this process may run on."""
+    if configured is not None:
+        return int(configured)
+    from_rule = os.environ.get(RULE_THREADS_ENV)
+    return int(from_rule) if from_rule else available_cores()
