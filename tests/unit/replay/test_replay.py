@@ -248,11 +248,16 @@ def test_synthetic_control_recovers_known_savings_and_coefficients(plans):
     control = run_synthetic_control(plans, settings, [32, 64, 128, 256, MAX_LEN], MICRO, cost=cost)
     assert set(control) >= {"name", "description", "expected", "observed", "passed"}
     assert control["passed"], control["observed"]
-    # the timing path's own overhead is measured: positive, well under the smallest known cost
+    # the timing path's own overhead is measured (positive, under the smallest known cost) and
+    # moves no saving far: it adds the same seconds to every step, so it shrinks each saving by
+    # the share it takes of the step (0.4-1.2 pp of pad_to_max_seq_len's 28.7% on one noisy
+    # 2-core host, run to run), never flips a sign
     overhead = control["observed"]["timing_overhead_s"]
     assert 0 <= overhead["micro_batch"] < cost.c
-    strategies = control["observed"]["strategies"].values()
-    assert all(abs(s["exact_saving_with_overhead"] - s["exact_saving"]) < 0.01 for s in strategies)
+    assert 0 <= overhead["optimizer_step"] < cost.optimizer_s
+    for s in control["observed"]["strategies"].values():
+        moved = abs(s["exact_saving_with_overhead"] - s["exact_saving"])
+        assert moved <= 0.05 * abs(s["exact_saving"]) + 0.002, s
 
 
 def test_known_cost_c_plus_k_rows_t_recovers_a_zero_quadratic_term(plans):
