@@ -83,6 +83,27 @@ def profile_dtype(directory: Path) -> str:
     return f"profile dtype {provenance.get('dtype')}: {provenance.get('dtype_reason', 'no reason')}"
 
 
+def machine_speed_s(repeats: int = 5) -> float:
+    """Median seconds of a fixed one-thread float32 workload (matmuls and a Python loop): the
+    same before and after a run on a steady machine. Shared 2-core hosts drift by a third within
+    minutes, so a run's rule times are read beside it, not against another day's."""
+    import statistics
+
+    import torch
+
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(384, 384, generator=generator)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(200):
+            a = torch.tanh(a @ a)
+        sum(i * i for i in range(1_000_000))
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def run_cold(directory: Path, cores: int, configfile: str | None = None) -> float:
     """`snakemake --cores N report` in a fresh copy of the workflow; its wall seconds."""
     copy_workflow(directory)
@@ -124,11 +145,13 @@ def main() -> None:
     args = parser.parse_args()
 
     load_before = os.getloadavg()
+    speed = [machine_speed_s()]
     if args.directory is not None:
         directory, total = args.directory, None
     else:
         directory = Path(tempfile.mkdtemp(prefix="probes-default-run-"))
         total = run_cold(directory, args.cores, args.configfile)
+        speed.append(machine_speed_s())
     rules = read_benchmarks(directory)
     if rules.empty:
         sys.exit(f"no benchmark files under {directory / BENCHMARKS}")
@@ -137,6 +160,11 @@ def main() -> None:
     print(
         f"load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f} "
         f"(on {os.cpu_count()} CPUs)"
+    )
+    print(
+        "machine speed (a fixed one-thread workload, s; lower is faster): "
+        + " before, ".join(f"{s:.3f}" for s in speed)
+        + (" after" if len(speed) > 1 else " now")
     )
     print(profile_dtype(directory))
     print(format_table(rules, total))
