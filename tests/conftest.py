@@ -176,13 +176,15 @@ def workflow_config(**sections: dict) -> WorkflowConfig:
 # checks job status every 2 s (test_slurm_cluster.STATUS_CHECK_S), so a job's length counts as is.
 WIRING_TRIMS = {
     "replay": {
-        # the tiny control's point estimates miss by up to 7% when the other test worker
-        # preempts a busy-wait (its intervals still cover): 10%, as the coverage below
+        # the tiny control's point estimates missed by up to 7% and its 3-repeat fit's a, b
+        # by up to 37% when the other test worker preempted a busy-wait (the intervals still
+        # covered): tolerances these runs cannot miss by chance, as the coverage below
         "control": {
             "n_strata": 2,
             "samples_per_stratum": 2,
             "fit_repeats": 3,
             "saving_tolerance": 0.1,
+            "fit_tolerance": 0.6,
         },
         "coverage": {"threshold": 0.8, "replications": 100},
         # one thread (and profile.cpu.threads 1 in each test): these runs share the machine

@@ -83,7 +83,7 @@ def known_cost_replay(tmp_path, tiny_model_dir, eager_s: float = EAGER_S, **repl
     plans = pl.bucket_stage_plans(lengths, rec, typed)
     write_parquet(plans, tmp_path / "plans.parquet", {})
     write_json({"scenarios": []}, tmp_path / "gate.json")
-    cost = SyntheticCost.scaled_to(plans, fixed_s=0.002, linear_s=0.006, quadratic_s=0.006)
+    cost = SyntheticCost.scaled_to(plans, fixed_s=0.004, linear_s=0.006, quadratic_s=0.006)
     factory = tmp_path / "known_cost.py"
     factory.write_text(
         FACTORY.format(
