@@ -15,6 +15,8 @@ from conftest import REPO, chat_rows, write_jsonl
 from probes.contracts import STAGE_OUTPUTS, check_table_columns
 from probes.io import read_json, read_parquet
 
+# the module-scoped fixtures are built once: every test of the module on one worker
+pytestmark = pytest.mark.xdist_group("data_parallel")
 # small: two sampled steps per strategy, one measured round after one warm-up round
 DP_CONFIG = {"steps": 2, "rounds": 1, "warmup_rounds": 1, "cpu": {"max_seq_len": 32}}
 # rank 1 dies at its first loss; rank 0 would wait for it at the first collective

@@ -33,6 +33,9 @@ from probes.step import reference_harness
 from probes.step.harness import load_harness
 from probes.step.loss_changes import LOSS_PREFIX, STOCK
 
+# the module-scoped fixtures are built once: every test of the module on one worker
+pytestmark = pytest.mark.xdist_group("memory_step_changes")
+
 VOCAB = 2048  # large enough that the full logits are a visible block
 SHAPE = Shape("step", 2, 256)  # 256 x 256 attention probabilities per head: visible too
 FLOAT32 = 4
