@@ -129,19 +129,15 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     LOG.info("memory stage in %.1f s (%d predictions)", summary["wall_seconds"], predictor.count)
 
 
-def load_harness(cfg: WorkflowConfig, **overrides: Any) -> LoadedHarness:
-    """The profile's harness with its options (probes.step.harness), as the profile loads it;
-    `overrides` replace options (a harness that refuses them raises its own error)."""
+def load_harness(cfg: WorkflowConfig) -> LoadedHarness:
+    """The profile's harness with its options (probes.step.harness), as the profile loads it."""
     from probes.step import harness as step_harness
 
     harness = step_harness.load_harness(cfg.profile.harness)
     configure = harness.hook("configure")
     options = {"ce_chunk_tokens": cfg.profile.ce_chunk_tokens, **cfg.profile.harness_options}
-    options = {**options, **overrides}
     if configure is not None:
         configure(options)
-    elif overrides:
-        raise PredictError(f"profile.harness {cfg.profile.harness}: no configure() for {overrides}")
     return LoadedHarness(harness, {"options": options})
 
 

@@ -25,6 +25,7 @@ from probes.config import schema_default
 from probes.replay.strata import stratified_sample
 from probes.step import batches as bt
 from probes.step import fit as ft
+from probes.step.threads import available_cores
 from probes.step.timing import (
     OK,
     OOM,
@@ -306,7 +307,6 @@ def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int
     warmup_times, times = times[:warmup], times[warmup:]
     arr = np.asarray(times, dtype=np.float64)
     ok = status == OK and arr.size >= 2 and float(arr.mean()) > 0
-    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     return {
         "status": status,
         "warmup_times_s": [float(v) for v in warmup_times],
@@ -325,7 +325,7 @@ def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int
             "warmup": int(warmup),
             "gc": "collected before, disabled during every timed loop",
             "threads": int(torch.get_num_threads()) if runner.device.type == "cpu" else None,
-            "cpu_affinity_cores": affinity,
+            "cpu_affinity_cores": available_cores(),
             "pinning": "not pinned (the process's CPU affinity as given)",
             "timer": TIMER,
         },
