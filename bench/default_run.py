@@ -29,7 +29,6 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from conftest import copy_workflow  # noqa: E402 (the one copy of "the workflow as checked out")
-from probes.step.threads import RULE_THREADS_ENV  # noqa: E402
 
 BUDGET_S = 300.0  # issue 13: the whole default workflow cold within 5 minutes on 2 AVX2 cores
 TARGET = "report"
@@ -108,7 +107,6 @@ def run_cold(directory: Path, cores: int, configfile: str | None = None) -> floa
     """`snakemake --cores N report` in a fresh copy of the workflow; its wall seconds."""
     copy_workflow(directory)
     env = dict(os.environ)
-    env.pop(RULE_THREADS_ENV, None)  # the tests' conftest sets it for in-process stages
     # the copy's own package, not an installed one from another checkout
     env["PYTHONPATH"] = os.pathsep.join(
         [str(directory / "scripts"), *filter(None, [env.get("PYTHONPATH")])]

@@ -14,9 +14,13 @@ from probes.config import load_config
 from probes.settings import WorkflowConfig
 from probes.step.threads import RULE_THREADS_ENV
 
-# Stages run in the test process time on one thread, as if their rule were given one core: the
-# default (every core) would take both cores beside the other test worker, and thrash.
-os.environ.setdefault(RULE_THREADS_ENV, "1")
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Stages run in the test process time on one thread, as if their rule were given one core:
+    the default (every core) would take both cores beside the other test worker, and thrash.
+    A hook, not an import side effect: bench scripts import this module for copy_workflow."""
+    os.environ.setdefault(RULE_THREADS_ENV, "1")
+
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = REPO / "config" / "chat_templates" / "gemma.jinja"
