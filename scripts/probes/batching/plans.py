@@ -28,7 +28,8 @@ Strategies:
   flattened row of its documents with position ids restarting at 0 per document and no padding
   (the layout of DataCollatorWithFlattening / TRL ``padding_free``);
 - ``pad_to_max_seq_len``: the random order, every micro-batch padded to ``max_seq_len``;
-- ``random_no_idle``: the random order without the examples that carry no loss token.
+- ``random_no_idle``: the random order without the examples that carry no loss token; left out
+  where every example carries one (its micro-batches would be random's).
 """
 
 from __future__ import annotations
@@ -274,9 +275,12 @@ def build_plans(
     rows += _padded_plan(GLOBAL_SORT, grouped(m_all), examples)
     rows += _packed_plan(examples, micro_batch_size, grad_accum, max_seq_len, seed, packed)
     rows += _padded_plan(PAD_TO_MAX, random_batches, examples, pad_to=max_seq_len)
-    # the Trainer's random sampler over the filtered dataset
-    no_idle = kept[orders.seeded_permutation(kept.size, seed)] if kept.size else kept
-    rows += _padded_plan(RANDOM_NO_IDLE, _in_micro_batches(no_idle, micro_batch_size), examples)
+    # the Trainer's random sampler over the filtered dataset; none where nothing is filtered (a
+    # trainer that drops fully masked examples itself): its micro-batches would be random's, one
+    # for one, and timing them again would cost the replay a strategy's samples for a known 0
+    if kept.size < n:
+        no_idle = kept[orders.seeded_permutation(kept.size, seed)]
+        rows += _padded_plan(RANDOM_NO_IDLE, _in_micro_batches(no_idle, micro_batch_size), examples)
     frame = pd.DataFrame(rows)
     # packing's rows carry their own (its grad_accum keeps tokens per update); the rest grad_accum
     own = frame.get("optimizer_step_index")

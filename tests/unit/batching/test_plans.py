@@ -1,5 +1,7 @@
 """Batch plans: every strategy's micro-batches from the bucket stage's own orders (ids only)."""
 
+import dataclasses
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -70,7 +72,17 @@ def test_each_strategy_trains_each_example_once(plans, examples):
     for name in (pl.RANDOM, pl.LENGTH_GROUPED, pl.GLOBAL_SORT, pl.PACKING, pl.PAD_TO_MAX):
         assert sorted(_ids(plans[plans["strategy"] == name])) == everyone, name
     with_loss = sorted(examples.example_ids[examples.loss_tokens > 0])
+    assert len(with_loss) < len(everyone)  # the fixture has examples without a loss token
     assert sorted(_ids(plans[plans["strategy"] == pl.RANDOM_NO_IDLE])) == with_loss
+
+
+def test_no_random_no_idle_plan_where_every_example_carries_loss(examples):
+    """A trainer that drops fully masked examples itself (TRL does) leaves nothing to filter:
+    the plan would be random's micro-batch for micro-batch, so it is not built (nor timed)."""
+    every = dataclasses.replace(examples, loss_tokens=np.maximum(examples.loss_tokens, 1))
+    built = pl.build_plans(every, MICRO, ACCUM, MAX_LEN, bucket_size_batches=4)
+    assert pl.RANDOM_NO_IDLE not in set(built["strategy"])
+    assert pl.RANDOM in set(built["strategy"])
 
 
 def test_padded_shapes_are_the_real_ones(plans):
@@ -228,7 +240,9 @@ def test_bucket_stage_plans_and_read_back(tmp_path):
     out = tmp_path / "plans.parquet"
     write_parquet(pl.bucket_stage_plans(lengths, rec, training, seed=2), out, {"plan_seed": 2})
     back = pl.read_plans(out)
-    assert set(back["strategy"]) == set(pl.STRATEGIES)
+    idle = pl.read_examples(lengths, MAX_LEN).loss_tokens == 0
+    expected = set(pl.STRATEGIES) - (set() if idle.any() else {pl.RANDOM_NO_IDLE})
+    assert set(back["strategy"]) == expected
     assert read_provenance(out)["plan_seed"] == 2
 
 
