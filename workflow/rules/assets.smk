@@ -15,6 +15,7 @@ rule default_model:
         "benchmarks/default_model.tsv"
     conda:
         "../envs/probes.yaml"
+    threads: 2  # the tokenizer built in a child process beside the model (probes.assets)
     params:
         chat_template="config/chat_templates/gemma.jinja",
     script:
