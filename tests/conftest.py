@@ -18,8 +18,80 @@ from probes.step.threads import RULE_THREADS_ENV
 def pytest_configure(config: pytest.Config) -> None:
     """Stages run in the test process time on one thread, as if their rule were given one core:
     the default (every core) would take both cores beside the other test worker, and thrash.
-    A hook, not an import side effect: bench scripts import this module for copy_workflow."""
+    A hook, not an import side effect: bench scripts import this module for copy_workflow.
+
+    Under xdist the work is handed out in collection order (LONGEST_FIRST below), not re-sorted
+    by how many tests each group holds (xdist's default, which would start the groups of many
+    short tests before the SLURM run)."""
     os.environ.setdefault(RULE_THREADS_ENV, "1")
+    if getattr(config.option, "loadscopereorder", False):
+        config.option.loadscopereorder = False
+
+
+# The longest runs first, measured on the 2-core machine (`make test`: pytest -n 2 --dist
+# loadgroup hands tests out in collection order, a few at a time): started last, one of them
+# kept one worker busy for minutes after the other had finished. Path prefixes of node ids,
+# longest first; what matches none keeps its place after them.
+LONGEST_FIRST = (
+    "tests/workflow/test_slurm_cluster.py",  # 150-240 s: the workflow as SLURM jobs
+    "tests/workflow/test_e2e.py",  # 105-120 s: every rule, locally
+    # 90-115 s, two processes: the real GGUF parsed both ways
+    "tests/unit/test_assets.py::test_the_default_model_is_byte_identical",
+    "tests/workflow/test_data_parallel.py",  # 45-65 s: the upstream run, then two ranks
+    "tests/workflow/test_report.py",  # 45-55 s: three Snakemake runs
+    "tests/unit/memory/test_step_changes.py",  # 35-45 s: four memory stage runs
+    # 35-45 s together: one xdist group (report_renders), the fixture reports rendered once
+    "tests/unit/report/test_first_screen.py",
+    "tests/unit/report/test_report.py",
+    "tests/workflow/test_mask_script.py",
+    "tests/workflow/test_bucket.py",
+    "tests/workflow/test_profile.py",
+)
+
+
+def longest_first(items: list[pytest.Item]) -> None:
+    """Reorder items in place: LONGEST_FIRST's, in its order (each module's tests kept together
+    and in their order, so a module fixture is built once), then the rest as collected."""
+
+    def rank(item: pytest.Item) -> int:
+        for index, prefix in enumerate(LONGEST_FIRST):
+            if item.nodeid.startswith(prefix):
+                return index
+        return len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable
+
+
+def restore_xdist_groups(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`--dist loadgroup` keeps a group's tests on one worker by renaming each <nodeid>@<group>
+    (xdist's worker hook sets item._nodeid). pytest 9.2 reads a node id from item._id instead,
+    so the rename is lost and each test of a group goes to whichever worker is free: a module
+    fixture of 20 s was built on both workers (pytest-dev/pytest-xdist#1386). The same rename,
+    where pytest 9.2 reads it; skipped where xdist's own took effect."""
+    try:
+        from _pytest.nodeid import NodeId  # pytest >= 9.2
+    except ImportError:
+        return
+    if not getattr(config.option, "loadgroup", False):
+        return
+
+    for item in items:
+        groups = sorted(
+            {
+                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                for m in item.iter_markers("xdist_group")
+            }
+        )
+        nodeid = item.nodeid
+        if not groups or nodeid.rfind("@") > nodeid.rfind("]"):
+            continue
+        item._id = NodeId.parse(f"{nodeid}@{'_'.join(groups)}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    longest_first(items)
+    restore_xdist_groups(config, items)
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,7 +249,7 @@ def workflow_config(**sections: dict) -> WorkflowConfig:
 # run: a smaller busy-wait control, one timing round (a 1 s budget), and a coverage threshold the
 # tiny design (a few micro-batches per strategy, 0.92 measured) cannot miss by chance;
 # tests/unit/replay checks the controls and the rounds at their defaults. Under SLURM the test
-# checks job status every 2 s (test_slurm_cluster.STATUS_CHECK_S), so a job's length counts as is.
+# checks job status every second (test_slurm_cluster.STATUS_CHECK_S): a job's length counts as is.
 WIRING_TRIMS = {
     "replay": {
         # the tiny control's point estimates missed by up to 7% and its 3-repeat fit's a, b

@@ -10,6 +10,8 @@ import pytest
 from conftest import copy_workflow
 from probes.bucket import control as bucket_controls
 
+# the module-scoped run is made once: both tests of the module on one worker
+pytestmark = pytest.mark.xdist_group("bucket_workflow")
 SNAKEMAKE = Path(sys.executable).with_name("snakemake")
 
 

@@ -13,8 +13,9 @@ from probes.contracts import table_columns
 from probes.report import lint
 from probes.report.sections.verdicts import memory_check, timed_step, verdicts_section
 
-# the module-scoped fixtures are built once: every test of the module on one worker
-pytestmark = pytest.mark.xdist_group("first_screen")
+# the fixture reports are rendered once (conftest.report_run, per process): every test that
+# reads them on one worker, test_report.py's too
+pytestmark = pytest.mark.xdist_group("report_renders")
 
 VERDICT_HEADER = "| # | change | settings | measured saving [95%] | realized | memory | next |"
 

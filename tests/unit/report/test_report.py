@@ -35,6 +35,9 @@ from probes.report.sections import padding as padding_sections
 
 from .renders import run_report
 
+# the fixture reports are rendered once (conftest.report_run, per process): every test that
+# reads them on one worker, test_first_screen.py's too
+pytestmark = pytest.mark.xdist_group("report_renders")
 SCRIPT = REPO / "scripts" / "run_report.py"
 # the stage fixtures write no memory stage outputs: a standalone render is told it did not run
 NO_MEMORY = ("--set", "memory.enabled=false")
