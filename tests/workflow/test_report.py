@@ -1,4 +1,5 @@
-"""The report rule inside Snakemake, with the four stages stubbed by fixture writers.
+"""The report rule inside Snakemake, with the other stages stubbed: each stub copies in its
+outputs from tests/stage_fixtures.py's fixture results, written once by the test.
 
 Checks the wiring the report owns: the rule's inputs/outputs and params, the figures directory
 output, and `snakemake --report report.html` (report() captions and workflow/report/*.rst). The
@@ -14,27 +15,24 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pandas as pd
 import pytest
+from stage_fixtures import write_results, write_stage
 
 from conftest import REPO, STAGE_SCRIPTS
+from probes.contracts import STAGE_OUTPUTS
 
 STUBBED_SCRIPTS = {stage: script for stage, script in STAGE_SCRIPTS.items() if stage != "report"}
 STUB = """\
-# a stand-in for the {stage} stage: writes fixture outputs from tests/stage_fixtures.py
+# a stand-in for the {stage} stage: copies in its outputs from the fixture results the test wrote
+# once (write_fixture_results below); building them in each stub took ~8 s a stage
+import shutil
 from pathlib import Path
 
-from stage_fixtures import write_stage  # tests/ is on PYTHONPATH (see snakemake() below)
-
-outputs = {{"{stage}_" + key: Path(value) for key, value in snakemake.output.items()}}
-for path in outputs.values():
-    path.parent.mkdir(parents=True, exist_ok=True)
-if "profile_raw" in outputs:
-    outputs["profile_raw"].write_text("raw key_averages() table\\n")
-write_stage("{stage}", outputs, profile={profile!r})
-if "bucket_plans" in outputs and not outputs["bucket_plans"].exists():  # for the replay stub
-    import pandas as pd
-
-    pd.DataFrame({{"strategy": ["random"]}}).to_parquet(outputs["bucket_plans"])
+SOURCES = {sources!r}
+for key, value in snakemake.output.items():
+    Path(value).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(SOURCES[key], value)
 """
 # complete: with --directory elsewhere the Snakefile's configfile (config/config.yaml) is not found
 CONFIG = """\
@@ -51,9 +49,28 @@ report:
 WORKFLOW_RST_LINE = 'report: "workflow/report/workflow.rst"'
 
 
+def write_fixture_results(root: Path, profile: str) -> Path:
+    """Every stubbed stage's outputs under root/ (the results layout), as tests/stage_fixtures.py
+    writes them; the stubs copy theirs from here."""
+    write_results(root, profile=profile)
+    memory = {f"memory_{key}": root / rel for key, rel in STAGE_OUTPUTS["memory"].items()}
+    write_stage("memory", memory, profile=profile)
+    (root / STAGE_OUTPUTS["profile"]["raw"]).write_text("raw key_averages() table\n")
+    plans = root / STAGE_OUTPUTS["bucket"]["plans"]
+    if not plans.exists():  # for the replay stub
+        pd.DataFrame({"strategy": ["random"]}).to_parquet(plans)
+    return root
+
+
+def stub(stage: str, written: Path) -> str:
+    sources = {key: str(written / rel) for key, rel in STAGE_OUTPUTS[stage].items()}
+    return STUB.format(stage=stage, sources=sources)
+
+
 def make_workdir(tmp_path: Path, profile: str) -> Path:
     """A copy of the workflow whose stage scripts are stubs (the report script is the real one),
     and a separate run directory, as `snakemake --snakefile ... --directory ...` uses them."""
+    written = write_fixture_results(tmp_path / "fixture-results", profile)
     source = tmp_path / "wf"
     source.mkdir()
     for item in ("Snakefile", "workflow", "config"):
@@ -62,10 +79,9 @@ def make_workdir(tmp_path: Path, profile: str) -> Path:
         copy(original, source / item)
     shutil.copytree(REPO / "scripts", source / "scripts", ignore=shutil.ignore_patterns("step*"))
     for stage, script in STUBBED_SCRIPTS.items():
-        text = STUB.format(stage=stage, profile=profile)
-        (source / "scripts" / script).write_text(text)
+        (source / "scripts" / script).write_text(stub(stage, written))
     # the replay (issue 12): its fixture outputs are made by the stage's own functions
-    (source / "scripts" / "run_replay.py").write_text(STUB.format(stage="replay", profile=profile))
+    (source / "scripts" / "run_replay.py").write_text(stub("replay", written))
     snakefile = source / "Snakefile"
     if WORKFLOW_RST_LINE not in snakefile.read_text():  # the lead adds it to the real Snakefile
         snakefile.write_text(snakefile.read_text() + f"\n{WORKFLOW_RST_LINE}\n")
