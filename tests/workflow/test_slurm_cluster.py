@@ -50,7 +50,7 @@ TEST_CLUSTER_ARGS = [
 # ~40 s after it ended, and the run's wall time varied by minutes. This test cluster answers
 # squeue in milliseconds: check every STATUS_CHECK_S instead. Only the pacing changes; what is
 # submitted, and how, is the plugin's own (the jobs themselves run plain `python -m snakemake`).
-STATUS_CHECK_S = 2
+STATUS_CHECK_S = 1
 SNAKEMAKE_AT_FIXED_PACE = f"""
 import sys
 from snakemake.cli import main
