@@ -38,7 +38,7 @@ LONGEST_FIRST = (
     # 90-115 s, two processes: the real GGUF parsed both ways
     "tests/unit/test_assets.py::test_the_default_model_is_byte_identical",
     "tests/workflow/test_data_parallel.py",  # 45-65 s: the upstream run, then two ranks
-    "tests/workflow/test_report.py",  # 45-55 s: three Snakemake runs
+    "tests/workflow/test_report.py",  # 25-30 s: three Snakemake runs
     "tests/unit/memory/test_step_changes.py",  # 35-45 s: four memory stage runs
     # 35-45 s together: one xdist group (report_renders), the fixture reports rendered once
     "tests/unit/report/test_first_screen.py",
