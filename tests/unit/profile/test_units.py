@@ -211,7 +211,7 @@ def test_schema_defaults_fill_the_profile_section():
         "warmup": 1,
         "repeats": 2,
         "kernel_steps": 1,
-        "padding_batches": 2,
+        "padding_batches": 1,
         "probe_length": None,
         "threads": None,
     }
