@@ -321,12 +321,15 @@ def run_sequential(
     timed = TimedRounds()
     stopped_by = "census"
     estimates: dict[str, GregEstimate] = {}
+    first_round_s = float("nan")
     while True:
         units = new_units(design, takes, done, rng)
         if units.empty:
             stopped_by = "census"
             break
         time_round(runner, design, units, settings, timed, cv, progress)
+        if timed.rounds == 1:  # what the sizing predicted (sized_design), measured
+            first_round_s = float(clock() - started)
         done = dict(takes)
         estimates, _ = greg_estimate_all(
             strategy_designs(design, timed.steps), np.asarray(timed.optimizer), cv, cv_df
@@ -347,6 +350,7 @@ def run_sequential(
         "rounds": timed.rounds,
         "timed_micro_batches": int(len(steps)),
         "elapsed_s": float(clock() - started),
+        "first_round_s": first_round_s,
         "budget_s": float(budget_s),
         "round_size": int(round_size),
         "initial_extra": int(initial_extra),

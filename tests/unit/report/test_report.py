@@ -856,6 +856,50 @@ def test_summary_and_apply_agree_and_a_slower_change_is_never_recommended(tmp_pa
     assert not any(c["recommended"] for c in document["changes"] if (c["saving_ci_high"] or 0) < 0)
 
 
+# the default trainer's first round on this CPU: sized at 2 of 3 strata, predicted past the
+# budget, and it took two thirds of the prediction (its shapes repeat: not every one is warmed)
+FIRST_ROUND = {
+    "stopped_by": "budget",
+    "rounds": 1,
+    "timed_micro_batches": 48,
+    "elapsed_s": 98.2,
+    "first_round_s": 98.2,
+    "budget_s": 90.0,
+    "retimed_micro_batches": 0,
+    "first_round": {
+        "strata": 2,
+        "strata_configured": 3,
+        "first_round_predicted_s": 142.0,
+        "unit_s": 2.96,
+    },
+}
+
+
+def test_the_first_round_as_sized_and_as_measured():
+    from probes.report.sections.replay import first_round_view
+
+    view = first_round_view(FIRST_ROUND)
+    assert view["cut"] and view["floor"] and view["disagrees"]
+    assert (view["predicted_s"], view["measured_s"]) == (142.0, 98.2)
+    within = {**FIRST_ROUND, "first_round_s": 130.0, "budget_s": 200.0}
+    assert not first_round_view(within)["disagrees"] and not first_round_view(within)["floor"]
+    older = {k: v for k, v in FIRST_ROUND.items() if k != "first_round_s"}  # before it was kept
+    assert not first_round_view(older)["disagrees"]
+    assert first_round_view({"stopped_by": "census"}) is None
+
+
+def test_the_report_says_when_the_sizing_model_and_the_first_round_disagree(tmp_path):
+    paths = write_results(tmp_path / "results")
+    control = read_json(paths["replay_control"])
+    write_json({**control, "stopping": FIRST_ROUND}, paths["replay_control"])
+    out = tmp_path / "report.md"
+    run_report(paths, out)
+    text = " ".join(out.read_text().split())
+    assert "2 of the 3 configured strata per strategy, the fewest its coverage control" in text
+    assert "The sizing model and the measurement disagree" in text
+    assert "predicted the first round at 2.37 min" in text and "it took 98.2 s" in text
+
+
 def test_replay_notes_read_the_instrument_coverage_and_stopping():
     from probes.report.sections.replay import replay_measurement_notes, tokens_not_time
 
@@ -872,7 +916,12 @@ def test_replay_notes_read_the_instrument_coverage_and_stopping():
     assert notes["instrument"]["cv"] == 0.04 and "1 thread(s)" in notes["instrument"]["done"]
     assert notes["coverage"]["min"] == 0.93 and notes["coverage"]["passed"]
     assert notes["stopping"]["stopped_by"] == "budget"
-    assert replay_measurement_notes({}) == {"instrument": None, "coverage": None, "stopping": None}
+    assert replay_measurement_notes({}) == {
+        "instrument": None,
+        "coverage": None,
+        "stopping": None,
+        "first_round": None,
+    }
     tie = "ties with random batches: its 95% interval includes 0"
     assert "20.0% of the tokens" in tokens_not_time({"computed_token_saving": 0.2}, tie)
     assert tokens_not_time({"computed_token_saving": 0.2}, "recommended: faster") is None

@@ -293,7 +293,12 @@ def replay_measurement_notes(control: Any) -> dict[str, Any]:
     figure and why the timing stopped (None each where the JSON does not carry it)."""
     control = control if isinstance(control, Mapping) else {}
     instrument, coverage = control.get("instrument"), control.get("coverage")
-    out: dict[str, Any] = {"instrument": None, "coverage": None, "stopping": None}
+    out: dict[str, Any] = {
+        "instrument": None,
+        "coverage": None,
+        "stopping": None,
+        "first_round": None,
+    }
     if isinstance(instrument, Mapping) and finite(instrument.get("cv")) is not None:
         done = instrument.get("done") or {}
         out["instrument"] = {
@@ -314,7 +319,37 @@ def replay_measurement_notes(control: Any) -> dict[str, Any]:
         }
     if isinstance(control.get("stopping"), Mapping):
         out["stopping"] = dict(control["stopping"])
+        out["first_round"] = first_round_view(out["stopping"])
     return out
+
+
+# the sizing model's first-round time against the round's measured one: outside these ratios the
+# report says they disagree (the model prices every micro-batch as a new, warmed shape)
+FIRST_ROUND_AGREES = (0.8, 1.25)
+
+
+def first_round_view(stopping: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The first round as sized (probes.replay.sequential.sized_design) and as measured: its
+    strata, whether sizing cut them (and to the floor, still predicted past the budget), and
+    whether the sizing model's predicted seconds and the round's measured ones disagree."""
+    sizing = stopping.get("first_round")
+    if not isinstance(sizing, Mapping):
+        return None
+    predicted = finite(sizing.get("first_round_predicted_s"))
+    measured = finite(stopping.get("first_round_s"))
+    budget = finite(stopping.get("budget_s"))
+    ratio = measured / predicted if measured is not None and predicted else None
+    low, high = FIRST_ROUND_AGREES
+    return {
+        "strata": sizing.get("strata"),
+        "strata_configured": sizing.get("strata_configured"),
+        "cut": (sizing.get("strata") or 0) < (sizing.get("strata_configured") or 0),
+        "floor": predicted is not None and budget is not None and predicted > budget,
+        "unit_s": finite(sizing.get("unit_s")),
+        "predicted_s": predicted,
+        "measured_s": measured,
+        "disagrees": ratio is not None and not low <= ratio <= high,
+    }
 
 
 def host_bound_threshold(jsons: Mapping[str, Any]) -> float | None:
