@@ -27,13 +27,17 @@ Strategies:
   kept), the documents of a row in TRL's order; a packed micro-batch is laid out as one
   flattened row of its documents with position ids restarting at 0 per document and no padding
   (the layout of DataCollatorWithFlattening / TRL ``padding_free``);
-- ``pad_to_max_seq_len``: the random order, every micro-batch padded to ``max_seq_len``;
+- ``pad_to_max_seq_len``: the random order, every micro-batch padded to ``max_seq_len``; left
+  out where the user's trainer collates the examples (``trainer.factory``): its collator, checked
+  by the padding stage, pads each batch to its longest member, so the advice it prices ("pad to
+  the longest member, if you pad to max_seq_len today") does not apply to this run;
 - ``random_no_idle``: the random order without the examples that carry no loss token; left out
   where every example carries one (its micro-batches would be random's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +55,7 @@ from probes.contracts import (
     PACKING,
     RANDOM,
     RANDOM_NO_IDLE,
+    TRAINER_DATASET_FILE,
     TRAINING_STATUSES,
 )
 from probes.contracts import PAD_TO_MAX_SEQ_LEN as PAD_TO_MAX
@@ -99,6 +104,9 @@ class PlanExamples:
     example_ids: np.ndarray  # object (str)
     lengths: np.ndarray  # int64, tokens kept (≤ max_seq_len)
     loss_tokens: np.ndarray  # int64, ≤ lengths
+    # the rows of the user's trainer's own dataset, which its own collator pads (to each batch's
+    # longest member: the padding stage checked it), not to max_seq_len
+    trainer_collated: bool = False
 
 
 def read_examples(path: str | Path, max_seq_len: int) -> PlanExamples:
@@ -106,7 +114,9 @@ def read_examples(path: str | Path, max_seq_len: int) -> PlanExamples:
     tokens (which the bucket stage's LengthSet does not keep)."""
     path = Path(path)
     read_lengths(path, max_seq_len)  # the same contract and error messages as the sweep
-    frame = pd.read_parquet(path, columns=["example_id", "status", "n_tokens", "n_loss_tokens"])
+    frame = pd.read_parquet(
+        path, columns=["example_id", "file", "status", "n_tokens", "n_loss_tokens"]
+    )
     used = frame.loc[frame["status"].astype(str).isin(TRAINING_STATUSES)]
     lengths = used["n_tokens"].to_numpy(dtype=np.int64)
     loss = pd.to_numeric(used["n_loss_tokens"], errors="coerce").fillna(0).to_numpy(np.int64)
@@ -114,6 +124,7 @@ def read_examples(path: str | Path, max_seq_len: int) -> PlanExamples:
         example_ids=used["example_id"].astype(str).to_numpy(dtype=object),
         lengths=lengths,
         loss_tokens=np.clip(loss, 0, lengths),
+        trainer_collated=bool(len(used)) and bool((used["file"] == TRAINER_DATASET_FILE).all()),
     )
 
 
@@ -274,7 +285,10 @@ def build_plans(
     rows += _padded_plan(BATCH_REBALANCE, rebalanced, examples)
     rows += _padded_plan(GLOBAL_SORT, grouped(m_all), examples)
     rows += _packed_plan(examples, micro_batch_size, grad_accum, max_seq_len, seed, packed)
-    rows += _padded_plan(PAD_TO_MAX, random_batches, examples, pad_to=max_seq_len)
+    # none for a user's trainer: its collator pads to the longest member (not max_seq_len), so the
+    # replay would time a setup this run does not have, for advice that does not apply
+    if not examples.trainer_collated:
+        rows += _padded_plan(PAD_TO_MAX, random_batches, examples, pad_to=max_seq_len)
     # the Trainer's random sampler over the filtered dataset; none where nothing is filtered (a
     # trainer that drops fully masked examples itself): its micro-batches would be random's, one
     # for one, and timing them again would cost the replay a strategy's samples for a known 0
@@ -357,4 +371,6 @@ def read_plans(path: str | Path) -> pd.DataFrame:
 def cap_examples(examples: PlanExamples, cap: int) -> PlanExamples:
     """Examples with lengths capped at `cap` (a CPU run's max_seq_len), loss tokens capped too."""
     lengths = np.minimum(examples.lengths, cap)
-    return PlanExamples(examples.example_ids, lengths, np.minimum(examples.loss_tokens, lengths))
+    return dataclasses.replace(
+        examples, lengths=lengths, loss_tokens=np.minimum(examples.loss_tokens, lengths)
+    )

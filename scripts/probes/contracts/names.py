@@ -34,6 +34,9 @@ BATCH_REBALANCE = "batch_rebalance"
 PAD_TO_MAX_SEQ_LEN = "pad_to_max_seq_len"
 # random batching without the examples that carry no loss token (the replay's candidates)
 RANDOM_NO_IDLE = "random_no_idle"
+# the lengths table's `file` for the rows of the user's trainer's own prepared dataset
+# (trainer.factory): its collator, checked by the padding stage, pads each row to its own length
+TRAINER_DATASET_FILE = "trainer.train_dataset"
 # the padding stage's reference orders: the data as given, and one global length sort
 DATASET_ORDER = "dataset_order"
 SORTED = "sorted"

@@ -17,11 +17,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from probes.contracts import LENGTH_COLUMNS, OK, TRUNCATED
+from probes.contracts import LENGTH_COLUMNS, OK, TRAINER_DATASET_FILE, TRUNCATED
 from probes.errors import ProbeError
 
 IGNORE_INDEX = -100
-DATASET_FILE = "trainer.train_dataset"
 LOSS_MASK_COLUMNS = ("completion_mask", "assistant_masks")
 
 
@@ -51,9 +50,9 @@ def lengths_table(
     columns = set(dataset.column_names)
     if "input_ids" not in columns:
         raise ProbeError(
-            f"{DATASET_FILE}: no 'input_ids' column (columns {sorted(columns)}); the trainer's "
-            "train dataset must be tokenized (SFTTrainer does it; for a plain Trainer, map your "
-            "tokenizer over it in the factory)."
+            f"{TRAINER_DATASET_FILE}: no 'input_ids' column (columns {sorted(columns)}); the "
+            "trainer's train dataset must be tokenized (SFTTrainer does it; for a plain "
+            "Trainer, map your tokenizer over it in the factory)."
         )
     wanted = ["input_ids", *[c for c in ("labels", *LOSS_MASK_COLUMNS) if c in columns]]
     n_tokens, n_loss = [], []
@@ -69,7 +68,7 @@ def lengths_table(
     table = pd.DataFrame(
         {
             "example_id": [str(i) for i in range(len(n))],
-            "file": DATASET_FILE,
+            "file": TRAINER_DATASET_FILE,
             "row": np.arange(1, len(n) + 1),
             "source": sources,
             "status": np.where(truncated, TRUNCATED, OK),

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from probes.contracts import PACKING, RANDOM, TRAINING_STATUSES
+from probes.contracts import PACKING, RANDOM, TRAINER_DATASET_FILE, TRAINING_STATUSES
 from probes.report.format import finite, fmt_bytes, fmt_count, fmt_number, fmt_pct, fmt_tokens
 from probes.report.load import diversity_level_name
 from probes.report.sections.padding import waste_table
@@ -58,7 +58,10 @@ def recommendations(
     if "bucket" not in not_run and not tables["bucket_summary"].empty and len(trains):
         recs += bucket_findings(tables["bucket_summary"], jsons["bucket_recommendation"])
     if "padding" not in not_run and len(trains):
-        recs += [pad_to_longest_finding(tables["padding_summary"]), idle_examples_finding(trains)]
+        # a user's trainer pads to the longest member already (its collator, checked)
+        if not (trains["file"] == TRAINER_DATASET_FILE).all():
+            recs.append(pad_to_longest_finding(tables["padding_summary"]))
+        recs.append(idle_examples_finding(trains))
     if "padding" not in not_run and not tables["padding_ce_chunks"].empty:
         recs.append(ce_chunk_finding(tables["padding_ce_chunks"]))
     recs = [r for r in recs if r is not None]

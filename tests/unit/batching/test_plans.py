@@ -10,7 +10,7 @@ from probes.batching import orders, rebalance
 from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.bucket import sweep as bucket
-from probes.contracts import TRAINING_STATUSES
+from probes.contracts import TRAINER_DATASET_FILE, TRAINING_STATUSES
 from probes.io import read_provenance, write_parquet
 from probes.lengths import LengthSet
 from probes.step import fit
@@ -83,6 +83,24 @@ def test_no_random_no_idle_plan_where_every_example_carries_loss(examples):
     built = pl.build_plans(every, MICRO, ACCUM, MAX_LEN, bucket_size_batches=4)
     assert pl.RANDOM_NO_IDLE not in set(built["strategy"])
     assert pl.RANDOM in set(built["strategy"])
+
+
+def test_no_pad_to_max_plan_for_a_users_trainer(tmp_path, examples):
+    """Rows of a trainer's own dataset are collated by its collator, which the padding stage
+    checked pads each row to its own length: padding to max_seq_len is not that run's setup, so
+    its plan (and its conditional advice) is left out; the flag survives the CPU cap."""
+    frame = bucket_controls.synthetic_lengths_frame(120, seed=4, max_seq_len=MAX_LEN)
+    for file, collated in (("data.jsonl", False), (TRAINER_DATASET_FILE, True)):
+        path = tmp_path / "lengths.parquet"
+        write_parquet(frame.assign(file=file), path, {})
+        read = pl.read_examples(path, MAX_LEN)
+        assert read.trainer_collated is collated
+        assert pl.cap_examples(read, 64).trainer_collated is collated
+    trainer = dataclasses.replace(examples, trainer_collated=True)
+    built = set(pl.build_plans(trainer, MICRO, ACCUM, MAX_LEN, bucket_size_batches=4)["strategy"])
+    assert built == set(pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, 4)["strategy"]) - {
+        pl.PAD_TO_MAX
+    }
 
 
 def test_padded_shapes_are_the_real_ones(plans):

@@ -21,7 +21,7 @@ from stage_fixtures import (
 )
 
 from conftest import CANARY, REPO
-from probes.contracts import STAGES, TABLES, TRAINING_STATUSES, table_columns
+from probes.contracts import STAGES, TABLES, TRAINER_DATASET_FILE, TRAINING_STATUSES, table_columns
 from probes.io import read_json, write_json, write_parquet
 from probes.profile.flops import MFU_CONVENTION
 from probes.report import findings, load
@@ -520,6 +520,23 @@ def test_examples_without_loss_tokens_are_a_recommendation(tmp_path):
     share = trains.loc[idle].sum() / trains.sum()
     assert f"{100 * share:.1f}% of their tokens" in drop["detail"]
     assert "saving" not in drop  # a finding, not a price: only the replay measures time
+
+
+def test_no_pad_to_longest_finding_for_a_users_trainer(tmp_path):
+    """A trainer's collator already pads to the longest member (the padding stage checked it):
+    "pad to the longest member, if you pad to max_seq_len today" does not apply to it."""
+    pad = "Pad each batch to its longest member, not to max_seq_len"
+    paths = write_results(tmp_path)
+    inputs = load.load_inputs(paths)
+    assert pad in [
+        r["title"] for r in findings.recommendations(inputs["tables"], inputs["json"], {}, 10)
+    ]
+    lengths = pd.read_parquet(paths["padding_lengths"]).assign(file=TRAINER_DATASET_FILE)
+    write_parquet(lengths, paths["padding_lengths"], {})
+    inputs = load.load_inputs(paths)
+    assert pad not in [
+        r["title"] for r in findings.recommendations(inputs["tables"], inputs["json"], {}, 10)
+    ]
 
 
 def test_insufficient_fit_renders_no_fit(tmp_path):
