@@ -78,11 +78,24 @@ def measure_scaling(
     return scaling, fit, ok
 
 
+# A user's trainer: the replay times its padding-free setting on the trainer's own micro-batches,
+# with an interval; the penalty's one batch of the same question would be that fact twice
+PRICED_BY_REPLAY = (
+    "the replay prices padding-free (padding_free_sdpa, padding_free_eager) on the trainer's "
+    "own micro-batches, with intervals: see the measured savings"
+)
+
+
 def measure_penalty(
-    step: ProfiledStep, settings: Settings, train: Any, profile: ProfileConfig, fit, ok
+    step: ProfiledStep, settings: Settings, train: Any, cfg: WorkflowConfig, fit, ok
 ):
     """The padding batches come from the upper length band and stay within the lengths that
-    ran, so the fit interpolates them."""
+    ran, so the fit interpolates them. None for a trainer whose step-level changes the replay
+    prices (PRICED_BY_REPLAY)."""
+    profile = cfg.profile
+    if step.harness is None and cfg.replay.step_changes:
+        LOG.info("padding penalty not timed: %s", PRICED_BY_REPLAY)
+        return skipped_penalty(PRICED_BY_REPLAY)
     try:
         picks = bt.pick_padding_batches(
             train,
@@ -260,7 +273,7 @@ def measure_all(
     )
     if peak_check is not None:
         controls.append(peak_check)
-    penalty = measure_penalty(step, settings, train, profile, fit, ok)
+    penalty = measure_penalty(step, settings, train, cfg, fit, ok)
     probe_length, step_at_probe, measured = probe_point(settings, ok, fit)
     ce, kernels, raw_table, check = probe_at_one_length(
         step, settings, profile, probe_length, (step_at_probe, measured), loss_share

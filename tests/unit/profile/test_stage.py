@@ -13,7 +13,7 @@ from conftest import workflow_config
 from probes.config import SCHEMA, fill_defaults, load_yaml
 from probes.contracts import STAGE_OUTPUTS
 from probes.io import read_provenance
-from probes.profile.stage import OUTPUT_KEYS, run_profile
+from probes.profile.stage import OUTPUT_KEYS, PRICED_BY_REPLAY, run_profile
 from probes.settings import WorkflowConfig
 from probes.step.idle import CardBusyError, CardState, GpuProcess
 
@@ -358,7 +358,9 @@ def test_a_trainer_is_profiled_through_its_own_training_step(
     tmp_path, lengths_path, tiny_model_dir, kind
 ):
     """trainer.factory set: the scaling, penalty, FLOP and kernel probes time the trainer's own
-    training_step (SFTTrainer with LoRA, a plain Trainer), and the provenance says which."""
+    training_step (SFTTrainer with LoRA, a plain Trainer), and the provenance says which. Where
+    the replay prices the trainer's step-level changes (padding-free among them), the penalty
+    is not timed and says so (the SFTTrainer case); without them it is (the plain case)."""
     from trainer_factories import write_factory
 
     from conftest import chat_rows, write_jsonl
@@ -367,9 +369,16 @@ def test_a_trainer_is_profiled_through_its_own_training_step(
     spec = write_factory(tmp_path, tiny_model_dir, data, kind, micro=2, max_length=64)
     config = stage_config()
     config["trainer"] = {"factory": spec}
+    config["replay"] = {**config.get("replay", {}), "step_changes": kind == "sft"}
     out = outputs_in(tmp_path / "out")
     summary = run_profile(lengths_path, None, tiny_model_dir, out, typed_config(config))
     assert all(point["status"] == "OK" for point in summary["scaling"])
+    penalty = pd.read_parquet(out["padding_penalty"])
+    if kind == "sft":
+        assert (penalty["status"] == "SKIPPED").all()
+        assert (penalty["pick"] == PRICED_BY_REPLAY).all()
+    else:
+        assert (penalty["status"] == "OK").any(), penalty
     provenance = json.loads(Path(out["provenance"]).read_text())
     assert provenance["harness"]["kind"] == "trainer"
     assert provenance["harness"]["factory"]["spec"] == spec

@@ -714,6 +714,20 @@ def test_padding_penalty_shows_spread_and_prediction(rendered):
     assert "- packed: none: a 5000-token row is beyond the longest fitted length 4096" in scaling
 
 
+def test_a_penalty_not_timed_says_why_instead_of_a_table(tmp_path):
+    """A trainer's profile leaves the penalty to the replay (probes.profile.stage
+    PRICED_BY_REPLAY): one line naming where it is priced, not a table of skipped rows."""
+    from probes.profile.penalty import skipped_penalty
+
+    paths = write_results(tmp_path / "results")
+    write_parquet(skipped_penalty("priced elsewhere"), paths["profile_padding_penalty"], {})
+    out = tmp_path / "results/report/playbook-evidence.md"
+    run_report(paths, out, dpi=30)
+    scaling = section(out.read_text(), "Scaling")
+    assert "Padding penalty: not timed here: priced elsewhere." in scaling
+    assert "| unpadded as |" not in scaling
+
+
 def test_flop_counter_check_renders_its_numbers_not_its_json(rendered):
     controls = section(rendered[0], "Controls")
     assert (

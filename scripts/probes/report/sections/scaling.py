@@ -44,4 +44,13 @@ def scaling_section(
         "penalty": records(
             tables["profile_padding_penalty"], table_columns("profile_padding_penalty")
         ),
+        "penalty_skipped": skipped_reason(tables["profile_padding_penalty"]),
     }
+
+
+def skipped_reason(penalty: pd.DataFrame) -> str | None:
+    """Why no penalty batch was timed (the skipped rows' `pick`), or None where any was."""
+    # the statuses of probes.step.timing (not imported: it imports torch), as "OK" above
+    if penalty.empty or not (penalty["status"] == "SKIPPED").all():
+        return None
+    return str(penalty["pick"].iloc[0]) if "pick" in penalty.columns else "not recorded"
