@@ -10,11 +10,10 @@ import pytest
 
 from probes.batching import plans as pl
 from probes.io import write_parquet
-from probes.replay.control import SyntheticCost, exact_epoch_s
 from probes.step import changes as sc
 from probes.step import combined as cb
 from unit.replay.test_replay import ACCUM, MICRO
-from unit.replay.test_trainer_replay import OVERHEAD_S, known_cost_replay
+from unit.replay.test_trainer_replay import exact_epochs_s, known_cost_replay
 
 BASE = sc.StepConfig(gradient_checkpointing=False, attn_implementation="sdpa")
 
@@ -67,7 +66,7 @@ def test_the_combinations_exact_saving_lies_inside_its_interval(tmp_path, tiny_m
     # the replay measures that saving; the exact saving below follows what was chosen)
     eager_s = -0.005
     run = known_cost_replay(tmp_path, tiny_model_dir, eager_s=eager_s, combined_budget_s=4.0)
-    plans, cost, lengths, outputs = run.plans, run.cost, run.lengths, run.outputs
+    plans, lengths, outputs = run.plans, run.lengths, run.outputs
     table = pd.read_parquet(outputs["estimates"]).set_index("strategy")
     combined = [name for name in table.index if cb.is_combined(name)]
     assert len(combined) == 1, table.index.tolist()
@@ -77,11 +76,10 @@ def test_the_combinations_exact_saving_lies_inside_its_interval(tmp_path, tiny_m
         else (MICRO, ACCUM)
     )  # fmt: skip
     built = pl.build_plans(pl.read_examples(lengths, 128), micro, accum, 128, 4)
-    base_cost = SyntheticCost(cost.a, cost.b, cost.c + OVERHEAD_S, 0.0)
+    # the known cost plus the trainer's own, measured (test_trainer_replay.trainer_own_cost)
     eager = eager_s if "attention_eager" in parts.steps else 0.0
-    combined_cost = SyntheticCost(cost.a, cost.b, cost.c + OVERHEAD_S + eager, 0.0)
-    baseline_s = exact_epoch_s(plans, base_cost, ACCUM)[pl.BASELINE]
-    combined_s = exact_epoch_s(built, combined_cost, accum)[parts.batching]
+    baseline_s = exact_epochs_s(run, plans, ACCUM)[pl.BASELINE]
+    combined_s = exact_epochs_s(run, built, accum, extra_s=eager)[parts.batching]
     exact = 1.0 - combined_s / baseline_s
     row = table.loc[combined[0]]
     print(combined[0], exact, row["saving_ci_low"], row["saving_ci_high"])
