@@ -9,21 +9,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import multiprocessing
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from traceback import format_exc
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from probes.errors import ProbeError
+from probes.forked import forked
 
 log = logging.getLogger(__name__)
 
@@ -86,14 +84,14 @@ class MaterialiseError(ProbeError):
     """A part of the default model's materialisation failed: the message names which part."""
 
 
-# The tokenizer is built in a forked child, which inherits the parsed reader and the imports.
-# fork is safe here: in the rule's process the fork comes after the GGUF parse and before any
-# torch op, so torch's intra-op pool has not started (the one other thread is OpenBLAS's idle
+# The tokenizer is built in a forked child (probes.forked), which inherits the parsed reader and the
+# imports. fork is safe here: in the rule's process the fork comes after the GGUF parse and before
+# any torch op, so torch's intra-op pool has not started (the one other thread is OpenBLAS's idle
 # worker, which re-initialises across fork), and the child itself runs only the tokenizer build
-# (Python, numpy, the Rust tokenizers library, whose pool starts fresh in the child); a hung
-# child is caught by the timeout below. Not spawn or forkserver: they cost ~7-10 s more CPU (the
-# child imports transformers and parses the GGUF again), ran slower on 2 cores, and re-run the
-# main script in the child, which under Snakemake's script: runs the rule again.
+# (Python, numpy, the Rust tokenizers library, whose pool starts fresh in the child); a hung child
+# is caught by the timeout below. Not spawn or forkserver: they cost ~7-10 s more CPU (the child
+# imports transformers and parses the GGUF again), ran slower on 2 cores, and re-run the main script
+# in the child, which under Snakemake's script: runs the rule again.
 # A child that reports nothing for this long is treated as hung (a normal build takes ~10 s).
 TOKENIZER_TIMEOUT_SECONDS = 600
 
@@ -129,71 +127,19 @@ def build_bf16_model(scratch: str, gguf_name: str) -> Any:
     return model
 
 
-def build_tokenizer_in_child(
-    report: Any, scratch: str, gguf_name: str, chat_template: str, staging: str
-) -> None:
-    """The child's work: the tokenizer from the GGUF, saved into staging; the outcome (or the
-    error, named) goes back through report, so the child never prints a bare traceback."""
-    started = time.perf_counter()
-    try:
-        from transformers import AutoTokenizer
-
-        # forked inside gguf_parsed_once: the parent's parsed reader is inherited, not re-read
-        tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_name)
-        tokenizer.chat_template = Path(chat_template).read_text()
-        tokenizer.save_pretrained(staging)
-        seconds = round(time.perf_counter() - started, 2)
-        report.send({"vocab_size": len(tokenizer), "seconds": seconds})
-    except BaseException as error:  # noqa: BLE001 - every failure is reported, then exit 1
-        report.send({"error": f"{type(error).__name__}: {error}", "trace": format_exc()})
-        report.close()
-        sys.exit(1)
-    report.close()
-
-
-def tokenizer_result(child: Any, report: Any, timeout: float) -> dict[str, Any]:
-    """Wait for the tokenizer child's report; its failure, crash or hang as a MaterialiseError."""
-    what = f"the tokenizer build (child process {child.pid})"
-    if not report.poll(timeout):
-        raise MaterialiseError(f"{what} reported nothing in {timeout:.0f} s")
-    try:
-        outcome = report.recv()
-    except EOFError:
-        child.join()
-        raise MaterialiseError(
-            f"{what} ended with exit code {child.exitcode} before reporting a result"
-        ) from None
-    child.join()
-    if "error" in outcome:
-        log.error("%s failed; its traceback:\n%s", what, outcome["trace"])
-        raise MaterialiseError(f"{what} failed: {outcome['error']}")
-    return outcome
-
-
-@contextlib.contextmanager
-def tokenizer_child(
+def build_tokenizer(
     scratch: str, gguf_name: str, chat_template: str, staging: str
-) -> Iterator[Callable[[], dict[str, Any]]]:
-    """Within this block the tokenizer is built and saved into staging by a child process;
-    yields a function that waits for its result. A child still running when the block ends
-    (the parent's own work failed) is terminated."""
-    context = multiprocessing.get_context("fork")
-    report, child_end = context.Pipe(duplex=False)
-    child = context.Process(
-        target=build_tokenizer_in_child,
-        args=(child_end, scratch, gguf_name, str(chat_template), staging),
-        name="gemma-tokenizer",
-        daemon=True,
-    )
-    child.start()
-    child_end.close()
-    try:
-        yield lambda: tokenizer_result(child, report, TOKENIZER_TIMEOUT_SECONDS)
-    finally:
-        if child.is_alive():
-            child.terminate()
-        child.join()
-        report.close()
+) -> dict[str, Any]:
+    """The child's work: the tokenizer from the GGUF, saved into staging; its vocabulary size
+    and seconds."""
+    started = time.perf_counter()
+    from transformers import AutoTokenizer
+
+    # forked inside gguf_parsed_once: the parent's parsed reader is inherited, not re-read
+    tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_name)
+    tokenizer.chat_template = Path(chat_template).read_text()
+    tokenizer.save_pretrained(staging)
+    return {"vocab_size": len(tokenizer), "seconds": round(time.perf_counter() - started, 2)}
 
 
 def build_overlapped(
@@ -209,7 +155,14 @@ def build_overlapped(
         gguf.GGUFReader(str(gguf_path))  # the one parse, which the loaders below then share
         laps.lap("parse")
         # forked after the parse, so the child inherits it
-        with tokenizer_child(scratch, gguf_path.name, str(chat_template), str(staging)) as done:
+        with forked(
+            build_tokenizer,
+            (scratch, gguf_path.name, str(chat_template), str(staging)),
+            what="the tokenizer build",
+            timeout=TOKENIZER_TIMEOUT_SECONDS,
+            error=MaterialiseError,
+            name="gemma-tokenizer",
+        ) as done:
             model = build_bf16_model(scratch, gguf_path.name)
             laps.lap("model")
             outcome = done()

@@ -17,7 +17,7 @@ applied by `round_to`; kernels' internal workspaces are not tensors and are not 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -330,3 +330,43 @@ def step_assumptions(notes: list[str], tracker: StepTracker, shape: Shape) -> li
             "the routing (any routing, balanced included, gives this figure)"
         )
     return assumptions
+
+
+class CachedPredictor:
+    """One prediction per distinct (step setting, rows, length, layout, loss positions)."""
+
+    def __init__(self, step: Any, predict_fn: Any = predict) -> None:
+        self.step = step
+        self.predict_fn = predict_fn
+        self.cache: dict[tuple, Prediction | PredictError] = {}
+        self.count = 0
+        self.setting: tuple = ()  # a step-level change set on the step (step_changes.configured)
+
+    def made_since(self, keys: set[tuple]) -> dict[tuple, Prediction]:
+        """Its predictions whose keys are not in `keys` (its cache's keys at an earlier time)."""
+        return {
+            key: found
+            for key, found in self.cache.items()
+            if key not in keys and isinstance(found, Prediction)
+        }
+
+    def absorb(self, made: Mapping[tuple, Prediction]) -> None:
+        """Predictions a copy of this predictor made (a forked child's), cached and counted
+        here as if made here: one it has made too is counted once."""
+        for key, found in made.items():
+            if key not in self.cache:
+                self.cache[key] = found
+                self.count += 1
+
+    def __call__(self, shape: Shape) -> Prediction:
+        key = (self.setting, shape.rows, shape.length, shape.layout, shape.loss_positions())
+        if key not in self.cache:
+            try:
+                self.cache[key] = self.predict_fn(self.step, shape)
+                self.count += 1
+            except PredictError as error:
+                self.cache[key] = error
+        found = self.cache[key]
+        if isinstance(found, PredictError):
+            raise found
+        return found

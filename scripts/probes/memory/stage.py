@@ -4,25 +4,29 @@ Order of work: the harness (the profile's, with its options), the controls (a pe
 construction, real CPU steps), the model on fake tensors, the shapes that matter (training shape,
 p99 length, each strategy's largest micro-batch from the bucket stage's plans), a prediction per
 shape, the largest micro-batch that fits at max_seq_len and at the p99 length, and the outputs.
+The replay's step-level changes are predicted meanwhile in a forked child (step_changes_beside).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import pandas as pd
 
 from probes.batching.plans import read_plans
 from probes.contracts import BATCH_REBALANCE
+from probes.forked import forked
 from probes.io import read_provenance, run_metadata
 from probes.mask.trace import config_from_dict, read_config_json
 from probes.memory.control import run_controls
 from probes.memory.layers import build_scaled_step, predict_scaled, scaling_saves_work
 from probes.memory.predict import (
+    CachedPredictor,
     PredictError,
     Prediction,
     Shape,
@@ -84,18 +88,15 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     shapes = shapes_to_predict(cfg, plans)
     target = int(cfg.memory.target_gib * GIB)
     checkpointing = base.gradient_checkpointing
-    shape_table = shapes_frame(shapes, predictor, target, checkpointing)
-    fit_table = fitting_frame(shapes, predictor, target, cfg)
-    shape_table = add_fitting_advice(shape_table, fit_table, target, checkpointing)
-    shape_table = with_checkpointing_checked(
-        predictor, harness, base, cfg, shapes, shape_table, target
-    )
-    # the replay prices step-level changes only where replay.step_changes is on
-    steps = (
-        step_change_rows(predictor, harness, base, cfg, inputs, plans, target)
-        if cfg.replay.step_changes
-        else []
-    )
+    # the step-level changes (a child process) predicted beside the shapes (this one)
+    with step_changes_beside(predictor, harness, base, cfg, inputs, plans, target) as step_rows:
+        shape_table = shapes_frame(shapes, predictor, target, checkpointing)
+        fit_table = fitting_frame(shapes, predictor, target, cfg)
+        shape_table = add_fitting_advice(shape_table, fit_table, target, checkpointing)
+        shape_table = with_checkpointing_checked(
+            predictor, harness, base, cfg, shapes, shape_table, target
+        )
+        steps = step_rows()
     shape_table = pd.concat([shape_table, pd.DataFrame(steps)], ignore_index=True)
     changes = changes_frame(shape_table)
     summary = {
@@ -267,30 +268,6 @@ def shapes_to_predict(cfg: WorkflowConfig, plans: pd.DataFrame | None) -> list[t
     return shapes
 
 
-class CachedPredictor:
-    """One prediction per distinct (step setting, rows, length, layout, loss positions)."""
-
-    def __init__(self, step: Any, predict_fn: Any = predict) -> None:
-        self.step = step
-        self.predict_fn = predict_fn
-        self.cache: dict[tuple, Prediction | PredictError] = {}
-        self.count = 0
-        self.setting: tuple = ()  # a step-level change set on the step (step_changes.configured)
-
-    def __call__(self, shape: Shape) -> Prediction:
-        key = (self.setting, shape.rows, shape.length, shape.layout, shape.loss_positions())
-        if key not in self.cache:
-            try:
-                self.cache[key] = self.predict_fn(self.step, shape)
-                self.count += 1
-            except PredictError as error:
-                self.cache[key] = error
-        found = self.cache[key]
-        if isinstance(found, PredictError):
-            raise found
-        return found
-
-
 def shape_row(
     strategy: str, shape: Shape, predictor: CachedPredictor, target: int, checkpointing: bool
 ) -> dict[str, Any]:
@@ -357,6 +334,68 @@ def step_change_rows(
             reason = f"{change.strategy}: setting it raised {type(error).__name__}: {error}"
             rows.append(unpredicted_row(change.strategy, reason, target))
     return rows
+
+
+# The step-level changes are predicted in a forked child (probes.forked) beside the parent's shape
+# predictions: ~7 s and ~9 s of the default run's ~25 s, on two cores. fork is safe here: the parent
+# has built the model on fake tensors only, but the controls before the fork ran real CPU steps, so
+# torch's OpenMP workers exist (idle) in the parent, and a forked child that opened an OpenMP
+# parallel region would wait on workers it does not have (a real matmul in such a child hangs). The
+# child computes nothing real (fake tensors), and it sets torch to one thread first, so no op of it
+# can open one. The parent's other threads at the fork (pyarrow's jemalloc background thread,
+# torch's idle pools) belong to libraries that re-initialise across fork; a hung child is still
+# caught by the timeout below. The controls stay first, to fail fast before the model is built.
+STEP_CHANGES = "the memory stage's step-change predictions"
+# A child that reports nothing for this long after the parent's own predictions is treated as hung
+# (the default model's take ~8 s in all; far larger models are predicted on a few layers).
+STEP_CHANGES_TIMEOUT_SECONDS = 1800
+
+
+@contextlib.contextmanager
+def step_changes_beside(
+    predictor: CachedPredictor,
+    harness: LoadedHarness | None,
+    base: StepConfig,
+    cfg: WorkflowConfig,
+    inputs: Mapping[str, Any],
+    plans: pd.DataFrame | None,
+    target: int,
+) -> Iterator[Callable[[], list[dict[str, Any]]]]:
+    """Within this block step_change_rows runs in a forked child; yields a function that waits
+    for its rows (a child that raises, dies or hangs: a ForkedError naming STEP_CHANGES) and
+    counts its predictions in `predictor`. The replay prices step-level changes only where
+    replay.step_changes is on: off, no child and no rows."""
+    if not cfg.replay.step_changes:
+        yield lambda: []
+        return
+    args = (predictor, harness, base, cfg, inputs, plans, target)
+    with forked(
+        step_changes_in_child,
+        args,
+        what=STEP_CHANGES,
+        timeout=STEP_CHANGES_TIMEOUT_SECONDS,
+        name="memory-step-changes",
+    ) as done:
+
+        def rows() -> list[dict[str, Any]]:
+            found, made = done()
+            predictor.absorb(made)
+            return found
+
+        yield rows
+
+
+def step_changes_in_child(
+    predictor: CachedPredictor, *args: Any
+) -> tuple[list[dict[str, Any]], dict[tuple, Prediction]]:
+    """The child's work: step_change_rows(predictor, *args), and the predictions it made that the
+    parent's predictor had not at the fork (both picklable)."""
+    import torch
+
+    torch.set_num_threads(1)  # no OpenMP parallel region in a forked child (see above)
+    before = set(predictor.cache)
+    rows = step_change_rows(predictor, *args)
+    return rows, predictor.made_since(before)
 
 
 def unpredicted_row(strategy: str, reason: str, target: int) -> dict[str, Any]:

@@ -110,7 +110,7 @@ def _has_input_grad_hook(model: Any) -> bool:
 def configured(
     predictor: Any, loaded: LoadedHarness | None, base: StepConfig, change: StepChange
 ) -> Iterator[None]:
-    """`change` set on every fake model of `predictor` (a stage CachedPredictor) for the body,
+    """`change` set on every fake model of `predictor` (a CachedPredictor) for the body,
     then the base set back: the input-gradient hook checkpointing added taken off again, so
     the next change is predicted as if set first."""
     steps = fake_steps(predictor.step)

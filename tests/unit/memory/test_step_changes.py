@@ -13,10 +13,11 @@ import pytest
 from conftest import workflow_config
 from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
+from probes.contracts import STAGE_OUTPUTS
 from probes.io import read_json, read_parquet, write_parquet
 from probes.mask.trace import config_from_dict
 from probes.memory import control, stage
-from probes.memory.predict import PACKED, Shape, build_fake_step
+from probes.memory.predict import PACKED, CachedPredictor, Prediction, Shape, build_fake_step
 from probes.memory.shapes import largest_micro_batches
 from probes.memory.step_changes import (
     LoadedHarness,
@@ -347,3 +348,69 @@ def test_a_trainers_checkpointing_and_attention_give_the_replays_changes(tmp_pat
     table = read_parquet(outputs["changes"]).set_index("strategy")
     # checkpointing on is the trainer's base: turning it off holds more activations
     assert table.loc[sc.GC_OFF, "predicted_peak_gib"] > table.loc["random", "predicted_peak_gib"]
+
+
+# ------------------------------------------- in a forked child, beside the shape predictions
+
+
+def _stage_predictor(loaded):
+    """A fresh predictor at its base, as the stage builds it."""
+    from probes.memory.predict import functions_of
+    from probes.memory.step_changes import at_base
+
+    config = config_from_dict(dict(control.TINY_GEMMA3))
+    predictor, _ = stage.build_predictor(_config(), config, functions_of(loaded.harness))
+    base = base_config(predictor.step, loaded, "sdpa")
+    at_base(predictor, base)
+    return predictor, base
+
+
+def _untimed(rows):
+    return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+
+
+def test_the_forked_child_gives_the_rows_and_count_of_the_in_process_path(loaded, bucket_inputs):
+    """The same rows from the child as from this process (the same predictor, predicting them
+    meanwhile), and the child's predictions, all made here too, counted once."""
+    cfg, plans = _config(), read_parquet(bucket_inputs["plans"])
+    predictor, base = _stage_predictor(loaded)
+    args = (loaded, base, cfg, bucket_inputs, plans, 2**40)
+    with stage.step_changes_beside(predictor, *args) as step_rows:
+        in_process = stage.step_change_rows(predictor, *args)
+        count = predictor.count
+        forked = step_rows()
+    assert len(in_process) == len(step_changes_for(base, cfg.training)) and count > 0
+    assert _untimed(forked) == _untimed(in_process)
+    assert predictor.count == count
+
+
+def test_a_childs_predictions_are_counted_once():
+    made = {("key",): Prediction(Shape("s", 1, 8), 1, {}, 0, "phase", "op", 0.0, 1)}
+    predictor = CachedPredictor(step=None)
+    predictor.absorb(made)
+    predictor.absorb(made)
+    assert predictor.count == 1 and predictor.cache == made
+    assert predictor.made_since(set()) == made and predictor.made_since(set(made)) == {}
+
+
+def test_a_failing_child_is_one_error_naming_the_step_change_predictions_and_no_outputs(
+    tmp_path, bucket_inputs, monkeypatch, caplog
+):
+    import logging
+
+    from probes.stage import call_stage
+
+    def fail(*args):
+        raise ValueError("no such change")
+
+    monkeypatch.setattr(stage, "step_change_rows", fail)  # the forked child inherits the patch
+    monkeypatch.setattr(stage, "run_controls", lambda *a: {"observed": "skipped in this test"})
+    outputs = {k: str(tmp_path / Path(rel).name) for k, rel in STAGE_OUTPUTS["memory"].items()}
+    log = logging.getLogger("probes.memory")
+    with caplog.at_level(logging.ERROR):
+        inputs = {"model_config": bucket_inputs["model_config"]}  # the training shape only
+        assert call_stage(stage.run, inputs, outputs, _config(), log) == 1
+    message = caplog.records[-1].getMessage()
+    assert message.startswith("the memory stage's step-change predictions (child process ")
+    assert message.endswith(" failed: ValueError: no such change")
+    assert not any(Path(path).exists() for path in outputs.values())
