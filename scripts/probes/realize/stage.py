@@ -84,17 +84,22 @@ def write_not_run(outputs: Mapping[str, str | Path], reason: str, cfg: WorkflowC
         out.json("control", {"status": NOT_RUN, "reason": reason, "name": CONTROL_NAME})
 
 
-def read_estimates(path: str | Path) -> pd.DataFrame:
+def read_replay_table(path: str | Path, table: str) -> pd.DataFrame:
+    """One of the replay's tables, its columns checked; a missing file named with its rule."""
+    if not Path(path).is_file():
+        raise RealizeError(f"{path}: no such file; it is written by the replay rule.")
     frame = read_parquet(path)
-    check_table_columns(frame.columns, "replay_estimates", path)
+    check_table_columns(frame.columns, table, path)
     return frame
+
+
+def read_estimates(path: str | Path) -> pd.DataFrame:
+    return read_replay_table(path, "replay_estimates")
 
 
 def read_units(path: str | Path) -> pd.DataFrame:
     """The replay's timed units (its micro-batches, optimizer steps and fit points)."""
-    frame = read_parquet(path)
-    check_table_columns(frame.columns, "replay_steps", path)
-    return frame
+    return read_replay_table(path, "replay_steps")
 
 
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:

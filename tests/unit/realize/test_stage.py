@@ -294,3 +294,8 @@ def test_rounds_are_added_while_the_budget_holds_one_more(tmp_path, plans, cost)
     # the first SAMPLE of each strategy are the same steps: rounds only add
     key = ["strategy", "optimizer_step_index"]
     assert set(map(tuple, first[key].values)) <= set(map(tuple, steps[key].values))
+
+
+def test_a_missing_replay_table_is_named_with_the_rule_that_writes_it(tmp_path):
+    with pytest.raises(rz.RealizeError, match="replay.parquet: no such file; it is written by"):
+        rz.read_estimates(tmp_path / "replay.parquet")
