@@ -246,10 +246,13 @@ def settings_line(change: Mapping[str, Any], baseline: Mapping[str, Any]) -> str
             parts.append(line)
             continue
         callee = match["callee"]
+        # a standard argument is the change's own when it passes something else
+        # (data_collator=DataCollatorWithFlattening() for padding-free)
         own = [
             kw
             for kw in match["kwargs"].split(", ")
             if kw.split("=", 1)[0] not in STANDARD_TRAINER_KWARGS
+            or kw.split("=", 1)[1] != kw.split("=", 1)[0]
         ]
         if callee not in PLAIN_TRAINERS or own:
             parts.append(f"{callee}(…{', ' + ', '.join(own) if own else ''})")

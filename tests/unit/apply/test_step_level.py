@@ -39,3 +39,19 @@ def test_a_change_that_loads_the_model_imports_what_it_calls():
     for snippet in eager["snippets"].values():
         assert "AutoModelForCausalLM.from_pretrained" in snippet["text"]
         assert "from transformers import AutoModelForCausalLM" in snippet["imports"]
+
+
+def test_the_padding_free_settings_line_names_the_flattening_collator():
+    # the collator is passed as a standard trainer argument (data_collator=...), and is the
+    # change's own setting: the Summary's one line must not lose it
+    base = Baseline(2, 8, 4096, 100, 40_000, 900)
+    priced = step_changes(StepConfig(False, "sdpa"), 2, 8)
+    provenance = [
+        {"strategy": c.strategy, "title": c.title, "settings": c.settings} for c in priced
+    ]
+    changes = {c["id"]: c for c in step_level_changes(provenance, base)}
+    baseline = {"training_arguments": base.training_arguments(), "sft_config": base.sft_config()}
+    flat = next(c for name, c in changes.items() if name.startswith("padding_free"))
+    assert "data_collator=DataCollatorWithFlattening()" in settings_line(flat, baseline)
+    eager = changes["attention_eager"]
+    assert "data_collator" not in settings_line(eager, baseline)
