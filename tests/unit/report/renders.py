@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from conftest import REPO, workflow_config
-from probes.io import write_parquet
+from probes.io import read_json, write_json, write_parquet
 from probes.report import stage as report_stage
 
 TEMPLATE = REPO / "workflow" / "templates" / "playbook-evidence.md.j2"
@@ -49,6 +49,15 @@ def none_faster(paths) -> None:
     table.loc[changes, "tie_group"] = 1
     table.loc[changes, "rank"] = 1
     write_parquet(table, paths["replay_estimates"], {})
+    control = read_json(paths["replay_control"])
+    stopping = {
+        "stopped_by": "budget",
+        "rounds": 1,
+        "timed_micro_batches": 44,
+        "retimed_micro_batches": 0,
+    }
+    write_json({**control, "stopping": {**stopping, "elapsed_s": 59.5, "budget_s": 60.0}},
+               paths["replay_control"])  # fmt: skip
 
 
 # name -> (write_results keyword arguments, a function that plants a change in the outputs)

@@ -106,6 +106,9 @@ def test_when_nothing_is_faster_the_first_screen_says_so(reports):
     markdown, document = reports["none faster"]
     screen = _first_screen(markdown)
     assert "No change is measurably faster than random batching here." in screen
+    # it stopped on its budget: the screen names the key that buys narrower intervals
+    assert "stopped on its budget after 44 micro-batches (59.5 s of 60 s)" in screen
+    assert "raise `replay.budget_s` for narrower intervals" in screen
     assert VERDICT_HEADER not in screen and "- Measured, not recommended: " in screen
     assert not any(c["recommended"] for c in document["changes"])
 

@@ -931,6 +931,16 @@ def test_the_report_says_when_the_sizing_model_and_the_first_round_disagree(tmp_
     assert "predicted the first round at 2.37 min" in text and "it took 98.2 s" in text
 
 
+def test_more_budget_is_named_only_when_the_budget_stopped_the_timing():
+    from probes.report.sections.replay import more_budget_key
+
+    assert more_budget_key({"stopping": FIRST_ROUND}, cpu_only=True) == "replay.cpu.budget_s"
+    assert more_budget_key({"stopping": FIRST_ROUND}, cpu_only=False) == "replay.budget_s"
+    decided = {"stopping": {**FIRST_ROUND, "stopped_by": "decision"}}
+    assert more_budget_key(decided, cpu_only=True) is None
+    assert more_budget_key({}, cpu_only=True) is None and more_budget_key(None, True) is None
+
+
 def test_replay_notes_read_the_instrument_coverage_and_stopping():
     from probes.report.sections.replay import replay_measurement_notes, tokens_not_time
 

@@ -215,6 +215,7 @@ def measured_changes(
             if r.get("out_of_range")
         ],
         **replay_measurement_notes((jsons or {}).get("replay_control")),
+        "more_budget": more_budget_key((jsons or {}).get("replay_control"), cpu_only),
     }
 
 
@@ -286,6 +287,15 @@ def rank_shown_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
                 member["tied"] = True
             ties.append([m["title"] for m in members])
     return ties
+
+
+def more_budget_key(control: Any, cpu_only: bool) -> str | None:
+    """The config key that buys narrower intervals when the timing stopped on its budget (None
+    when it stopped on a decision or ran out of micro-batches)."""
+    stopping = control.get("stopping") if isinstance(control, Mapping) else None
+    if not isinstance(stopping, Mapping) or stopping.get("stopped_by") != "budget":
+        return None
+    return "replay.cpu.budget_s" if cpu_only else "replay.budget_s"
 
 
 def replay_measurement_notes(control: Any) -> dict[str, Any]:
