@@ -89,7 +89,8 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     target = int(cfg.memory.target_gib * GIB)
     checkpointing = base.gradient_checkpointing
     # the step-level changes (a child process) predicted beside the shapes (this one)
-    with step_changes_beside(predictor, harness, base, cfg, inputs, plans, target) as step_rows:
+    query = StepChangeQuery(harness, base, cfg, inputs, plans, target)
+    with step_changes_beside(predictor, query) as step_rows:
         shape_table = shapes_frame(shapes, predictor, target, checkpointing)
         fit_table = fitting_frame(shapes, predictor, target, cfg)
         shape_table = add_fitting_advice(shape_table, fit_table, target, checkpointing)
@@ -301,22 +302,27 @@ def shape_row(
     return row
 
 
-def step_change_rows(
-    predictor: CachedPredictor,
-    harness: LoadedHarness | None,
-    base: StepConfig,
-    cfg: WorkflowConfig,
-    inputs: Mapping[str, Any],
-    plans: pd.DataFrame | None,
-    target: int,
-) -> list[dict[str, Any]]:
-    """Each step-level change the replay prices against `base` (its step_changes_for), predicted
-    on the same fake model with the change set as the replay sets it, at its own largest
-    micro-batch (probes.memory.step_changes). `harness` None: a user's trainer, whose loss is not
-    a setting of its step, as in the replay."""
+@dataclasses.dataclass(frozen=True)
+class StepChangeQuery:
+    """What the step-level changes are predicted from. `harness` None: a user's trainer, whose
+    loss is not a setting of its step, as in the replay; `target`: the target's bytes."""
+
+    harness: LoadedHarness | None
+    base: StepConfig
+    cfg: WorkflowConfig
+    inputs: Mapping[str, Any]
+    plans: pd.DataFrame | None
+    target: int
+
+
+def step_change_rows(predictor: CachedPredictor, query: StepChangeQuery) -> list[dict[str, Any]]:
+    """Each step-level change the replay prices against `query.base` (its step_changes_for),
+    predicted on the same fake model with the change set as the replay sets it, at its own
+    largest micro-batch (probes.memory.step_changes)."""
+    base, cfg, inputs, target = query.base, query.cfg, query.inputs, query.target
     changes = step_changes_for(base, cfg.training)
     lengths_given = _given(inputs.get("lengths"))
-    shapes = change_shapes(changes, plans, inputs, cfg.training, lengths_given)
+    shapes = change_shapes(changes, query.plans, inputs, cfg.training, lengths_given)
     rows = []
     for change in changes:
         shape = shapes[change.strategy]
@@ -324,7 +330,7 @@ def step_change_rows(
             rows.append(unpredicted_row(change.strategy, shape, target))
             continue
         try:
-            with configured(predictor, harness, base, change):
+            with configured(predictor, query.harness, base, change):
                 gc = change.config.gradient_checkpointing
                 rows.append(shape_row(change.strategy, shape, predictor, target, gc))
         except (ValueError, NotImplementedError) as error:
@@ -353,25 +359,18 @@ STEP_CHANGES_TIMEOUT_SECONDS = 1800
 
 @contextlib.contextmanager
 def step_changes_beside(
-    predictor: CachedPredictor,
-    harness: LoadedHarness | None,
-    base: StepConfig,
-    cfg: WorkflowConfig,
-    inputs: Mapping[str, Any],
-    plans: pd.DataFrame | None,
-    target: int,
+    predictor: CachedPredictor, query: StepChangeQuery
 ) -> Iterator[Callable[[], list[dict[str, Any]]]]:
     """Within this block step_change_rows runs in a forked child; yields a function that waits
     for its rows (a child that raises, dies or hangs: a ForkedError naming STEP_CHANGES) and
     counts its predictions in `predictor`. The replay prices step-level changes only where
     replay.step_changes is on: off, no child and no rows."""
-    if not cfg.replay.step_changes:
+    if not query.cfg.replay.step_changes:
         yield lambda: []
         return
-    args = (predictor, harness, base, cfg, inputs, plans, target)
     with forked(
         step_changes_in_child,
-        args,
+        (predictor, query),
         what=STEP_CHANGES,
         timeout=STEP_CHANGES_TIMEOUT_SECONDS,
         name="memory-step-changes",
@@ -386,15 +385,15 @@ def step_changes_beside(
 
 
 def step_changes_in_child(
-    predictor: CachedPredictor, *args: Any
+    predictor: CachedPredictor, query: StepChangeQuery
 ) -> tuple[list[dict[str, Any]], dict[tuple, Prediction]]:
-    """The child's work: step_change_rows(predictor, *args), and the predictions it made that the
-    parent's predictor had not at the fork (both picklable)."""
+    """The child's work: step_change_rows(predictor, query), and the predictions it made that
+    the parent's predictor had not at the fork (both picklable)."""
     import torch
 
     torch.set_num_threads(1)  # no OpenMP parallel region in a forked child (see above)
     before = set(predictor.cache)
-    rows = step_change_rows(predictor, *args)
+    rows = step_change_rows(predictor, query)
     return rows, predictor.made_since(before)
 
 

@@ -274,7 +274,9 @@ def test_a_setting_the_model_refuses_is_that_changes_answer(predictor, loaded, m
     monkeypatch.setattr(stage, "configured", refusing)
     cfg = workflow_config(training={"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 64})
     base = base_config(predictor.step, loaded, "sdpa")
-    rows = stage.step_change_rows(predictor, loaded, base, cfg, {}, None, 2**40)
+    rows = stage.step_change_rows(
+        predictor, stage.StepChangeQuery(loaded, base, cfg, {}, None, 2**40)
+    )
     by_strategy = {r["strategy"]: r for r in rows}
     refused = by_strategy.pop("attention_eager")
     assert "eager is not supported" in refused["reason"]
@@ -374,9 +376,9 @@ def test_the_forked_child_gives_the_rows_and_count_of_the_in_process_path(loaded
     meanwhile), and the child's predictions, all made here too, counted once."""
     cfg, plans = _config(), read_parquet(bucket_inputs["plans"])
     predictor, base = _stage_predictor(loaded)
-    args = (loaded, base, cfg, bucket_inputs, plans, 2**40)
-    with stage.step_changes_beside(predictor, *args) as step_rows:
-        in_process = stage.step_change_rows(predictor, *args)
+    query = stage.StepChangeQuery(loaded, base, cfg, bucket_inputs, plans, 2**40)
+    with stage.step_changes_beside(predictor, query) as step_rows:
+        in_process = stage.step_change_rows(predictor, query)
         count = predictor.count
         forked = step_rows()
     assert len(in_process) == len(step_changes_for(base, cfg.training)) and count > 0
