@@ -147,6 +147,12 @@ class TrainerStep:
         rows = [self.dataset[example_row(i)] for i in example_ids]
         return [truncated(row, self.cap) for row in rows] if self.cap else rows
 
+    @property
+    def collates_in_loop(self) -> bool:
+        """Whether the trainer's loop fetches and collates each micro-batch in its own process
+        (no dataloader workers): then that is part of a micro-batch's time."""
+        return not self.trainer.args.dataloader_num_workers
+
     def collate(self, example_ids: Sequence[str], packed: bool) -> dict[str, Any]:
         collate = self.flat_collator if packed else self.collator
         return self.named("collator", collate, self.features(example_ids))

@@ -117,6 +117,47 @@ def test_the_trainers_own_compute_loss_is_what_is_timed(factory_dir):
     assert np.isfinite(runner.time_optimizer_step())
 
 
+def test_each_timed_micro_batch_is_collated_as_the_trainers_loop_collates_it(
+    factory_dir, monkeypatch
+):
+    """The trainer's loop fetches and collates every micro-batch in its process (no dataloader
+    workers): each timed run collates too. With workers, the collation overlaps the step and
+    stays outside the timer; the harness's batches (the probe's own) never enter it."""
+    step = _step(factory_dir, "plain")
+    calls = []
+    collate = step.collator
+    monkeypatch.setattr(step, "collator", lambda rows: calls.append(1) or collate(rows))
+    runner = ReplayRunner(step, 0, 0, seed=0)
+    row = SimpleNamespace(example_ids=["0", "1"], layout=pl.PADDED)
+    assert step.collates_in_loop
+    assert runner.time_micro_batch(row)["status"] == OK
+    assert len(calls) == 1 + 2  # the shape's batch, then its warm-up and its timed run
+    calls.clear()
+    step.trainer.args.dataloader_num_workers = 2
+    assert not step.collates_in_loop
+    runner.time_micro_batch(row)
+    assert len(calls) == 1  # the shape is warm: its batch once, outside the timer
+    step.trainer.args.dataloader_num_workers = 0
+
+    class Harnessed:  # the harness's StepRunner builds its batches without the flag
+        device = torch.device("cpu")
+        built = 0
+
+        def plan_batch(self, row, *args):
+            self.built += 1
+            return {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+
+        def forward_backward(self, batch):
+            pass
+
+    from probes.step.runner import StepRunner
+
+    assert not hasattr(StepRunner, "collates_in_loop")
+    harnessed = Harnessed()
+    ReplayRunner(harnessed, 0, 0, seed=0).time_micro_batch(row)
+    assert harnessed.built == 1
+
+
 def test_realize_runs_the_trainers_own_loop_for_one_step_of_the_plans_micro_batches(factory_dir):
     """StepTimer on a TrainerStep runs trainer.train() over exactly the step's micro-batches:
     the loop's callbacks mark its phases, its per-micro-batch compute_loss cost is inside."""
