@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import transformers
 
 from probes.apply.changes import Baseline, step_level_changes
@@ -9,7 +11,9 @@ from probes.apply.document import settings_line
 from probes.step.changes import StepConfig, step_changes
 
 
-def test_each_step_level_change_pastes_and_says_what_differs():
+def _changes() -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Every step-level change of an sdpa step without checkpointing, by id, as it pastes, and
+    the baseline's settings they differ from."""
     base = Baseline(2, 8, 4096, 100, 40_000, 900)
     priced = step_changes(StepConfig(False, "sdpa"), 2, 8)
     provenance = [
@@ -17,6 +21,11 @@ def test_each_step_level_change_pastes_and_says_what_differs():
     ]
     changes = {c["id"]: c for c in step_level_changes(provenance, base)}
     baseline = {"training_arguments": base.training_arguments(), "sft_config": base.sft_config()}
+    return changes, baseline
+
+
+def test_each_step_level_change_pastes_and_says_what_differs():
+    changes, baseline = _changes()
     gc = changes["gradient_checkpointing_on"]
     assert gc["training_arguments"]["activation_checkpointing"] is True
     assert "activation_checkpointing=True" in settings_line(gc, baseline)
@@ -30,12 +39,7 @@ def test_each_step_level_change_pastes_and_says_what_differs():
 
 
 def test_a_change_that_loads_the_model_imports_what_it_calls():
-    base = Baseline(2, 8, 4096, 100, 40_000, 900)
-    priced = step_changes(StepConfig(False, "sdpa"), 2, 8)
-    provenance = [
-        {"strategy": c.strategy, "title": c.title, "settings": c.settings} for c in priced
-    ]
-    eager = {c["id"]: c for c in step_level_changes(provenance, base)}["attention_eager"]
+    eager = _changes()[0]["attention_eager"]
     for snippet in eager["snippets"].values():
         assert "AutoModelForCausalLM.from_pretrained" in snippet["text"]
         assert "from transformers import AutoModelForCausalLM" in snippet["imports"]
@@ -44,13 +48,7 @@ def test_a_change_that_loads_the_model_imports_what_it_calls():
 def test_the_padding_free_settings_line_names_the_flattening_collator():
     # the collator is passed as a standard trainer argument (data_collator=...), and is the
     # change's own setting: the Summary's one line must not lose it
-    base = Baseline(2, 8, 4096, 100, 40_000, 900)
-    priced = step_changes(StepConfig(False, "sdpa"), 2, 8)
-    provenance = [
-        {"strategy": c.strategy, "title": c.title, "settings": c.settings} for c in priced
-    ]
-    changes = {c["id"]: c for c in step_level_changes(provenance, base)}
-    baseline = {"training_arguments": base.training_arguments(), "sft_config": base.sft_config()}
+    changes, baseline = _changes()
     flat = next(c for name, c in changes.items() if name.startswith("padding_free"))
     assert "data_collator=DataCollatorWithFlattening()" in settings_line(flat, baseline)
     eager = changes["attention_eager"]

@@ -1,0 +1,102 @@
+"""padding_free_eager against its promise: two in-process checks on the bench factory's trainer.
+
+The bench's trainer-mode tables (beside this file) realized padding_free_eager slower than
+promised in each run. Both checks build the bench factory's SFTTrainer as the bench does (its
+subset, model and settings), on one thread, as the bench:
+
+- ``census``: 3 rounds in alternating order, the baseline's and the change's epochs through
+  ``trainer.train()`` (the bench's run_trainer_epoch: train_runtime), and the census of each
+  one's own dataloader through ``training_step`` (every micro-batch; 3 untimed first).
+- ``cold-shapes``: does a new shape's first run (which the replay warms away, and which the
+  change's flattened rows meet often) explain it? Every micro-batch of each dataloader through
+  ``training_step``, three passes: the first meets each shape cold, the next two warm. Twice,
+  alternating.
+
+    python padding_free_eager_checks.py {census,cold-shapes} LENGTHS.parquet RECOMMENDATION.json
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[4]
+sys.path[:0] = [str(REPO / "bench"), str(REPO / "scripts")]
+
+import numpy as np  # noqa: E402
+import realized_vs_promised as rvp  # noqa: E402
+import torch  # noqa: E402
+
+from probes.step.factory import build_trainer, load_factory  # noqa: E402
+from probes.step.trainer import loss_items  # noqa: E402
+
+CHANGE = {  # padding_free_eager's settings, as recommendations.json emits them
+    "padding_free": True,
+    "max_length": None,
+    "drop_no_loss_examples": True,
+    "attn_implementation": "eager",
+}
+
+
+def bench_factory(lengths: str, recommendation: str) -> tuple:
+    """The bench's subset written where its factory reads it; the factory and a scratch dir."""
+    sys.argv = ["x", "--trainer", "sft", "--lengths", lengths, "--recommendation", recommendation]
+    args = rvp.parse_args()
+    work = Path(tempfile.mkdtemp())
+    examples = rvp.load_subset(args.lengths, args.examples, args.cap, args.seed)
+    rvp.trainer_examples(work, examples, args)
+    return load_factory(rvp.FACTORY), work
+
+
+def timed_passes(factory, work: Path, settings: dict, passes: int, untimed: int = 0) -> tuple:
+    """Micro-batches, distinct shapes and the seconds of each pass over the trainer's own
+    dataloader through training_step."""
+    trainer = build_trainer(factory, {"output_dir": str(work / "c"), **settings})
+    batches = list(trainer.get_train_dataloader())
+    trainer.model.train()
+    for batch in batches[:untimed]:
+        trainer.training_step(trainer.model, batch, loss_items(batch))
+    seconds = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        for batch in batches:
+            trainer.training_step(trainer.model, batch, loss_items(batch))
+        seconds.append(time.perf_counter() - start)
+    shapes = {tuple(b["input_ids"].shape) for b in batches}
+    return len(batches), len(shapes), seconds
+
+
+def census(factory, work: Path) -> None:
+    res: dict[str, list[float]] = {}
+    for rnd in range(3):
+        order = [("R", {}), ("B", CHANGE)] if rnd % 2 == 0 else [("B", CHANGE), ("R", {})]
+        for name, settings in order:
+            epoch = rvp.run_trainer_epoch(settings)["train_runtime"]
+            res.setdefault(name + "_epoch", []).append(epoch)
+            res.setdefault(name + "_census", []).append(
+                timed_passes(factory, work, settings, 1, untimed=3)[2][0]
+            )
+        print(rnd, {k: round(v[-1], 2) for k, v in res.items()}, flush=True)
+    m = {k: float(np.mean(v)) for k, v in res.items()}
+    print("epoch saving", 1 - m["B_epoch"] / m["R_epoch"],
+          "census saving", 1 - m["B_census"] / m["R_census"])  # fmt: skip
+    for kind in ("epoch", "census"):
+        pairs = zip(res[f"B_{kind}"], res[f"R_{kind}"], strict=True)
+        print(f"per-round {kind}", [round(1 - b / r, 3) for b, r in pairs])
+
+
+def cold_shapes(factory, work: Path) -> None:
+    for name, settings in [("R", {}), ("B", CHANGE), ("R", {}), ("B", CHANGE)]:
+        n, k, seconds = timed_passes(factory, work, settings, 3)
+        passes = [round(x, 2) for x in seconds]
+        print(name, "micro-batches", n, "distinct shapes", k, "pass s (first cold, then warm):",
+              passes, flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    check, lengths, recommendation = sys.argv[1:4]
+    factory, work = bench_factory(lengths, recommendation)
+    {"census": census, "cold-shapes": cold_shapes}[check](factory, work)
