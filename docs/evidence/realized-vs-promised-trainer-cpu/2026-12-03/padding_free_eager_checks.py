@@ -11,8 +11,11 @@ subset, model and settings), on one thread, as the bench:
   change's flattened rows meet often) explain it? Every micro-batch of each dataloader through
   ``training_step``, three passes: the first meets each shape cold, the next two warm. Twice,
   alternating.
+- ``back-to-back``: the replay times a micro-batch right after an untimed run of itself (its
+  shape's warm-up); training runs one different micro-batch after another. Every micro-batch of
+  each dataloader both ways (3 untimed first). Twice, alternating.
 
-    python padding_free_eager_checks.py {census,cold-shapes} LENGTHS.parquet RECOMMENDATION.json
+    python padding_free_eager_checks.py {census,cold-shapes,back-to-back} LENGTHS RECOMMENDATION
 """
 
 from __future__ import annotations
@@ -95,8 +98,34 @@ def cold_shapes(factory, work: Path) -> None:
               passes, flush=True)  # fmt: skip
 
 
+def back_to_back(factory, work: Path) -> None:
+    for name, settings in [("R", {}), ("B", CHANGE), ("R", {}), ("B", CHANGE)]:
+        trainer = build_trainer(factory, {"output_dir": str(work / "c"), **settings})
+        batches = list(trainer.get_train_dataloader())
+        trainer.model.train()
+
+        def step(batch, trainer=trainer):
+            trainer.training_step(trainer.model, batch, loss_items(batch))
+
+        for batch in batches[:3]:
+            step(batch)
+        start = time.perf_counter()
+        for batch in batches:
+            step(batch)
+        in_sequence = time.perf_counter() - start
+        warmed = 0.0
+        for batch in batches:
+            step(batch)
+            start = time.perf_counter()
+            step(batch)
+            warmed += time.perf_counter() - start
+        print(name, "in sequence", round(in_sequence, 2), "back to back", round(warmed, 2),
+              "ratio", round(warmed / in_sequence, 3), flush=True)  # fmt: skip
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     check, lengths, recommendation = sys.argv[1:4]
     factory, work = bench_factory(lengths, recommendation)
-    {"census": census, "cold-shapes": cold_shapes}[check](factory, work)
+    checks = {"census": census, "cold-shapes": cold_shapes, "back-to-back": back_to_back}
+    checks[check](factory, work)
