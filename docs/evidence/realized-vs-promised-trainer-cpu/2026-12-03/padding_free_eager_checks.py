@@ -15,7 +15,12 @@ subset, model and settings), on one thread, as the bench:
   shape's warm-up); training runs one different micro-batch after another. Every micro-batch of
   each dataloader both ways (3 untimed first). Twice, alternating.
 
-    python padding_free_eager_checks.py {census,cold-shapes,back-to-back} LENGTHS RECOMMENDATION
+- ``after-switch``: the replay interleaves strategies, so a baseline unit often runs right after
+  a unit of another configuration. 80 baseline micro-batches on the replay's own step (the base
+  trainer, switched as the replay switches it): in sequence, each right after an eager
+  padding-free unit (switched there and back), each right after a baseline unit. Twice.
+
+    python padding_free_eager_checks.py {census,cold-shapes,back-to-back,after-switch} LENGTHS REC
 """
 
 from __future__ import annotations
@@ -123,9 +128,53 @@ def back_to_back(factory, work: Path) -> None:
               "ratio", round(warmed / in_sequence, 3), flush=True)  # fmt: skip
 
 
+def after_switch(factory, work: Path) -> None:
+    from probes.step.changes import StepConfig, apply_config
+    from probes.step.trainer import TrainerStep, probe_settings
+
+    settings = probe_settings(str(work / "a"), torch.device("cpu"), torch.float32, 256, 0)
+    base = TrainerStep(build_trainer(factory, settings), factory, 256)
+    trainer = base.trainer
+    batches = list(trainer.get_train_dataloader())[:80]
+    flat = [base.flat_collator([base.dataset[i] for i in (2 * k, 2 * k + 1)]) for k in range(80)]
+    sdpa, eager = StepConfig(False, "sdpa"), StepConfig(False, "eager")
+
+    def step(batch):
+        trainer.training_step(trainer.model, batch, loss_items(batch))
+
+    def timed(batch) -> float:
+        start = time.perf_counter()
+        step(batch)
+        return time.perf_counter() - start
+
+    apply_config(base.model, sdpa, trainer.args)
+    for batch in batches[:3]:
+        step(batch)
+    for _ in range(2):
+        in_sequence = sum(timed(b) for b in batches)
+        switched = 0.0
+        for batch, other in zip(batches, flat, strict=True):
+            apply_config(base.model, eager, trainer.args)
+            step(other)
+            apply_config(base.model, sdpa, trainer.args)
+            switched += timed(batch)
+        same = 0.0
+        for batch in batches:
+            step(batches[0])
+            same += timed(batch)
+        print("random units: in sequence", round(in_sequence, 3),
+              "each after an eager padding-free unit", round(switched, 3),
+              "each after a random unit", round(same, 3), flush=True)  # fmt: skip
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     check, lengths, recommendation = sys.argv[1:4]
     factory, work = bench_factory(lengths, recommendation)
-    checks = {"census": census, "cold-shapes": cold_shapes, "back-to-back": back_to_back}
+    checks = {
+        "census": census,
+        "cold-shapes": cold_shapes,
+        "back-to-back": back_to_back,
+        "after-switch": after_switch,
+    }
     checks[check](factory, work)
