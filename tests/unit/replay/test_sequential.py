@@ -108,6 +108,9 @@ class KnownCostRunner:
     def warm_up(self, row) -> None:
         pass
 
+    def warm_new_shapes(self, sample) -> int:
+        return 0
+
     def time_micro_batch(self, row, busy=False):
         frame = pd.DataFrame([row._asdict()])
         seconds = float(self.cost.micro_batch_s(frame)[0]) * (1 + self.cv * self.rng.normal())

@@ -158,6 +158,27 @@ def test_each_timed_micro_batch_is_collated_as_the_trainers_loop_collates_it(
     assert harnessed.built == 1
 
 
+def test_new_shapes_are_warmed_before_the_timing_so_no_unit_runs_right_after_itself(factory_dir):
+    """run_sample warms a sample's new (configuration, shape)s first (warm_new_shapes): a timed
+    unit then runs once, after whatever unit came before it, never right after its own warm-up."""
+    import pandas as pd
+
+    step = _step(factory_dir, "plain")
+    runner = ReplayRunner(step, 0, 0, seed=0)
+    sample = pd.DataFrame(
+        {"example_ids": [["0", "1"], ["2", "3"], ["0", "1"]], "layout": [pl.PADDED] * 3}
+    )
+    shapes = {tuple(runner.device_batch(r)["input_ids"].shape) for r in sample.itertuples()}
+    runs = []
+    forward_backward = runner._forward_backward
+    runner._forward_backward = lambda batch: runs.append(1) or forward_backward(batch)
+    assert runner.warm_new_shapes(sample) == len(shapes) and len(runs) == len(shapes)
+    assert runner.warm_new_shapes(sample) == 0  # nothing new the second time
+    runs.clear()
+    assert runner.time_micro_batch(next(sample.itertuples()))["status"] == OK
+    assert len(runs) == 1  # timed once, no inline warm-up
+
+
 def test_realize_runs_the_trainers_own_loop_for_one_step_of_the_plans_micro_batches(factory_dir):
     """StepTimer on a TrainerStep runs trainer.train() over exactly the step's micro-batches:
     the loop's callbacks mark its phases, its per-micro-batch compute_loss cost is inside."""
