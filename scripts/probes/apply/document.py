@@ -251,8 +251,7 @@ def settings_line(change: Mapping[str, Any], baseline: Mapping[str, Any]) -> str
         own = [
             kw
             for kw in match["kwargs"].split(", ")
-            if kw.split("=", 1)[0] not in STANDARD_TRAINER_KWARGS
-            or kw.split("=", 1)[1] != kw.split("=", 1)[0]
+            if (pair := kw.partition("="))[0] not in STANDARD_TRAINER_KWARGS or pair[2] != pair[0]
         ]
         if callee not in PLAIN_TRAINERS or own:
             parts.append(f"{callee}(…{', ' + ', '.join(own) if own else ''})")

@@ -137,17 +137,17 @@ class ReplayRunner:
         dataloader_num_workers 0), the collation of `row` too, as that loop does: left out, the
         baseline's epoch came out ~2 ms a micro-batch short of the Trainer's on the bench, and
         packing (fewer micro-batches) realized 6 pp over its promise."""
-        if getattr(self.runner, "collates_in_loop", False):
+        if self.runner.collates_in_loop:
             return lambda: self._forward_backward(self.device_batch(row))
         return lambda: self._forward_backward(batch)
 
     def time_micro_batch(self, row: Any, busy: bool = False) -> dict[str, Any]:
-        """One timing of the plan row's micro-batch (run_sample repeats it in later rounds)."""
+        """One timing of the plan row's micro-batch, its shape warmed before (run_sample:
+        warm_new_shapes; it repeats the timing in later rounds)."""
         config = self.configure(getattr(row, "strategy", None))
         batch = self.device_batch(row)
-        warmup = self.shapes.warmup_runs((hash(config), *batch["input_ids"].shape))
-        status, times = self.timed(self.micro_batch_call(row, batch), warmup + 1)
-        times = times[warmup:]
+        self.shapes.warmup_runs((hash(config), *batch["input_ids"].shape))  # it has run now
+        status, times = self.timed(self.micro_batch_call(row, batch), 1)
         share = float("nan")
         if busy and status == OK:
             share = gpu_busy_share(lambda: self._forward_backward(batch), self.device)
@@ -171,7 +171,8 @@ class ReplayRunner:
             config = self.configure(getattr(row, "strategy", None))
             batch = self.device_batch(row)
             if self.shapes.warmup_runs((hash(config), *batch["input_ids"].shape)):
-                self._forward_backward(batch)
+                # through timed: a shape out of memory is released here and timed as OOM after
+                self.timed(lambda batch=batch: self._forward_backward(batch), 1)
                 warmed += 1
         if warmed:
             self._optimizer()  # the warm-ups' gradients, cleared
@@ -360,7 +361,7 @@ def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int
             "timer": TIMER,
             "collation": (
                 "timed with each micro-batch, as the trainer's loop collates it"
-                if getattr(runner.runner, "collates_in_loop", False)
+                if runner.runner.collates_in_loop
                 else "outside the timer"
             ),
         },

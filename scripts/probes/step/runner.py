@@ -73,6 +73,10 @@ class StepRunner:
     ``describe``; profile, replay and realize time either through it.
     """
 
+    # its micro-batches are the probe's own (random token ids), not the user's pipeline: their
+    # building stays outside the timer (TrainerStep.collates_in_loop: the trainer's loop's is in)
+    collates_in_loop = False
+
     def __init__(self, model: torch.nn.Module, harness: Harness, optimizer, device) -> None:
         self.model = model
         self.harness = harness

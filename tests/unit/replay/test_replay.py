@@ -375,14 +375,15 @@ def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
         assert result["status"] == "OK" and result["time_s"] > 0
     assert "position_ids" in build_batch(packed, vocab, torch.Generator().manual_seed(0))
     assert replay.time_optimizer_step() > 0
-    # each shape's first run was an untimed warm-up; a shape run before is timed at once
+    # a timing runs the micro-batch once; a sample's new shapes are warmed before (run_sample:
+    # warm_new_shapes), each once, and a shape warmed or timed before not again
     calls = []
     compute_loss = runner.harness.compute_loss
     runner.harness.compute_loss = lambda model, batch: calls.append(1) or compute_loss(model, batch)
-    replay.time_micro_batch(padded)
-    assert len(calls) == 1 and len(replay.time_micro_batch(padded)["times_s"]) == 1
-    replay.time_micro_batch(pd.Series({**padded.to_dict(), "padded_length": 28}))
-    assert len(calls) == 4  # 1 + 1 + (warm-up + timing) of the new shape
+    assert len(replay.time_micro_batch(padded)["times_s"]) == 1 and len(calls) == 1
+    longer = {**padded.to_dict(), "padded_length": 28, "computed_tokens": 56}
+    assert replay.warm_new_shapes(pd.DataFrame([padded.to_dict(), longer])) == 1
+    assert len(calls) == 2  # the new shape's warm-up only
 
 
 LEAKED = "layer 0 in scenario 'packed': sequence 0 row 12 attends keys [5..12]"
@@ -488,3 +489,28 @@ def test_failed_coverage_control_writes_nothing(tmp_path, tiny_model_dir, monkey
             inputs, outputs, typed_config(_config(tiny_model_dir)), tiny_model_dir, progress=False
         )
     assert not any(path.exists() for path in outputs.values())
+
+
+def test_a_new_shape_out_of_memory_in_its_warm_up_is_timed_as_oom_not_raised(tiny_model_dir):
+    """warm_new_shapes runs outside the timing loop: a shape too large for the device must
+    come back as the timing's OOM status, as an inline warm-up did, not end the replay."""
+    config = typed_config(_config(tiny_model_dir))
+    runner, vocab, pad_id, _ = load_step(
+        config, tiny_model_dir, torch.device("cpu"), torch.float32, None
+    )
+    replay = ReplayRunner(runner, vocab, pad_id, seed=0)
+    row = {
+        "layout": pl.PADDED,
+        "rows": 2,
+        "padded_length": 40,
+        "computed_tokens": 80,
+        "example_lengths": [40, 9],
+        "example_loss_tokens": [5, 2],
+    }
+
+    def out_of_memory(model, batch):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    runner.harness.compute_loss = out_of_memory
+    assert replay.warm_new_shapes(pd.DataFrame([row])) == 1
+    assert replay.time_micro_batch(pd.Series(row))["status"] == "OOM"

@@ -15,6 +15,7 @@ from conftest import chat_rows, workflow_config, write_jsonl
 from probes.batching import plans as pl
 from probes.padding import trainer_rows as tr
 from probes.replay.timing import ReplayRunner
+from probes.step.runner import StepRunner
 from probes.step.timing import OK
 from probes.step.trainer import load_trainer_step, probe_settings
 
@@ -131,16 +132,17 @@ def test_each_timed_micro_batch_is_collated_as_the_trainers_loop_collates_it(
     row = SimpleNamespace(example_ids=["0", "1"], layout=pl.PADDED)
     assert step.collates_in_loop
     assert runner.time_micro_batch(row)["status"] == OK
-    assert len(calls) == 1 + 2  # the shape's batch, then its warm-up and its timed run
+    assert len(calls) == 1 + 1  # the batch, then its collation inside the timed run
     calls.clear()
     step.trainer.args.dataloader_num_workers = 2
     assert not step.collates_in_loop
     runner.time_micro_batch(row)
-    assert len(calls) == 1  # the shape is warm: its batch once, outside the timer
+    assert len(calls) == 1  # its batch once, outside the timer
     step.trainer.args.dataloader_num_workers = 0
 
-    class Harnessed:  # the harness's StepRunner builds its batches without the flag
+    class Harnessed:  # as the harness's StepRunner: the probe's own batches, built outside
         device = torch.device("cpu")
+        collates_in_loop = StepRunner.collates_in_loop
         built = 0
 
         def plan_batch(self, row, *args):
@@ -150,9 +152,7 @@ def test_each_timed_micro_batch_is_collated_as_the_trainers_loop_collates_it(
         def forward_backward(self, batch):
             pass
 
-    from probes.step.runner import StepRunner
-
-    assert not hasattr(StepRunner, "collates_in_loop")
+    assert StepRunner.collates_in_loop is False
     harnessed = Harnessed()
     ReplayRunner(harnessed, 0, 0, seed=0).time_micro_batch(row)
     assert harnessed.built == 1
@@ -176,7 +176,7 @@ def test_new_shapes_are_warmed_before_the_timing_so_no_unit_runs_right_after_its
     assert runner.warm_new_shapes(sample) == 0  # nothing new the second time
     runs.clear()
     assert runner.time_micro_batch(next(sample.itertuples()))["status"] == OK
-    assert len(runs) == 1  # timed once, no inline warm-up
+    assert len(runs) == 1  # timed once, right after whatever ran before it
 
 
 def test_realize_runs_the_trainers_own_loop_for_one_step_of_the_plans_micro_batches(factory_dir):
