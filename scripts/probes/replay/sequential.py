@@ -366,8 +366,9 @@ def run_sequential(
 
 
 RETIMED_RULE = (
-    f"a unit whose relative residual lies over {OUTLIER_SPREADS} robust spreads "
-    f"(1.4826 x MAD) from the others, and over 3 x the instrument's CV, is timed until "
+    f"a unit whose relative residual (centred on its strategy's median) lies over "
+    f"{OUTLIER_SPREADS} robust spreads (1.4826 x MAD) from the others, and over 3 x the "
+    f"instrument's CV, is timed until "
     f"it has {OUTLIER_TIMINGS} timings and priced at their median"
 )
 STOPPING_RULE = (
