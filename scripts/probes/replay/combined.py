@@ -97,7 +97,10 @@ def time_combined(
         return not_run("no step-level change was priced")
     combination = cb.choose(table, switch.base, step_changes)
     if combination is None:
-        return not_run("no batching change and no step-level change that both save time")
+        return not_run(
+            "no batching change and no step-level change that both measurably save time "
+            "(a saving's 95% interval above 0)"
+        )
     chosen = [c for c in step_changes if c.strategy in combination.steps]
     pair = combination_plan(combination, chosen, plan, inputs, cfg.training)
     switch.configs[combination.name] = cb.merged_config(switch.base, chosen)

@@ -55,14 +55,18 @@ def changed_fields(base: Any, config: Any) -> frozenset[str]:
 
 
 def choose(table: pd.DataFrame, base: Any, changes: Sequence[sc.StepChange]) -> Combination | None:
-    """From a priced replay table: the best valid batching change with a positive saving, with
-    the best step-level change per setting (positive saving; at most one micro-batch size);
-    None where either side has nothing that saves. Step changes that alter the plan beyond the
-    micro-batch size (or were not priced) are left out: they cannot stack on another plan."""
+    """From a priced replay table: the best valid batching change that measurably saves time
+    (its saving's 95% interval above 0), with the best such step-level change per setting (at
+    most one micro-batch size); None where either side has none. A point estimate above 0 alone
+    is not enough: the report recommends no change whose interval includes 0, so timing their
+    combination spent the replay's minutes on a row that could only tie (on CPU, a third of the
+    default's cold runs, 16-17 s each). Step changes that alter the plan beyond the micro-batch
+    size (or were not priced) are left out: they cannot stack on another plan."""
     by_name = {c.strategy: c for c in changes}
-    priced = table[table["valid"].astype(bool) & table["saving_vs_random"].notna()]
-    saving = priced.set_index("strategy")["saving_vs_random"].astype(float)
-    saving = saving[saving > 0].sort_values(ascending=False)
+    priced = table[table["valid"].astype(bool) & table["saving_ci_low"].notna()]
+    priced = priced.set_index("strategy")
+    measured = priced.index[priced["saving_ci_low"].astype(float) > 0]
+    saving = priced.loc[measured, "saving_vs_random"].astype(float).sort_values(ascending=False)
     batching = [
         n for n in saving.index if n != RANDOM and not sc.is_step_change(n) and not is_combined(n)
     ]

@@ -18,11 +18,14 @@ from unit.replay.test_trainer_replay import exact_epochs_s, known_cost_replay
 BASE = sc.StepConfig(gradient_checkpointing=False, attn_implementation="sdpa")
 
 
-def _table(savings: dict[str, float], invalid: tuple[str, ...] = ()) -> pd.DataFrame:
+def _table(
+    savings: dict[str, float], invalid: tuple[str, ...] = (), half_width: float = 0.03
+) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "strategy": list(savings),
             "saving_vs_random": list(savings.values()),
+            "saving_ci_low": [v - half_width if v else 0.0 for v in savings.values()],
             "valid": [name not in invalid for name in savings],
         }
     )
@@ -58,6 +61,16 @@ def test_nothing_is_combined_without_a_saving_on_both_sides():
     assert cb.choose(_table({pl.BASELINE: 0.0, "length_grouped": 0.2}), BASE, changes) is None
     no_batching = _table({pl.BASELINE: 0.0, "length_grouped": -0.1, "attention_eager": 0.1})
     assert cb.choose(no_batching, BASE, changes) is None
+
+
+def test_savings_whose_intervals_include_zero_are_not_combined():
+    """A positive point estimate is not a measured saving: the report recommends neither."""
+    changes = sc.step_changes(BASE, MICRO, ACCUM)
+    savings = {pl.BASELINE: 0.0, "length_grouped": 0.2, "attention_eager": 0.05}
+    assert cb.choose(_table(savings), BASE, changes) is not None
+    assert cb.choose(_table(savings, half_width=0.1), BASE, changes) is None  # eager's includes 0
+    wide = {**savings, "attention_eager": 0.5}
+    assert cb.choose(_table(wide, half_width=0.3), BASE, changes) is None  # grouping's includes 0
 
 
 @pytest.mark.slow
