@@ -941,6 +941,22 @@ def test_more_budget_is_named_only_when_the_budget_stopped_the_timing():
     assert more_budget_key({}, cpu_only=True) is None and more_budget_key(None, True) is None
 
 
+def test_the_report_says_whether_the_combined_configuration_was_timed_and_why_not(tmp_path):
+    from probes.report.sections.replay import combined_view
+
+    why = "no batching change and no step-level change that both measurably save time"
+    assert combined_view({"measured": False, "why": why}) == {"measured": False, "why": why}
+    timed = {"measured": True, "strategy": "length_grouped+attention_eager"}
+    assert combined_view(timed) == timed
+    assert combined_view(None) is None and combined_view({}) is None
+    paths = write_results(tmp_path / "results")
+    control = read_json(paths["replay_control"])
+    write_json({**control, "combined": {"measured": False, "why": why}}, paths["replay_control"])
+    out = tmp_path / "report.md"
+    run_report(paths, out)
+    assert f"Combined configuration: not measured: {why}." in " ".join(out.read_text().split())
+
+
 def test_replay_notes_read_the_instrument_coverage_and_stopping():
     from probes.report.sections.replay import replay_measurement_notes, tokens_not_time
 
@@ -962,6 +978,7 @@ def test_replay_notes_read_the_instrument_coverage_and_stopping():
         "coverage": None,
         "stopping": None,
         "first_round": None,
+        "combined": None,
     }
     tie = "ties with random batches: its 95% interval includes 0"
     assert "20.0% of the tokens" in tokens_not_time({"computed_token_saving": 0.2}, tie)

@@ -330,7 +330,19 @@ def replay_measurement_notes(control: Any) -> dict[str, Any]:
     if isinstance(control.get("stopping"), Mapping):
         out["stopping"] = dict(control["stopping"])
         out["first_round"] = first_round_view(out["stopping"])
+    out["combined"] = combined_view(control.get("combined"))
     return out
+
+
+def combined_view(record: Any) -> dict[str, Any] | None:
+    """The combined configuration as the replay recorded it (probes.replay.combined): its name
+    where it was timed (the table gives its title), else why not; None where the record is
+    absent (an older replay)."""
+    if not isinstance(record, Mapping) or "measured" not in record:
+        return None
+    if record["measured"]:
+        return {"measured": True, "strategy": str(record.get("strategy"))}
+    return {"measured": False, "why": str(record.get("why") or "not recorded")}
 
 
 # the sizing model's first-round time against the round's measured one: outside these ratios the
