@@ -27,6 +27,7 @@ from probes.profile.flops import MFU_CONVENTION
 from probes.report import findings, load
 from probes.report import format as fmt
 from probes.report import render as rep
+from probes.report.lint import problems
 from probes.report.sections import bucket as bucket_sections
 from probes.report.sections import ce as ce_sections
 from probes.report.sections import controls as controls_sections
@@ -951,10 +952,12 @@ def test_the_report_says_whether_the_combined_configuration_was_timed_and_why_no
     assert combined_view(None) is None and combined_view({}) is None
     paths = write_results(tmp_path / "results")
     control = read_json(paths["replay_control"])
-    write_json({**control, "combined": {"measured": False, "why": why}}, paths["replay_control"])
+    combined = {"measured": False, "why": why}
+    write_json({**control, "stopping": FIRST_ROUND, "combined": combined}, paths["replay_control"])
     out = tmp_path / "report.md"
     run_report(paths, out)
     assert f"Combined configuration: not measured: {why}." in " ".join(out.read_text().split())
+    assert problems(out.read_text()) == []  # its own statement, not glued to the stopping note
 
 
 def test_replay_notes_read_the_instrument_coverage_and_stopping():
