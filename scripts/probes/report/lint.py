@@ -11,6 +11,10 @@
 - a heading not followed by its finding: the first thing under every heading is a sentence of
   prose (not a table, list, figure, code block or "Source:" line).
 
+``glued_by_block_tags(template)`` checks the template itself, on every branch at once: a line of
+text that ends in a block tag loses its newline (the report renders with ``trim_blocks``), so the
+next text line reached over tag-only lines is glued onto it, whichever branch a render takes.
+
 The report tests render the fixture reports through it; it imports nothing but ``re``.
 """
 
@@ -120,6 +124,25 @@ def headings_without_finding(lines: list[str]) -> list[str]:
             out.append(f"line {number}: heading {line!r} opens with {first[:40]!r}, not a finding")
         elif not re.search(r"[.!?:]\**($|\s)", " ".join(paragraph)):
             out.append(f"line {number}: heading {line!r} opens with no full sentence")
+    return out
+
+
+BLOCK_TAG_LINE = re.compile(r"^\s*\{[%#].*[%#]\}\s*$")
+
+
+def glued_by_block_tags(template: str) -> list[str]:
+    """Text lines ending in a block tag whose next text line (over tag-only lines) would be glued
+    onto them; end such a line with text or put a blank line before the next statement."""
+    lines, out = template.split("\n"), []
+    for number, line in enumerate(lines, 1):
+        if not line.rstrip().endswith("%}") or BLOCK_TAG_LINE.match(line):
+            continue
+        after = number  # index of the line after this one
+        while after < len(lines) and BLOCK_TAG_LINE.match(lines[after]):
+            after += 1
+        if after < len(lines) and lines[after].strip():
+            glued = lines[after][:40]
+            out.append(f"line {number}: its end is glued to line {after + 1} ({glued!r})")
     return out
 
 

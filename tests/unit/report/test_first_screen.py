@@ -12,6 +12,7 @@ import pytest
 from probes.contracts import table_columns
 from probes.report import lint
 from probes.report.sections.verdicts import memory_check, timed_step, verdicts_section
+from probes.report.stage import DEFAULT_TEMPLATE
 
 # the fixture reports are rendered once (conftest.report_run, per process): every test that
 # reads them on one worker, test_report.py's too
@@ -249,6 +250,15 @@ def test_lint_finds_statements_run_together():
     assert not lint.problems("## A\n\nSee `a.B` and [x](#a.B).\n")
     assert lint.problems("## A\n\nThe convention is stated..\n")  # a stop after a stop
     assert not lint.problems("## A\n\nLengths 38..4096 reach outside.\n")
+
+
+def test_no_branch_of_the_template_glues_two_statements():
+    # the rendered fixtures reach some branches; this reads every one in the template's source
+    assert lint.glued_by_block_tags(DEFAULT_TEMPLATE.read_text()) == []
+    glued = "{% if a %}\nIt stopped.{% if b %} Late.{% endif %}\n{% endif %}\n{% if c %}\nNext.\n"
+    assert lint.glued_by_block_tags(glued) == ["line 2: its end is glued to line 5 ('Next.')"]
+    assert lint.glued_by_block_tags(glued.replace("{% if c %}", "\n{% if c %}")) == []
+    assert lint.glued_by_block_tags("Text {{ x }}\nMore.\n") == []  # an expression keeps it
 
 
 def test_lint_finds_an_empty_cell_where_a_value_is_expected():
