@@ -98,8 +98,8 @@ def real(results: Path) -> bool:
 
 # The replay before this wave (stratified estimator, 72 micro-batches; commit 739c7fd) on the
 # same 2-core AVX2 CPU, float32, and the same default plans: 164.5 s of stage wall time, widths
-# 76-118 pp (docs/evidence/replay-cpu/before_after.txt). The "~100 s" was a CPU with
-# bf16 units.
+# 76-118 pp (docs/evidence/cpu-avx2-2026-12-01-replay/before_after.txt). The "~100 s"
+# was a CPU with bf16 units.
 BEFORE_WALL_S = 164.5
 
 
