@@ -58,7 +58,10 @@ def stage_inputs(
     }
     factory = factory_file(config)
     if factory and stage in TRAINER_STAGES:
-        inputs["factory"] = factory  # an edit to the user's factory reruns what it built
+        inputs["factory"] = factory  # an edit to the user's factory or script reruns what it built
+    command_inputs = (config.get("trainer") or {}).get("command_inputs") or []
+    if command_inputs and stage in TRAINER_STAGES:
+        inputs["command_inputs"] = [str(path) for path in command_inputs]
     return inputs
 
 
@@ -67,12 +70,11 @@ TRAINER_STAGES = ("padding", "profile", "replay", "realize")
 
 
 def factory_file(config: Mapping[str, Any]) -> str | None:
-    """The .py file ``trainer.factory`` names (None for an import path or no factory)."""
-    spec = (config.get("trainer") or {}).get("factory")
-    if not spec or ":" not in spec:
-        return None
-    module = spec.rpartition(":")[0]
-    return module if module.endswith(".py") else None
+    """The .py file ``trainer.factory`` or ``trainer.command`` names (None for an import path,
+    an installed command or no trainer)."""
+    from probes.step.source import source_file
+
+    return source_file(config.get("trainer") or {})
 
 
 def check_removed_options(config: Mapping[str, Any]) -> None:
@@ -117,13 +119,11 @@ def check_config_paths(config: dict[str, Any], workdir: Path | None = None) -> N
     harness = config.get("profile", {}).get("harness")
     if harness:
         check_harness(harness, base)
-    factory = (config.get("trainer") or {}).get("factory")
-    if factory:
-        from probes.step.factory import static_problem
+    from probes.step.source import static_problem
 
-        problem = static_problem(factory, base)
-        if problem:
-            raise ConfigError(f"config key {problem}")
+    problem = static_problem(config.get("trainer") or {}, base)
+    if problem:
+        raise ConfigError(f"config key {problem}")
 
 
 def check_harness(harness: str, base: Path) -> None:

@@ -48,6 +48,9 @@ class TrainingConfig:
 @dataclass(frozen=True)
 class TrainerConfig:
     factory: str | None
+    command: str | tuple[str, ...] | None  # a string or a list, as given (probes.step.command)
+    command_inputs: tuple[str, ...]
+    command_timeout_s: float
 
 
 @dataclass(frozen=True)

@@ -34,3 +34,16 @@ rule default_data:
         "../envs/probes.yaml"
     script:
         "../../scripts/make_default_data.py"
+
+
+rule default_assistant_data:
+    input:
+        data=rules.default_data.output.data,
+    output:
+        folder=directory("resources/data/chitchat-assistant"),
+    log:
+        "logs/default_assistant_data.log",
+    conda:
+        "../envs/probes.yaml"
+    script:
+        "../../scripts/make_assistant_data.py"

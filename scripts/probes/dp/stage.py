@@ -33,6 +33,7 @@ from probes.errors import ProbeError
 from probes.io import read_json, run_metadata
 from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
+from probes.step.load import factory_of
 
 LOG = logging.getLogger("probes.dp")
 OUTPUT_KEYS = tuple(STAGE_OUTPUTS["data_parallel"])
@@ -171,7 +172,7 @@ def timed_step_note(factory: str | None, harness: str) -> str | None:
     if not factory:
         return None
     return (
-        f"data_parallel: trainer.factory '{factory}' is not run under torchrun yet: the ranks "
+        f"data_parallel: the trainer '{factory}' is not run under torchrun yet: the ranks "
         f"time the profile.harness module ({harness}) on the plans' shapes. "
         "Running the trainer per rank needs the factory to build it inside each torchrun "
         "process (its Accelerator then shards the data); until then this stage prices the "
@@ -216,7 +217,7 @@ def resolve_launch(cfg: WorkflowConfig) -> Launch:
         device = resolve_device(profile.device, profile.allow_cpu)
     except ProbeError as error:
         raise DataParallelError(f"data_parallel: {error}") from error
-    timed_step = timed_step_note(cfg.trainer.factory, profile.harness)
+    timed_step = timed_step_note(factory_of(cfg.trainer), profile.harness)
     if timed_step:
         LOG.warning("%s", timed_step)
     cpu_only = device.type != "cuda"

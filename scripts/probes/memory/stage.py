@@ -66,6 +66,7 @@ from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step import changes as sc
 from probes.step.change_types import StepConfig
+from probes.step.source import given
 
 LOG = logging.getLogger("probes.memory")
 MAX_SEQ_LEN = "max_seq_len"
@@ -82,7 +83,7 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     config = config_from_dict(read_config_json(model_config), source=model_config)
     predictor, scaled = build_predictor(cfg, config, functions)
     LOG.info("model on fake tensors in %.1f s", predictor.step.build_seconds)
-    harness = None if cfg.trainer.factory else loaded  # a trainer's loss is not a setting
+    harness = None if given(cfg.trainer) else loaded  # a trainer's loss is not a setting
     base = step_base(predictor, harness, cfg, inputs)
     at_base(predictor, base)
     shapes = shapes_to_predict(cfg, plans)
@@ -174,10 +175,10 @@ def step_base(
     """The step the replay's StepSwitch starts from (its step-level changes' base): a user's
     trainer as the padding stage recorded it where it did, else the harness's fake model at the
     profile's attention implementation (probes.memory.step_changes.base_config)."""
-    recorded = trainer_record(inputs) if cfg.trainer.factory else None
-    if cfg.trainer.factory and recorded is None:
+    recorded = trainer_record(inputs) if given(cfg.trainer) else None
+    if given(cfg.trainer) and recorded is None:
         LOG.info(
-            "trainer.factory: its step (checkpointing, attention) is not recorded in the "
+            "trainer: its step (checkpointing, attention) is not recorded in the "
             "lengths' provenance; the harness options and the profile's attention stand in"
         )
     base = base_config(predictor.step, harness, cfg.profile.attn_implementation, recorded)

@@ -103,24 +103,21 @@ def data_lengths(
 def trainer_lengths(
     cfg: WorkflowConfig,
 ) -> tuple[pd.DataFrame, Any, dict[str, Any], dict[str, Any]]:
-    """The user's trainer, built once by their factory: its prepared train dataset's lengths,
-    checked against its own collator: (lengths, tokenizer, the check, provenance)."""
-    import tempfile
-
+    """The user's trainer, built once by its source (factory or command): its prepared train
+    dataset's lengths, checked against its own collator: (lengths, tokenizer, the check,
+    provenance)."""
     import torch
 
     from probes.step import changes as sc
-    from probes.step.factory import build_trainer, load_factory
+    from probes.step.factory import tokenizer_of
+    from probes.step.source import output_dir, trainer_source
     from probes.step.trainer import probe_settings
 
-    spec = str(cfg.trainer.factory)
-    factory = load_factory(spec)
+    source = trainer_source(cfg.trainer)
     start = time.perf_counter()
-    settings = probe_settings(
-        tempfile.mkdtemp(prefix="probes-trainer-"), torch.device("cpu"), torch.float32, None, 0
-    )
-    trainer = build_trainer(factory, settings)
-    tr.check_settings(trainer.args, cfg.training, spec)
+    settings = probe_settings(output_dir(), torch.device("cpu"), torch.float32, None, 0)
+    trainer = source.build(settings)
+    tr.check_settings(trainer.args, cfg.training, source.spec, source.key)
     lengths = tr.lengths_table(
         trainer.train_dataset, cfg.training.max_seq_len, cfg.training.loss_on == "all"
     )
@@ -133,9 +130,9 @@ def trainer_lengths(
         seconds,
     )
     check = tr.collator_check(trainer, lengths, cfg.padding.reference_check_examples)
-    source = {
+    provenance = {
         "trainer": {
-            "factory": factory.describe(),
+            source.kind: source.describe(),
             "trainer": type(trainer).__name__,
             "collator": type(trainer.data_collator).__name__,
             "rows": len(lengths),
@@ -145,7 +142,7 @@ def trainer_lengths(
             sc.RECORD_KEY: sc.config_record(trainer.model, trainer.args),
         }
     }
-    return lengths, trainer.processing_class, check, source
+    return lengths, tokenizer_of(trainer), check, provenance
 
 
 def log_examples(examples: list) -> None:

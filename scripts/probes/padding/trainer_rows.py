@@ -100,11 +100,11 @@ def settings_mismatches(args: Any, training: Any) -> list[str]:
     return problems
 
 
-def check_settings(args: Any, training: Any, spec: str) -> None:
+def check_settings(args: Any, training: Any, spec: str, key: str = "trainer.factory") -> None:
     problems = settings_mismatches(args, training)
     if problems:
         raise TrainerSettingsError(
-            f"trainer.factory '{spec}': " + "; ".join(problems) + ". The probes price the run "
+            f"{key} '{spec}': " + "; ".join(problems) + ". The probes price the run "
             "your trainer takes: set the training section to your trainer's values."
         )
 

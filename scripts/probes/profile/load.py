@@ -1,11 +1,11 @@
 """The step the profile times, loaded once (``load_profiled_step`` -> ``ProfiledStep``): the
-user's trainer where trainer.factory is set (probes.step.trainer), else the harness on the real
-weights (probes.step.harness, probes.step.runner); and what the MFU convention counts about it."""
+user's trainer where trainer.factory or trainer.command is set (probes.step.source), else the
+harness on the real weights (probes.step.harness, probes.step.runner); and what the MFU
+convention counts about it."""
 
 from __future__ import annotations
 
 import logging
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,6 @@ from probes.profile import flops as fl
 from probes.profile.scaling import FlopModel
 from probes.settings import WorkflowConfig
 from probes.step.harness import Harness, load_harness
-from probes.step.load import factory_of
 from probes.step.runner import (
     Settings,
     StepRunner,
@@ -24,6 +23,7 @@ from probes.step.runner import (
     model_text_config,
     prepare_harness,
 )
+from probes.step.source import output_dir, trainer_source
 from probes.step.trainer import load_trainer_step, probe_settings
 
 LOG = logging.getLogger("probes.profile")
@@ -49,16 +49,15 @@ class ProfiledStep:
 def load_profiled_step(
     model_path: str | Path, cfg: WorkflowConfig, settings: Settings
 ) -> ProfiledStep:
-    """The user's trainer where trainer.factory is set (its model as it built it), else the
+    """The user's trainer where one is given (its model as it built it), else the
     weights in the profiled dtype with the harness's adapters and optimizer."""
     profile = cfg.profile
-    spec = factory_of(cfg.trainer)
-    if spec:
-        output_dir = tempfile.mkdtemp(prefix="probes-trainer-")
+    source = trainer_source(cfg.trainer)
+    if source is not None:
         step_settings = probe_settings(
-            output_dir, settings.device, settings.dtype, None, settings.seed
+            output_dir(), settings.device, settings.dtype, None, settings.seed
         )
-        runner = load_trainer_step(spec, step_settings)
+        runner = load_trainer_step(source, step_settings)
         model, harness, head_positions = runner.model, None, "all"  # the stock loss
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         params = fl.model_active_parameters(base)

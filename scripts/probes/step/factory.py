@@ -41,14 +41,26 @@ class FactoryError(ProbeError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Factory:
+    """``trainer.factory`` as a probes.step.source.TrainerSource."""
+
     spec: str
     function: Callable[[dict[str, Any]], Any]
     source_file: str
+    key = FACTORY_KEY
+    kind = "factory"
+
+    def build(self, settings: Mapping[str, Any]) -> Any:
+        return build_trainer(self, settings)
 
     def describe(self) -> dict[str, Any]:
-        source = Path(self.source_file)
-        digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.is_file() else None
-        return {"spec": self.spec, "file": self.source_file, "file_sha256_16": digest}
+        return {"spec": self.spec, **file_digest(self.source_file)}
+
+
+def file_digest(path: str) -> dict[str, Any]:
+    """The file and the first 16 hex digits of its sha256 (None where it is not a file)."""
+    source = Path(path)
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16] if source.is_file() else None
+    return {"file": path, "file_sha256_16": digest}
 
 
 def apply_settings(args: Any, settings: Mapping[str, Any]) -> Any:
@@ -186,9 +198,28 @@ def build_trainer(factory: Factory, settings: Mapping[str, Any]) -> Any:
             f"{FACTORY_KEY} '{factory.spec}': the factory returned {type(trainer).__name__}, "
             "not a transformers.Trainer (or trl.SFTTrainer); return the trainer you train with."
         )
+    return checked(trainer, FACTORY_KEY, factory.spec)
+
+
+def checked(trainer: Any, key: str, spec: str) -> Any:
+    """A built trainer the probes can run: a train dataset, and a tokenizer to read the
+    vocabulary and pad id from (``tokenizer_of``)."""
     if trainer.train_dataset is None:
         raise FactoryError(
-            f"{FACTORY_KEY} '{factory.spec}': the trainer has no train_dataset; build it with "
+            f"{key} '{spec}': the trainer has no train_dataset; build it with "
             "the dataset you train on (the probes read its prepared rows)."
         )
+    if tokenizer_of(trainer) is None:
+        raise FactoryError(
+            f"{key} '{spec}': the {type(trainer).__name__} has no processing_class and its "
+            f"collator {type(trainer.data_collator).__name__} no tokenizer; pass "
+            "processing_class=tokenizer to the trainer (the probes read its vocabulary)."
+        )
     return trainer
+
+
+def tokenizer_of(trainer: Any) -> Any:
+    """The trainer's tokenizer: its ``processing_class``, else its collator's ``tokenizer``
+    (a plain Trainer whose tokenizer lives only in its collator); None where neither has one."""
+    found = getattr(trainer, "processing_class", None)
+    return found if found is not None else getattr(trainer.data_collator, "tokenizer", None)

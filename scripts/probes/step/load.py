@@ -1,10 +1,10 @@
-"""The step every timing stage runs: the user's trainer where ``trainer.factory`` is set, else
-the ``profile.harness`` module on the real model. Both implement probes.step.runner.StepRunner's
+"""The step every timing stage runs: the user's trainer where ``trainer.factory`` or
+``trainer.command`` is set (probes.step.source), else the ``profile.harness`` module on the real
+model. Both implement probes.step.runner.StepRunner's
 small interface, so replay and realize have one code path."""
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,10 @@ from probes.settings import TrainerConfig, WorkflowConfig
 
 
 def factory_of(trainer: TrainerConfig) -> str | None:
-    return trainer.factory or None
+    """What the trainer section names (its factory spec or its command), None: the harness."""
+    from probes.step.source import given
+
+    return (trainer.factory or str(trainer.command)) if given(trainer) else None
 
 
 def load_step(
@@ -28,16 +31,16 @@ def load_step(
     """(step, vocab size, pad id, description) for the workflow config `cfg` (its trainer and
     profile sections)."""
     from probes.step import runner as ts
+    from probes.step.source import output_dir, trainer_source
 
-    spec = factory_of(cfg.trainer)
-    if spec:
+    source = trainer_source(cfg.trainer)
+    if source is not None:
         from probes.step.trainer import load_trainer_step, probe_settings
 
-        output_dir = tempfile.mkdtemp(prefix="probes-trainer-")
         # built at its own max_length (its rows and their numbers stay those the padding stage
         # counted); rows are cut at `max_length` as TRL's truncation cuts them
-        settings = probe_settings(output_dir, device, dtype, None, seed)
-        step = load_trainer_step(spec, settings, cap=max_length)
+        settings = probe_settings(output_dir(), device, dtype, None, seed)
+        step = load_trainer_step(source, settings, cap=max_length)
         text = ts.model_text_config(step.model)
         return step, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), step.describe()
     model, harness, optimizer, targets, options = ts.load_for_steps(

@@ -1,8 +1,8 @@
 """One training step as the user's own ``transformers.Trainer`` / ``trl.SFTTrainer`` takes it.
 
-The trainer is built by the user's factory (probes.step.factory). A micro-batch is the trainer's
-own collator over rows of its own prepared train dataset (never a second tokenization), run
-through ``trainer.training_step`` (its ``_prepare_inputs``, ``compute_loss`` with whatever the
+The trainer is built by the user's factory or command (probes.step.source). A micro-batch is the
+trainer's own collator over rows of its own prepared train dataset (never a second tokenization),
+run through ``trainer.training_step`` (its ``_prepare_inputs``, ``compute_loss`` with whatever the
 trainer computes beside the loss, backward through its accelerator). The optimizer step is the
 trainer's loop's: gradient clipping at ``max_grad_norm``, ``optimizer.step()``,
 ``lr_scheduler.step()``, ``model.zero_grad()`` (transformers.Trainer._inner_training_loop).
@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from probes.step.factory import QUIET_SETTINGS, Factory, build_trainer, load_factory
+from probes.step.factory import QUIET_SETTINGS, load_factory
 from probes.step.runner import StepRunner
+from probes.step.source import TrainerSource
 
 IGNORE_INDEX = -100
 # steps the scheduler is built for: the probes take a few hundred steps at most, and a schedule
@@ -121,10 +122,10 @@ class TrainerStep:
     """The user's trainer as the probes run it: micro-batches, forward + backward, optimizer."""
 
     def __init__(
-        self, trainer: Any, factory: Factory | None = None, cap: int | None = None
+        self, trainer: Any, source: TrainerSource | None = None, cap: int | None = None
     ) -> None:
         self.trainer = trainer
-        self.factory = factory
+        self.source = source
         self.cap = cap
         args = trainer.args
         if trainer.optimizer is None or trainer.lr_scheduler is None:
@@ -168,12 +169,13 @@ class TrainerStep:
         except Exception as error:
             if is_out_of_memory(error) or isinstance(error, FactoryError):
                 raise
-            spec = self.factory.spec if self.factory else "?"
-            source = self.factory.source_file if self.factory else ""
+            key = self.source.key if self.source else FACTORY_KEY
+            spec = self.source.spec if self.source else "?"
+            source = self.source.source_file if self.source else ""
             raise FactoryError(
-                f"{FACTORY_KEY} '{spec}': the {type(self.trainer).__name__}'s {what} raised "
+                f"{key} '{spec}': the {type(self.trainer).__name__}'s {what} raised "
                 f"{type(error).__name__}: {error}{own_line(error, source)}. Fix the trainer "
-                "the factory builds (one training step of it reproduces this)."
+                f"{key} builds (one training step of it reproduces this)."
             ) from error
 
     def plan_batch(
@@ -259,7 +261,8 @@ class TrainerStep:
             "trainer": type(self.trainer).__name__,
             "trainer_module": type(self.trainer).__module__,
             "collator": type(self.collator).__name__,
-            "factory": self.factory.describe() if self.factory else None,
+            # "factory" or "command": what it was built from (probes.step.source)
+            **({self.source.kind: self.source.describe()} if self.source else {"factory": None}),
             "settings": {
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
@@ -299,8 +302,10 @@ def probe_settings(
 
 
 def load_trainer_step(
-    spec: str, settings: Mapping[str, Any], cap: int | None = None
+    source: TrainerSource | str, settings: Mapping[str, Any], cap: int | None = None
 ) -> TrainerStep:
-    """The user's factory, called once with `settings`, as a TrainerStep (rows cut at `cap`)."""
-    factory = load_factory(spec)
-    return TrainerStep(build_trainer(factory, settings), factory, cap)
+    """The user's trainer, built once with `settings` by its source (a factory spec string is
+    a ``trainer.factory``), as a TrainerStep (rows cut at `cap`)."""
+    if isinstance(source, str):
+        source = load_factory(source)
+    return TrainerStep(source.build(settings), source, cap)

@@ -1,0 +1,202 @@
+"""trainer.command (probes.step.command, probes.step.intercept): a plain top-level script run as
+it is, its settings applied, its trainer taken at train(), nothing saved, pushed or logged; every
+bad command one CommandError naming the command; the factory and the command give the stages
+the same thing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_factories import write_factory
+
+from conftest import chat_rows, write_jsonl
+from probes.step import source as src
+from probes.step.command import Command, CommandError, shown
+from probes.step.factory import FactoryError, tokenizer_of
+from probes.step.trainer import load_trainer_step, probe_settings
+
+# a user's script: code at top level, argparse, a plain Trainer, train(), then what a run does
+# after training (save, push, a marker file) that must never happen under the probes
+SCRIPT = """
+import argparse, os, sys
+import datasets, torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer,
+                          TrainingArguments)
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--model")
+parser.add_argument("--data")
+parser.add_argument("--out")
+parser.add_argument("--mode", default="train")
+cli = parser.parse_args()
+if cli.mode == "exit0":
+    sys.exit(0)
+if cli.mode == "exit2":
+    sys.exit(2)
+if cli.mode == "raise":
+    raise ValueError("no such column 'prompt'")
+if cli.mode == "hang":
+    import time
+    time.sleep(30)
+if cli.mode == "nothing":
+    print("done")
+else:
+    tokenizer = AutoTokenizer.from_pretrained(cli.model)
+    model = AutoModelForCausalLM.from_pretrained(cli.model, dtype=torch.bfloat16)
+    data = datasets.load_dataset("json", data_files=cli.data, split="train")
+    ids = lambda b: tokenizer.apply_chat_template(b["messages"], return_dict=True)["input_ids"]
+    data = data.map(lambda b: {"input_ids": ids(b), "labels": ids(b)}, batched=True,
+                    remove_columns=["messages"])
+    args = TrainingArguments(output_dir=cli.out, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, report_to="wandb", push_to_hub=True,
+                             save_strategy="steps", save_steps=1, use_cpu=True)
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True),
+                      processing_class=None if cli.mode == "no_processing" else tokenizer)
+    if cli.mode == "twice":
+        try:
+            trainer.train()
+        except BaseException:
+            pass
+        trainer.train()
+    elif cli.mode == "no_train":
+        sys.exit(0)
+    else:
+        trainer.train()
+    trainer.save_model()
+    trainer.push_to_hub()
+    open(os.path.join(cli.out, "after-train.marker"), "w").write("ran")
+"""
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory, tiny_model_dir):
+    directory = tmp_path_factory.mktemp("command")
+    data = write_jsonl(directory / "chat.jsonl", chat_rows(12))
+    path = directory / "train.py"
+    path.write_text(SCRIPT)
+    return directory, path, tiny_model_dir, data
+
+
+def command(script, mode="train"):
+    directory, path, model, data = script
+    out = directory / f"user-out-{mode}"
+    return [
+        sys.executable, str(path), "--model", str(model), "--data", str(data),
+        "--out", str(out), "--mode", mode,
+    ], out  # fmt: skip
+
+
+def settings(tmp_path, **extra):
+    return probe_settings(
+        str(tmp_path / "probe"), torch.device("cpu"), torch.float32, None, 0, extra
+    )
+
+
+def test_the_scripts_trainer_has_the_settings_and_nothing_after_train_runs(script, tmp_path):
+    argv, out = command(script)
+    wandb, argv_before = os.environ.get("WANDB_MODE"), sys.argv[:]
+    trainer = Command.of(argv).build(
+        settings(tmp_path, gradient_accumulation_steps=3, attn_implementation="eager")
+    )
+    args = trainer.args
+    assert args.gradient_accumulation_steps == 3 and args.per_device_train_batch_size == 2
+    assert args.report_to == [] and not args.push_to_hub and args.save_strategy == "no"
+    assert args.output_dir == str(tmp_path / "probe")
+    # the model settings over the script's own bf16
+    assert trainer.model.dtype == torch.float32
+    assert trainer.model.config._attn_implementation == "eager"
+    # the script's code after train() never ran: no checkpoint, no save, no push, no marker
+    assert not out.exists() and not [p for p in (tmp_path / "probe").rglob("*") if p.is_file()]
+    assert "train" not in vars(trainer)  # its own train() again (realize runs its loop)
+    assert os.environ.get("WANDB_MODE") == wandb and sys.argv == argv_before
+
+
+def test_the_factory_and_the_command_give_the_stages_the_same_step(script, tmp_path):
+    directory, _, model, data = script
+    spec = write_factory(directory, model, data, "plain", micro=2)
+    base = settings(tmp_path)
+    from_factory = load_trainer_step(spec, base).describe()
+    argv, _ = command(script)
+    from_command = load_trainer_step(src.trainer_source({"command": argv}), base).describe()
+    assert from_command["settings"]["max_grad_norm"] == from_factory["settings"]["max_grad_norm"]
+    assert from_command["kind"] == from_factory["kind"] == "trainer"
+    assert from_command["command"]["spec"] == shown(argv)
+    assert from_factory["factory"]["spec"] == spec
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"),
+    [
+        ("exit0", "exited (code 0) before train(): it constructed no transformers.Trainer"),
+        ("exit2", "exited (code 2) before train()"),
+        ("nothing", "ran to its end before train(): it constructed no transformers.Trainer"),
+        ("raise", "it raised ValueError: no such column 'prompt' (last frame: "),
+        ("no_train", "constructed 1 Trainer(s) and called train() on none"),
+        ("twice", "train() was called 2 times"),
+    ],
+)
+def test_a_bad_command_is_one_error_naming_it(script, tmp_path, mode, said):
+    argv, out = command(script, mode)
+    with pytest.raises(CommandError) as caught:
+        Command.of(argv).build(settings(tmp_path))
+    message = str(caught.value)
+    assert message.startswith(f"trainer.command '{shown(argv)}': ") and said in message
+    assert not out.exists()
+
+
+def test_a_command_that_hangs_is_stopped_after_its_timeout(script, tmp_path):
+    argv, _ = command(script, "hang")
+    with pytest.raises(CommandError, match="still running after 1 s without calling train"):
+        Command.of(argv, timeout_s=1).build(settings(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["python", "missing.py"], "script 'missing.py' does not exist"),
+        (["no-such-command-here", "x"], "is neither python, a .py script nor a console script"),
+        (["torchrun", "train.py"], "starts several processes"),
+        ([], "empty"),
+    ],
+)
+def test_a_command_that_cannot_start_is_named_before_anything_runs(argv, said):
+    with pytest.raises(CommandError, match=said):
+        Command.of(argv)
+
+
+def test_exactly_one_of_factory_and_command():
+    trainer = {"factory": "train.py:build_trainer", "command": ["python", "train.py"]}
+    with pytest.raises(FactoryError, match="trainer.factory and trainer.command are both set"):
+        src.trainer_source(trainer)
+    assert "both set" in src.static_problem(trainer, Path.cwd())
+
+
+def test_a_trainer_whose_tokenizer_is_in_its_collator_is_handled(script, tmp_path):
+    argv, _ = command(script, "no_processing")
+    trainer = Command.of(argv).build(settings(tmp_path))
+    assert trainer.processing_class is None
+    assert tokenizer_of(trainer) is trainer.data_collator.tokenizer
+
+
+def test_the_shown_command_hides_secrets_and_shortens_paths():
+    argv = ["trl", "sft", "--hub_token", "hf_abcdefgh12345678", "--api-key=sk-live-12345678"]
+    argv += ["--model_name_or_path", "/home/me/models/gemma", "--lr", "2e-4", "hf_secret1234"]
+    text = shown(argv)
+    assert "hf_abcdefgh" not in text and "sk-live" not in text and "hf_secret" not in text
+    assert "--api-key=***" in text and ".../gemma" in text and "/home/me" not in text
+    assert "--lr 2e-4" in text
+
+
+def test_a_build_leaves_no_trainer_folder_behind(tmp_path):
+    code = (
+        "import os; from probes.step.source import output_dir; assert os.path.isdir(output_dir())"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
+    assert not list(tmp_path.glob(f"{src.OUTPUT_PREFIX}*"))
