@@ -40,6 +40,10 @@ if cli.mode == "exit2":
     sys.exit(2)
 if cli.mode == "raise":
     raise ValueError("no such column 'prompt'")
+if cli.mode == "network":
+    AutoModelForCausalLM.from_pretrained("some-org/a-model-not-here")
+if cli.mode == "device":
+    torch.zeros(1, device="cuda:7")
 if cli.mode == "hang":
     import time
     time.sleep(30)
@@ -139,9 +143,13 @@ def test_the_factory_and_the_command_give_the_stages_the_same_step(script, tmp_p
         ("raise", "it raised ValueError: no such column 'prompt' (last frame: "),
         ("no_train", "constructed 1 Trainer(s) and called train() on none"),
         ("twice", "train() was called 2 times"),
+        ("network", "The probes run it offline: give local paths"),
+        ("device", "It asked for a device the probes do not give it here"),
     ],
 )
 def test_a_bad_command_is_one_error_naming_it(script, tmp_path, mode, said):
+    if mode == "device" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has the device the command asks for")
     argv, out = command(script, mode)
     with pytest.raises(CommandError) as caught:
         Command.of(argv).build(settings(tmp_path))
@@ -200,3 +208,14 @@ def test_a_build_leaves_no_trainer_folder_behind(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)
     assert not list(tmp_path.glob(f"{src.OUTPUT_PREFIX}*"))
+
+
+def test_the_report_names_the_command_that_was_probed():
+    from probes.report.sections.shared import timed_parts
+
+    described = {"kind": "trainer", "trainer": "SFTTrainer", "command": {"spec": "trl sft --x 1"}}
+    assert timed_parts(described) == {
+        "kind": "trainer",
+        "name": "SFTTrainer",
+        "factory": "trl sft --x 1",
+    }

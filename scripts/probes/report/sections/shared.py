@@ -47,8 +47,9 @@ def timed_parts(described: Any) -> dict[str, str | None] | None:
     if not isinstance(described, Mapping):
         return None
     if described.get("kind") == "trainer" and described.get("trainer"):
-        factory = described.get("factory")
-        spec = factory.get("spec") if isinstance(factory, Mapping) else None
+        # what built it: the command (trainer.command) or the factory (probes.step.source)
+        source = described.get("command") or described.get("factory")
+        spec = source.get("spec") if isinstance(source, Mapping) else None
         return {"kind": "trainer", "name": str(described["trainer"]), "factory": spec}
     if described.get("spec"):
         return {"kind": "harness", "name": str(described["spec"]), "factory": None}

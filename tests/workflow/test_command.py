@@ -1,0 +1,66 @@
+"""TRL's own ``trl sft`` CLI, unmodified, probed through trainer.command on a tiny model: a local
+dataset folder, LoRA via --use_peft, loss on assistant turns. Each change's settings reach the
+trainer the CLI builds (its args and its model's config); nothing is saved, pushed or logged."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from conftest import chat_rows
+from probes.apply.libraries import SAMPLING_FIELD
+from probes.step.changes import checkpointing_field
+from probes.step.command import Command
+from probes.step.trainer import TrainerStep, probe_settings
+
+CHECKPOINTING = checkpointing_field()
+# a change's settings as the stages pass them (probes.apply.changes: TrainingArguments / SFTConfig
+# fields; attn_implementation and dtype for from_pretrained), and where each must land
+CHANGES = {
+    "baseline": {},
+    "length_grouped": {SAMPLING_FIELD: "group_by_length"},
+    "batch_rebalance": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1},
+    # padding-free is the trainer's own collator in its flattened form (probes.step.trainer
+    # .packed_collator), switched on the built trainer, not a build setting
+    "checkpointing_on": {CHECKPOINTING: True},
+    "attention_eager": {"attn_implementation": "eager"},
+}
+
+
+@pytest.fixture(scope="module")
+def trl_sft(tmp_path_factory, tiny_model_dir):
+    directory = tmp_path_factory.mktemp("trl-sft")
+    data = directory / "chat"
+    data.mkdir()
+    pd.DataFrame(chat_rows(16)).to_parquet(data / "train.parquet")
+    user_out = directory / "user-out"
+    argv = ["trl", "sft", "--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data)]
+    argv += ["--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj"]
+    argv += ["--assistant_only_loss", "True", "--max_length", "256", "--dtype", "bfloat16"]
+    argv += ["--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    argv += ["--output_dir", str(user_out), "--report_to", "wandb", "--push_to_hub"]
+    return Command.of(argv), user_out, directory
+
+
+def test_every_changes_settings_reach_the_trainer_trl_sft_builds(trl_sft, tmp_path):
+    command, user_out, _ = trl_sft
+    for name, change in CHANGES.items():
+        out = tmp_path / name
+        settings = probe_settings(str(out), torch.device("cpu"), torch.float32, 256, 0, change)
+        step = TrainerStep(command.build(settings), command)
+        args, model = step.trainer.args, step.model
+        assert type(step.trainer).__name__ == "SFTTrainer" and hasattr(model, "peft_config")
+        for key, value in change.items():
+            if key == "attn_implementation":
+                assert model.config._attn_implementation == value, name
+            else:
+                assert getattr(args, key) == value, name
+        assert model.dtype == torch.float32, name  # the workflow's dtype over the CLI's bf16
+        assert args.report_to == [] and not args.push_to_hub and args.save_strategy == "no"
+        assert args.output_dir == str(out) and not [p for p in out.rglob("*") if p.is_file()]
+        assert step.describe()["command"]["package"].startswith("trl ")
+    # the trainer's own step runs (forward + backward through its training_step)
+    batch = step.collate(["0", "1"], packed=False)
+    assert torch.isfinite(step.forward_backward(batch))
+    assert not user_out.exists()  # no checkpoint, no save_model, no push: nothing after train()
