@@ -22,7 +22,8 @@ import pandas as pd
 from probes.mask.control import run_control
 from probes.mask.implementations import check_implementations
 from probes.mask.layers import GateError
-from probes.mask.verdict import CONFIRM_DISAGREED, evaluate, merged_mask_config
+from probes.mask.trace import build_probe_model
+from probes.mask.verdict import CONFIRM_DISAGREED, evaluate, merged_mask_config, model_dtype
 
 log = logging.getLogger("probes.mask.gate")
 
@@ -43,7 +44,8 @@ def run_gate(
     if not control["passed"]:
         raise GateError(f"mask gate positive control failed: {control['mismatches']}")
     merged = merged_mask_config(mask_cfg)
-    table, gate = evaluate(config_dict, merged, training_cfg, source, progress)
+    probe = build_probe_model(config_dict, model_dtype(merged["dtype"]), source)
+    table, gate = evaluate(config_dict, merged, training_cfg, source, progress, probe=probe)
     confirm = gate["confirm"]
     if confirm["status"] == CONFIRM_DISAGREED and merged["fail_on_violation"]:
         per_scenario = ", ".join(
@@ -57,7 +59,7 @@ def run_gate(
         )
     primary = (str(gate["model"]["attn_implementation"]), table)
     gate["implementations"] = check_implementations(
-        config_dict, merged, training_cfg, primary, source
+        config_dict, merged, training_cfg, primary, source, probe=probe
     )
     gate["control"] = {"name": control["name"], "passed": control["passed"]}
     gate["passed"] = bool(gate["passed"] and control["passed"])

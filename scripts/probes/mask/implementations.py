@@ -23,7 +23,12 @@ from typing import Any
 import pandas as pd
 
 from probes.mask.scenarios import Collate, CollatorError, flattening_collator
-from probes.mask.trace import ModelConfigError
+from probes.mask.trace import (
+    ModelConfigError,
+    ProbeModel,
+    build_probe_model,
+    implementation_of,
+)
 
 PASSED, FAILED, NOT_CHECKED = "passed", "failed", "not_checked"
 PACKED_SCENARIO = "packed"
@@ -132,10 +137,11 @@ def trace_implementation(
     training_cfg: dict[str, Any],
     source: str,
     packed_collator: Collate | None,
+    probe: ProbeModel | None = None,
 ) -> dict[str, Any]:
-    """The configured scenarios traced under `implementation` and its verdict; why not, where
-    transformers refuses it for this architecture or machine."""
-    from probes.mask.verdict import evaluate
+    """The configured scenarios traced under `implementation` (on `probe`'s model where given)
+    and its verdict; why not, where transformers refuses it for this architecture or machine."""
+    from probes.mask.verdict import evaluate, model_dtype
 
     if implementation.startswith(FLASH_PREFIX):
         return not_checked(FLASH_NOT_CHECKED)
@@ -147,9 +153,18 @@ def trace_implementation(
     # the SDPA backend confirmation belongs to the main (SDPA) trace; the others have none
     cfg = {**mask_cfg, "scenarios": scenarios, "confirm_on_cuda": False}
     try:
-        table, _ = evaluate(
-            config_dict, cfg, training_cfg, source, False, implementation, packed_collator
-        )
+        if probe is None:
+            probe = build_probe_model(config_dict, model_dtype(cfg["dtype"]), source)
+        with implementation_of(probe, implementation) as variant:
+            table, _ = evaluate(
+                config_dict,
+                cfg,
+                training_cfg,
+                source,
+                False,
+                packed_collator=packed_collator,
+                probe=variant,
+            )
     except (CollatorError, ModelConfigError):
         raise  # not the implementation's doing: the user's config or the collator
     except (ImportError, ValueError, NotImplementedError) as error:
@@ -166,11 +181,13 @@ def check_implementations(
     source: str = "config.json",
     packed_collator: Collate | None = None,
     implementations: Sequence[str] | None = None,
+    probe: ProbeModel | None = None,
 ) -> dict[str, dict[str, Any]]:
     """gate.json's ``implementations``: every implementation traced on the configured scenarios,
     its verdict (status, scenarios, packed_checked, violations, the first violation or why it
     was not checked) and its per-scenario entries. `primary`: the implementation the main gate
-    traced and its layers table (reused, not traced again)."""
+    traced and its layers table (reused, not traced again); `probe`: its model, switched to
+    each further implementation rather than built again."""
     collator = packed_collator or flattening_collator()
     out: dict[str, dict[str, Any]] = {}
     for name in implementations or proposed_implementations():
@@ -178,7 +195,7 @@ def check_implementations(
             out[name] = verdict_of(scenario_rows(primary[1]))
         else:
             out[name] = trace_implementation(
-                name, config_dict, mask_cfg, training_cfg, source, collator
+                name, config_dict, mask_cfg, training_cfg, source, collator, probe
             )
     return out
 

@@ -16,6 +16,7 @@ from probes.mask import backend as sdpa_backend
 from probes.mask import band as mask_band
 from probes.mask import confirm as sdpa_confirm
 from probes.mask.scenarios import Scenario
+from probes.mask.shapes import masks_without_values
 from probes.mask.trace import AttentionRecord, ProbeModel, trace_attention
 
 SLIDING = "sliding_attention"
@@ -48,6 +49,7 @@ LAYER_COLUMNS = {
     "enable_gqa": "boolean",
     "gqa_path": "string",  # mha | enable_gqa | repeat_kv | eager
     "fast_path": "boolean",  # no mask and is_causal: SDPA's flash/cuDNN-friendly path
+    "band_shape": "string",  # BxT the band columns were measured at (probes.mask.shapes)
     "band_source": "string",  # mask (measured) | is_causal | none (SDPA semantics, no mask)
     "band_lower": "Int64",  # max q - first allowed key over real rows (window - 1 when sliding)
     "band_upper": "Int64",  # max last allowed key - q (0 = causal)
@@ -191,12 +193,22 @@ def mask_identity(mask: torch.Tensor) -> tuple:
 
 
 def run_scenario(
-    probe: ProbeModel, scenario: Scenario, specs: list[LayerSpec], settings: GateSettings
+    probe: ProbeModel,
+    scenario: Scenario,
+    specs: list[LayerSpec],
+    settings: GateSettings,
+    measure_band: bool = True,
 ) -> list[dict[str, Any]]:
-    """Trace one scenario and return one layers.parquet row per decoder layer."""
-    _check_mask_size(scenario, settings)
+    """Trace one scenario and return one layers.parquet row per decoder layer. Without
+    `measure_band`, a dispatch trace (probes.mask.shapes): the calls and backends, no band."""
+    if measure_band:
+        _check_mask_size(scenario, settings)
+        records = trace_attention(probe, scenario.inputs())
+    else:
+        with masks_without_values():
+            records = trace_attention(probe, scenario.inputs())
     by_layer: dict[int, list[AttentionRecord]] = {}
-    for record in trace_attention(probe, scenario.inputs()):
+    for record in records:
         by_layer.setdefault(record.layer_idx, []).append(record)
     measured: dict[tuple, mask_band.RowIntervals] = {}  # per distinct mask (storage and view)
     rows = []
@@ -216,10 +228,56 @@ def run_scenario(
             continue
         record = layer_records[-1]
         row.update(_call_columns(probe, scenario, layer_idx, record))
-        row.update(_band_columns(scenario, layer_idx, spec, record, measured))
+        if measure_band:
+            row.update(_band_columns(scenario, layer_idx, spec, record, measured))
         row.update(_backend_columns(probe, record, settings))
         rows.append(row)
     return rows
+
+
+# what a dispatch trace at the training shape decides; the rest of a row is the band's
+DISPATCH_COLUMNS = (
+    "batch",
+    "seq_len",
+    "attention_calls",
+    "attn_implementation",
+    "module_sliding_window",
+    "q_heads",
+    "kv_heads",
+    "head_dim",
+    "head_dim_v",
+    "dtype",
+    "mask_present",
+    "mask_shape",
+    "mask_dtype",
+    "is_causal",
+    "enable_gqa",
+    "gqa_path",
+    "fast_path",
+    "backend",
+    "excluded_by",
+    "local_predicted_backend",
+    "confirmed_backend",
+    "confirm_agrees",
+    "confirm_can_use",
+)
+
+
+def merge_dispatch(
+    dispatch: list[dict[str, Any]], band: list[dict[str, Any]]
+) -> list[dict[str, Any]] | None:
+    """One row per layer: the dispatch trace's columns (training shape) over the band trace's
+    (semantic shape); None where a layer gets a mask at one shape and none at the other (its
+    band then depends on the shape: the caller measures it at the training shape)."""
+    merged = []
+    for at_training, at_semantic in zip(dispatch, band, strict=True):
+        if at_training.get("mask_present") != at_semantic.get("mask_present"):
+            return None
+        row = {**at_semantic, **{k: at_training.get(k) for k in DISPATCH_COLUMNS}}
+        if at_training.get("violation"):  # no attention call recorded at the training shape
+            row.update(band_ok=False, violation=at_training["violation"])
+        merged.append(row)
+    return merged
 
 
 def _check_mask_size(scenario: Scenario, settings: GateSettings) -> None:
@@ -312,6 +370,7 @@ def _band_columns(
         )
     )
     return {
+        "band_shape": f"{scenario.batch}x{scenario.seq_len}",
         "band_source": band_source,
         "band_lower": summary.band_lower,
         "band_upper": summary.band_upper,

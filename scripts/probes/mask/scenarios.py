@@ -144,6 +144,16 @@ def split_lengths(total: int, fractions: list[float]) -> list[int]:
     return raw
 
 
+def padded_lengths(seq_len: int, batch: int, pad_fraction: float) -> list[int]:
+    """Real tokens per row of the padded scenarios: the first row full, the last short by
+    `pad_fraction` of `seq_len`, the rows between in even steps (at least two rows)."""
+    rows = max(2, batch)
+    return [seq_len] + [
+        max(1, seq_len - int(round(pad_fraction * seq_len * i / (rows - 1))))
+        for i in range(1, rows)
+    ]
+
+
 def build_scenarios(
     mask_cfg: dict[str, Any],
     training_cfg: dict[str, Any],
@@ -158,12 +168,7 @@ def build_scenarios(
     wanted = list(mask_cfg["scenarios"])
     notes: list[str] = []
     scenarios: list[Scenario] = []
-    pad_batch = max(2, batch)
-    pad_fraction = float(mask_cfg["pad_fraction"])
-    pad_lengths = [seq_len] + [
-        max(1, seq_len - int(round(pad_fraction * seq_len * i / (pad_batch - 1))))
-        for i in range(1, pad_batch)
-    ]
+    pad_lengths = padded_lengths(seq_len, batch, float(mask_cfg["pad_fraction"]))
     for name in wanted:
         if name == "train":
             scenarios.append(

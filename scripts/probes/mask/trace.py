@@ -81,6 +81,8 @@ class ProbeModel:
     dtype: torch.dtype
     notes: list[str] = field(default_factory=list)
     memo: Any = None  # _MetaMemo of the decoder submodules
+    config_dict: dict[str, Any] = field(default_factory=dict)  # the config.json it was built from
+    source: str = "config.json"
 
     @property
     def num_layers(self) -> int:
@@ -210,7 +212,11 @@ def build_probe_model(
     parent_name = layers_name.rsplit(".", 1)[0] if "." in layers_name else ""
     text_model = model.get_submodule(parent_name) if parent_name else model
     for child in text_model.children():
-        if child is not layers:
+        if child is layers:
+            continue
+        if _is_rotary(child):
+            _rotary_on_meta(child)
+        else:
             _materialise_on_cpu(child)
     for name, param in list(text_model.named_parameters(recurse=False)):
         setattr(text_model, name, torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype)))
@@ -232,7 +238,55 @@ def build_probe_model(
         dtype=dtype,
         notes=notes,
         memo=memo,
+        config_dict=config_dict,
+        source=source,
     )
+
+
+def _is_rotary(module: torch.nn.Module) -> bool:
+    return "rotary" in type(module).__name__.lower()
+
+
+def _rotary_on_meta(module: torch.nn.Module) -> None:
+    """Rotary tables on the meta device: they reach only the decoder layers (which run on meta)
+    and masks never read them; computed on the CPU they cost 0.1 s a forward at T = 1024."""
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return original(*_to_meta(args), **_to_meta(kwargs))
+
+    module.forward = forward
+
+
+@contextmanager
+def implementation_of(probe: ProbeModel, implementation: str) -> Iterator[ProbeModel]:
+    """The probe's model with `implementation`, switched in place by transformers (and back
+    after); a model that cannot switch is built anew. Raises what transformers raises for an
+    implementation it refuses here."""
+    import dataclasses
+
+    before = probe.attn_implementation
+    if implementation == before:
+        yield probe
+        return
+    probe.model.set_attn_implementation(implementation)
+    try:
+        if _implementation_now(probe.model) == implementation:
+            yield dataclasses.replace(
+                probe,
+                attn_implementation=implementation,
+                sdpa_supported=implementation == "sdpa",
+                sdpa_unsupported_reason=None,
+            )
+        else:  # transformers only warned: this architecture switches at build time only
+            yield build_probe_model(probe.config_dict, probe.dtype, probe.source, implementation)
+    finally:
+        if _implementation_now(probe.model) != before:
+            probe.model.set_attn_implementation(before)
+
+
+def _implementation_now(model: torch.nn.Module) -> str | None:
+    return getattr(model.config, "_attn_implementation", None)
 
 
 def _broadcast_embeddings(model: torch.nn.Module) -> None:

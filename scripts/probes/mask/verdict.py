@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 import torch
+from tqdm import tqdm
 
 from probes.config import fill_defaults, schema
 from probes.mask import backend as sdpa_backend
@@ -20,11 +21,13 @@ from probes.mask.layers import (
     LayerSpec,
     layer_specs,
     layers_frame,
+    merge_dispatch,
     model_window,
     run_scenario,
 )
 from probes.mask.memory import reuse_freed_memory
 from probes.mask.scenarios import Collate, Scenario, build_scenarios
+from probes.mask.shapes import REDUCIBLE, plan_shapes
 from probes.mask.trace import ProbeModel, build_probe_model
 
 log = logging.getLogger("probes.mask.gate")
@@ -52,7 +55,7 @@ def make_target(mask_cfg: dict[str, Any]) -> sdpa_backend.Target:
     )
 
 
-def _dtype(name: str) -> torch.dtype:
+def model_dtype(name: str) -> torch.dtype:
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(
@@ -99,45 +102,53 @@ def evaluate(
     progress: bool = True,
     attn_implementation: str | None = None,
     packed_collator: Collate | None = None,
+    probe: ProbeModel | None = None,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Trace every scenario and return (layers table, gate summary without the control).
 
     `attn_implementation`: the model's (None: SDPA, or eager where SDPA is refused);
-    `packed_collator`: what lays out the packed scenario (None: transformers' flattening one)."""
-    from tqdm import tqdm
-
+    `packed_collator`: what lays out the packed scenario (None: transformers' flattening one);
+    `probe`: the model already built (probes.mask.trace.implementation_of). Bands are measured
+    at the shapes probes.mask.shapes plans, SDPA's dispatch at the training shape."""
     started = time.perf_counter()
     target = make_target(mask_cfg)
-    probe = build_probe_model(config_dict, _dtype(mask_cfg["dtype"]), source, attn_implementation)
+    if probe is None:
+        probe = build_probe_model(
+            config_dict, model_dtype(mask_cfg["dtype"]), source, attn_implementation
+        )
     specs = layer_specs(
         probe.text_config, probe.num_layers, mask_cfg.get("expected_sliding_window")
     )
-    scenarios, notes = build_scenarios(
-        mask_cfg, training_cfg, model_window(specs), probe.accepts_token_type_ids, packed_collator
-    )
-    settings = GateSettings(target=target, max_mask_gib=float(mask_cfg["max_mask_gib"]))
-    confirm_note = NOT_REQUESTED
-    if mask_cfg.get("confirm_on_cuda"):
-        if sdpa_confirm.cuda_available():
-            settings.confirm = True
-            settings.confirm_target = sdpa_confirm.local_target(requires_grad=True)
-            confirm_note = "ran on this machine's CUDA device"
-        else:
-            confirm_note = sdpa_confirm.NO_CUDA
+    window = model_window(specs)
+    plan = plan_shapes(mask_cfg, training_cfg, window)
+    build = (mask_cfg, training_cfg, window, probe.accepts_token_type_ids, packed_collator)
+    scenarios, notes = build_scenarios(*build)
+    semantic = scenarios
+    if plan.reduced:
+        semantic, _ = build_scenarios(
+            mask_cfg,
+            {**training_cfg, "max_seq_len": plan.semantic_seq_len},
+            *build[2:],
+        )
+    settings, confirm_note = _settings(mask_cfg, target)
     rows: list[dict[str, Any]] = []
     with reuse_freed_memory():
-        for scenario in tqdm(scenarios, desc="mask scenarios", disable=not progress):
+        for scenario, small in tqdm(
+            list(zip(scenarios, semantic, strict=True)),
+            desc="mask scenarios",
+            disable=not progress,
+        ):
             scenario_start = time.perf_counter()
-            rows.extend(run_scenario(probe, scenario, specs, settings))
+            rows.extend(trace_scenario(probe, scenario, small, specs, settings))
             log.info(
-                "scenario %s (B=%d, T=%d): %.2f s",
+                "scenario %s (%s): %.2f s",
                 scenario.name,
-                scenario.batch,
-                scenario.seq_len,
+                _shapes_text(rows[-1]),
                 time.perf_counter() - scenario_start,
             )
     table = layers_frame(rows)
     summary = summarise_gate(table, scenarios, probe, specs, target, training_cfg)
+    summary["shapes"] = plan.as_dict()
     summary["notes"] = probe.notes + notes
     summary["confirm"] = _confirm_summary(table, scenarios, settings, confirm_note)
     for entry in summary["scenarios"]:
@@ -148,6 +159,51 @@ def evaluate(
         summary["passed"] = False
     summary["trace_seconds"] = round(time.perf_counter() - started, 3)
     return table, summary
+
+
+def _shapes_text(row: dict[str, Any]) -> str:
+    dispatch = f"{row['batch']}x{row['seq_len']}"
+    band = row.get("band_shape") or dispatch
+    return f"B x T {dispatch}" if band == dispatch else f"dispatch {dispatch}, band {band}"
+
+
+def _settings(mask_cfg: dict[str, Any], target: sdpa_backend.Target) -> tuple[GateSettings, str]:
+    """The per-scenario settings, with the CUDA confirmation where asked and possible."""
+    settings = GateSettings(target=target, max_mask_gib=float(mask_cfg["max_mask_gib"]))
+    confirm_note = NOT_REQUESTED
+    if mask_cfg.get("confirm_on_cuda"):
+        if sdpa_confirm.cuda_available():
+            settings.confirm = True
+            settings.confirm_target = sdpa_confirm.local_target(requires_grad=True)
+            confirm_note = "ran on this machine's CUDA device"
+        else:
+            confirm_note = sdpa_confirm.NO_CUDA
+    return settings, confirm_note
+
+
+def trace_scenario(
+    probe: ProbeModel,
+    scenario: Scenario,
+    semantic: Scenario,
+    specs: list[LayerSpec],
+    settings: GateSettings,
+) -> list[dict[str, Any]]:
+    """One scenario's rows. At one shape: traced densely. Else its band densely at the semantic
+    shape and, under SDPA (whose mask skip and backend depend on T), its dispatch at the training
+    shape; at the training shape densely after all where a layer's mask comes and goes with T."""
+    if semantic.seq_len == scenario.seq_len or scenario.name not in REDUCIBLE:
+        return run_scenario(probe, scenario, specs, settings)
+    band = run_scenario(probe, semantic, specs, settings)
+    if probe.attn_implementation != "sdpa":
+        return band  # eager and flex: a mask on every layer and no backend, at any T
+    dispatch = run_scenario(probe, scenario, specs, settings, measure_band=False)
+    merged = merge_dispatch(dispatch, band)
+    if merged is None:
+        log.info(
+            "scenario %s: a mask comes and goes with T; band at the training shape", scenario.name
+        )
+        return run_scenario(probe, scenario, specs, settings)
+    return merged
 
 
 NOT_REQUESTED = "not requested (mask.confirm_on_cuda: false)"
@@ -207,12 +263,18 @@ def summarise_gate(
     per_scenario = []
     for scenario in scenarios:
         part = table[table["scenario"] == scenario.name]
+        batch, seq_len = int(part["batch"].iloc[0]), int(part["seq_len"].iloc[0])
         per_scenario.append(
             {
                 "scenario": scenario.name,
                 "description": scenario.description,
-                "batch": scenario.batch,
-                "seq_len": scenario.seq_len,
+                "batch": batch,
+                "seq_len": seq_len,
+                # where each verdict was checked: the mask skip and backend, and the band
+                "dispatch_shape": f"{batch}x{seq_len}",
+                "band_shape": str(part["band_shape"].dropna().iloc[0])
+                if part["band_shape"].notna().any()
+                else f"{batch}x{seq_len}",
                 "padding": scenario.padding,
                 "packed": scenario.packed,
                 "layers": int(len(part)),
