@@ -207,6 +207,10 @@ class Command:
         entry = self.entry
         if entry.kind == "file":
             return entry.target
+        # a launcher's training script (accelerate launch train.py): the user's own file
+        script = next((a for a in entry.args if a.endswith(".py") and Path(a).is_file()), None)
+        if script:
+            return script
         module = entry.target if entry.kind == "module" else console_script(entry.target).module
         found = importlib.util.find_spec(module)
         return str(found.origin) if found and found.origin else ""

@@ -158,6 +158,14 @@ def test_a_bad_command_is_one_error_naming_it(script, tmp_path, mode, said):
     assert not out.exists()
 
 
+def test_accelerate_launch_runs_its_training_script_in_this_process(script, tmp_path):
+    argv, out = command(script)
+    launched = ["accelerate", "launch", "--num_processes", "1", *argv[1:]]
+    trainer = Command.of(launched).build(settings(tmp_path, gradient_accumulation_steps=5))
+    assert trainer.args.gradient_accumulation_steps == 5 and not out.exists()
+    assert Command.of(launched).source_file == argv[1]  # the user's script, not the launcher
+
+
 def test_a_command_that_hangs_is_stopped_after_its_timeout(script, tmp_path):
     argv, _ = command(script, "hang")
     with pytest.raises(CommandError, match="still running after 1 s without calling train"):
