@@ -199,6 +199,8 @@ class ReplayConfig:
     budget_s: float
     round_size: int
     instrument_repeats: int
+    decide_within: float
+    max_width: float
     coverage: ReplayCoverageConfig
     fit: ReplayFitConfig
     cpu: ReplayCpuConfig

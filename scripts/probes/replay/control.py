@@ -320,6 +320,22 @@ def retime_simulated(
     return out
 
 
+def coverage_verdict(coverage: float, width: float, threshold: float, max_width: float) -> str:
+    """A strategy's coverage verdict: "failed" below `threshold`; "uninformative" where its
+    intervals average wider than `max_width` (wide enough to cover anything, so covering says
+    nothing at the width the run reported); else "passed"."""
+    if coverage < threshold:
+        return "failed"
+    return "uninformative" if width > max_width else "passed"
+
+
+def overall_verdict(verdicts: Mapping[str, str]) -> str:
+    """failed if any strategy failed; else uninformative if any is; else passed (none: failed)."""
+    if not verdicts or "failed" in verdicts.values():
+        return "failed"
+    return "uninformative" if "uninformative" in verdicts.values() else "passed"
+
+
 def run_coverage_control(
     design: Design,
     takes: Mapping[tuple[str, int], int],
@@ -330,43 +346,54 @@ def run_coverage_control(
     threshold: float = 0.9,
     cost: SimulatedCost | None = None,
     spike_share: float = SPIKE_SHARE,
+    max_width: float = 0.2,
+    factors: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The real plans and the real run's allocation (`takes`), timings simulated from a known
     cost with noise at the measured `cv` and a `spike_share` of preempted timings, through the
     replay's outlier rule and the same estimator `replications` times: the share of 95% saving
-    intervals that cover the exact saving, per strategy, must be at least `threshold`. Cheap:
+    intervals that cover the exact saving, per strategy, must be at least `threshold`, at a
+    mean width of at most `max_width` (wider: "uninformative", never "passed"). A paired change
+    costs `factors[name]` × the baseline on the same micro-batches (its measured ratio). Cheap:
     no model runs."""
     started = time.perf_counter()
     rng = np.random.default_rng(seed)
     cost = cost or SimulatedCost.scaled_to(pd.concat(design.plans.values(), ignore_index=True))
-    known = KnownPlans.of(design, cost)
+    known = KnownPlans.of(design, cost, factors)
     base = pl.BASELINE
     exact_saving = {n: 1.0 - known.exact[n] / known.exact[base] for n in known.exact}
     hits = dict.fromkeys(known.exact, 0)
     widths: dict[str, list[float]] = {n: [] for n in known.exact}
-    cv_df = 4.0
     for _ in range(replications):
         designs, truth = simulated_designs(design, known, takes, cv, spike_share, rng)
         designs = retime_simulated(designs, truth, cv, spike_share, rng)
         opt = cost.optimizer_s * np.maximum(
             1.0 + cv * rng.standard_normal(max(optimizer_timings, 2)), 0.05
         )
-        estimates, _ = greg_estimate_all(designs, opt, cv, cv_df)
+        estimates, _ = greg_estimate_all(designs, opt, cv, 4.0)
         for name, est in estimates.items():
             hits[name] += int(covers(est, exact_saving[name]))
             widths[name].append(est.saving_high - est.saving_low)
     coverage = {n: hits[n] / replications for n in known.exact if n != base}
+    mean_width = {n: float(np.nanmean(widths[n])) for n in coverage}
+    verdicts = {
+        n: coverage_verdict(coverage[n], mean_width[n], threshold, max_width) for n in coverage
+    }
+    verdict = overall_verdict(verdicts)
     return {
         "name": "replay_intervals_cover_the_exact_saving",
         "description": (
             "timings simulated from a known cost (rows*T, rows*T^2, loss tokens, loss tokens x "
-            "length, documents: terms the working model lacks) with noise at the measured CV and "
-            "a share of preempted timings (10-40% slow) through the replay's outlier rule, "
-            "sampled with the real run's allocation and priced by the same model-assisted "
-            "estimator; the share of 95% saving intervals covering the exact saving, per strategy"
+            "length, documents: terms the working model lacks; a paired change at its measured "
+            "ratio to the baseline) with noise at the measured CV and a share of preempted "
+            "timings (10-40% slow) through the replay's outlier rule, sampled with the real "
+            "run's allocation and priced by the same estimator; the share of 95% saving "
+            "intervals covering the exact saving, per strategy, at the width the run reported "
+            "(intervals wider than max_width make it uninformative)"
         ),
         "expected": {
             "coverage_min": threshold,
+            "max_width_pp": 100 * max_width,
             "nominal": 0.95,
             "cv": cv,
             "spike_share": spike_share,
@@ -376,10 +403,12 @@ def run_coverage_control(
         "observed": {
             "coverage": coverage,
             "min_coverage": min(coverage.values()) if coverage else float("nan"),
-            "mean_width_pp": {n: 100 * float(np.mean(w)) for n, w in widths.items() if n != base},
+            "mean_width_pp": {n: 100 * w for n, w in mean_width.items()},
+            "verdicts": verdicts,
             "wall_s": time.perf_counter() - started,
         },
-        "passed": bool(coverage) and min(coverage.values()) >= threshold,
+        "verdict": verdict,
+        "passed": verdict == "passed",
     }
 
 
@@ -394,9 +423,14 @@ class KnownPlans:
     exact: dict[str, float]
 
     @classmethod
-    def of(cls, design: Design, cost: SimulatedCost) -> KnownPlans:
+    def of(
+        cls, design: Design, cost: SimulatedCost, factors: Mapping[str, float] | None = None
+    ) -> KnownPlans:
+        factors = factors or {}
         x = {n: auxiliaries(p) for n, p in design.plans.items()}
-        mu = {n: cost.micro_batch_s(p) for n, p in design.plans.items()}
+        mu = {
+            n: cost.micro_batch_s(p) * float(factors.get(n, 1.0)) for n, p in design.plans.items()
+        }
         steps = {n: int(p["optimizer_step_index"].nunique()) for n, p in design.plans.items()}
         exact = {n: float(mu[n].sum()) + steps[n] * cost.optimizer_s for n in design.plans}
         return cls(x, mu, steps, exact)
@@ -413,12 +447,17 @@ def simulated_designs(
     """One simulated run: per strategy, `takes` units drawn without replacement from each
     stratum's order and their timings simulated (known cost × noise); also each sampled unit's
     exact cost, for the outlier rule's retiming."""
-    designs, truth = {}, {}
-    for name in design.plans:
+    designs, truth, drawn = {}, {}, {}
+    names = sorted(design.plans, key=lambda n: n in design.paired)  # the baseline first
+    for name in names:
         units, strata = [], []
         for h, members in enumerate(design.orders[name]):
             n = int(takes.get((name, h), 0))
-            picked = rng.choice(members, size=min(n, members.size), replace=False)
+            if name in design.paired:  # the baseline's own units, as the replay times them
+                picked = drawn[(pl.BASELINE, h)][:n]
+            else:
+                picked = rng.choice(members, size=min(n, members.size), replace=False)
+            drawn[(name, h)] = picked
             units.append(picked)
             strata.append(np.full(picked.size, h))
         idx = np.concatenate(units)
@@ -430,6 +469,8 @@ def simulated_designs(
             x=known.x[name][idx],
             y=known.mu[name][idx] * timing_noise(rng, idx.size, cv, spike_share),
             timings=np.ones(idx.size),
+            units=idx,
+            paired=name in design.paired,
         )
         truth[name] = known.mu[name][idx]
     return designs, truth

@@ -122,6 +122,10 @@ class StrategyDesign:
     x: np.ndarray
     y: np.ndarray
     timings: np.ndarray
+    # each timed unit's row in the plan, and whether the strategy runs the baseline's own
+    # micro-batches (a step-level change that keeps them): then it is priced paired
+    units: np.ndarray | None = None
+    paired: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,72 @@ class GregEstimate:
     strata_residual_sd: dict[int, float]
 
 
+def log_interval(value: float, se: float, df: float) -> tuple[float, float]:
+    """The 95% interval of a positive quantity on the log scale (delta method: se(log v) =
+    se/v): value × exp(±t·se/value), never below 0 whatever the spread."""
+    if not (value > 0 and math.isfinite(se)):
+        return float("nan"), float("nan")
+    half = t_quantile_975(df) * se / value
+    return value * math.exp(-half), value * math.exp(half)
+
+
+@dataclass(frozen=True)
+class PairedRatio:
+    """A paired change's micro-batch time over the baseline's on the same micro-batches: the
+    stratified combined ratio estimate, its 95% interval (log scale) and the variance parts."""
+
+    ratio: float
+    low: float
+    high: float
+    df: float
+    parts: tuple[tuple[float, float], ...]  # of the ratio's variance
+    pairs: int
+
+
+def paired_ratio(
+    change: StrategyDesign, base: StrategyDesign, cv: float, cv_df: float
+) -> PairedRatio:
+    """R = Σ_h N_h ȳ_change,h / Σ_h N_h ȳ_base,h over the micro-batches both timed (the change's
+    are a prefix of the baseline's in every stratum: one stratum order). Linearised variance
+    Σ_h N_h² [(1 − f_h) S²_z,h + f_h σ²_ε,h] / n_h / X², z = y_change − R·y_base, S²_z pooled
+    relative to y_base over all pairs (n − 1 df), σ_ε the instrument's noise of both timings."""
+    where = {int(u): i for i, u in enumerate(base.units)}
+    pairs = [(i, where[int(u)]) for i, u in enumerate(change.units) if int(u) in where]
+    if len(pairs) < 2:
+        nan = float("nan")
+        return PairedRatio(nan, nan, nan, nan, (), len(pairs))
+    mine, theirs = (np.array(v, dtype=np.int64) for v in zip(*pairs, strict=True))
+    y_c, y_b, stratum = change.y[mine], base.y[theirs], change.stratum[mine]
+    timings = 0.5 * (change.timings[mine] + base.timings[theirs])
+    sizes = np.bincount(change.plan_stratum)
+    strata = [h for h in np.flatnonzero(sizes) if (stratum == h).any()]
+    num = sum(float(sizes[h]) * float(y_c[stratum == h].mean()) for h in strata)
+    den = sum(float(sizes[h]) * float(y_b[stratum == h].mean()) for h in strata)
+    ratio = num / den
+    relative = (y_c - ratio * y_b) / np.maximum(y_b, 1e-12)
+    n = len(pairs)
+    sigma2 = float(np.sum(relative**2)) / max(n - 1, 1)
+    sampling, noise = 0.0, 0.0
+    for h in strata:
+        in_h = stratum == h
+        n_h, big_n = int(in_h.sum()), float(sizes[h])
+        f = min(n_h / big_n, 1.0)
+        level2 = float(np.mean(y_b[in_h] ** 2))
+        sampling += big_n**2 * (1 - f) * sigma2 * level2 / n_h
+        both = (y_c[in_h] ** 2 + ratio**2 * y_b[in_h] ** 2) / timings[in_h]
+        noise += big_n**2 * f * cv**2 * float(np.mean(both)) / n_h
+    parts = ((sampling / den**2, float(max(n - 1, 1))), (noise / den**2, cv_df))
+    df = satterthwaite(parts)
+    low, high = log_interval(ratio, math.sqrt(sum(v for v, _ in parts)), df)
+    return PairedRatio(ratio, low, high, df, parts, n)
+
+
+def _fitted_designs(designs: Mapping[str, StrategyDesign]) -> list[str]:
+    """The strategies the working model is fitted on: all but the paired ones (a paired change
+    runs the baseline's micro-batches at another cost, which the shared model would misprice)."""
+    return [n for n, d in designs.items() if not d.paired] or list(designs)
+
+
 def greg_estimate_all(
     designs: Mapping[str, StrategyDesign],
     optimizer_times: np.ndarray,
@@ -198,63 +268,103 @@ def greg_estimate_all(
     cv_df: float,
     baseline: str = pl.BASELINE,
 ) -> tuple[dict[str, GregEstimate], WorkingModel]:
-    """Every strategy's epoch time and saving vs `baseline` with 95% intervals (t, Satterthwaite).
-    One working model over every strategy's timed units; each strategy's own residuals correct
-    it. The saving's variance is that of T_s − R·T_base over independent samples, plus the shared
-    optimizer mean's (k_s − R k_base)² var(ō)."""
-    names = list(designs)
-    x = np.concatenate([designs[n].x for n in names])
-    y = np.concatenate([designs[n].y for n in names])
+    """Every strategy's epoch time and saving vs `baseline` with 95% intervals (t, Satterthwaite,
+    on the log scale: an epoch time and a time ratio are positive). One working model over the
+    unpaired strategies' timed units; each strategy's own residuals correct it. An unpaired
+    saving's variance is that of T_s − R·T_base over independent samples, plus the shared
+    optimizer mean's (k_s − R k_base)² var(ō); a paired change is priced by its ratio to the
+    baseline on the same micro-batches (paired_ratio)."""
+    fitted = _fitted_designs(designs)
+    x = np.concatenate([designs[n].x for n in fitted])
+    y = np.concatenate([designs[n].y for n in fitted])
     model, leverage = fit_working_model(x, y)
-    bounds = np.cumsum([0] + [len(designs[n].y) for n in names])
+    bounds = np.cumsum([0] + [len(designs[n].y) for n in fitted])
     totals = {
         n: greg_total(designs[n], model, leverage[bounds[i] : bounds[i + 1]], cv, cv_df)
-        for i, n in enumerate(names)
+        for i, n in enumerate(fitted)
     }
     opt = np.asarray(optimizer_times, dtype=np.float64)
-    opt_mean = float(opt.mean()) if opt.size else 0.0
-    opt_var = float(np.var(opt, ddof=1) / opt.size) if opt.size > 1 else 0.0
-    opt_df = max(opt.size - 1.0, 1.0)
-    times = {n: totals[n].time_s + designs[n].optimizer_steps * opt_mean for n in names}
+    optimizer = (
+        float(opt.mean()) if opt.size else 0.0,
+        float(np.var(opt, ddof=1) / opt.size) if opt.size > 1 else 0.0,
+        max(opt.size - 1.0, 1.0),
+    )
     out = {}
+    for n in fitted:
+        out[n] = _unpaired_estimate(n, designs, totals, optimizer, baseline)
+    for n in designs:
+        if n not in out:
+            out[n] = _paired_estimate(n, designs, totals, optimizer, baseline, (cv, cv_df))
+    return {n: out[n] for n in designs}, model
+
+
+def _unpaired_estimate(
+    name: str,
+    designs: Mapping[str, StrategyDesign],
+    totals: Mapping[str, GregTotal],
+    optimizer: tuple[float, float, float],
+    baseline: str,
+) -> GregEstimate:
+    opt_mean, opt_var, opt_df = optimizer
+    total = totals[name]
+    k = designs[name].optimizer_steps
+    time_s = total.time_s + k * opt_mean
+    parts = [*total.parts, (k * k * opt_var, opt_df)]
+    low_s, high_s = log_interval(time_s, math.sqrt(sum(v for v, _ in parts)), satterthwaite(parts))
+    saving = low = high = df = float("nan")
     base = totals.get(baseline)
-    for n in names:
-        k = designs[n].optimizer_steps
-        parts = [*totals[n].parts, (k * k * opt_var, opt_df)]
-        var = sum(v for v, _ in parts)
-        half = t_quantile_975(satterthwaite(parts)) * math.sqrt(var)
-        saving = low = high = df = float("nan")
-        if base is not None:
-            ratio = times[n] / times[baseline]
-            saving = 1.0 - ratio
-            if n == baseline:
-                low = high = 0.0
-                df = float("inf")
-            else:
-                k_base = designs[baseline].optimizer_steps
-                s_parts = [
-                    *totals[n].parts,
-                    *((ratio * ratio * v, d) for v, d in base.parts),
-                    ((k - ratio * k_base) ** 2 * opt_var, opt_df),
-                ]
-                se = math.sqrt(sum(v for v, _ in s_parts)) / times[baseline]
-                df = satterthwaite(s_parts)
-                s_half = t_quantile_975(df) * se
-                low, high = saving - s_half, saving + s_half
-        out[n] = GregEstimate(
-            times[n],
-            times[n] - half,
-            times[n] + half,
-            saving,
-            low,
-            high,
-            df,
-            totals[n].model_s,
-            totals[n].correction_s,
-            totals[n].out_of_range_share,
-            totals[n].strata_residual_sd,
-        )
-    return out, model
+    if name == baseline:
+        saving, low, high, df = 0.0, 0.0, 0.0, float("inf")
+    elif base is not None:
+        base_s = base.time_s + designs[baseline].optimizer_steps * opt_mean
+        ratio = time_s / base_s
+        k_base = designs[baseline].optimizer_steps
+        s_parts = [
+            *total.parts,
+            *((ratio * ratio * v, d) for v, d in base.parts),
+            ((k - ratio * k_base) ** 2 * opt_var, opt_df),
+        ]
+        df = satterthwaite(s_parts)
+        r_low, r_high = log_interval(ratio, math.sqrt(sum(v for v, _ in s_parts)) / base_s, df)
+        saving, low, high = 1.0 - ratio, 1.0 - r_high, 1.0 - r_low
+    return GregEstimate(
+        time_s, low_s, high_s, saving, low, high, df, total.model_s, total.correction_s,
+        total.out_of_range_share, total.strata_residual_sd,
+    )  # fmt: skip
+
+
+def _paired_estimate(
+    name: str,
+    designs: Mapping[str, StrategyDesign],
+    totals: Mapping[str, GregTotal],
+    optimizer: tuple[float, float, float],
+    baseline: str,
+    noise: tuple[float, float],
+) -> GregEstimate:
+    """A paired change's epoch: R × the baseline's micro-batch total + its optimizer steps; its
+    saving's interval maps R's (the epoch ratio is monotone in R)."""
+    opt_mean, opt_var, opt_df = optimizer
+    base = totals[baseline]
+    pair = paired_ratio(designs[name], designs[baseline], *noise)
+    k, k_base = designs[name].optimizer_steps, designs[baseline].optimizer_steps
+    base_s = base.time_s + k_base * opt_mean
+
+    def epoch(r: float) -> float:
+        return r * base.time_s + k * opt_mean
+
+    time_s = epoch(pair.ratio)
+    base_var = sum(v for v, _ in base.parts)
+    parts = [
+        *((base.time_s**2 * v, d) for v, d in pair.parts),
+        (pair.ratio**2 * base_var, satterthwaite(base.parts)),
+        (k * k * opt_var, opt_df),
+    ]
+    low_s, high_s = log_interval(time_s, math.sqrt(sum(v for v, _ in parts)), satterthwaite(parts))
+    return GregEstimate(
+        time_s, low_s, high_s, 1.0 - time_s / base_s, 1.0 - epoch(pair.high) / base_s,
+        1.0 - epoch(pair.low) / base_s, pair.df, pair.ratio * base.model_s,
+        pair.ratio * base.correction_s, base.out_of_range_share, base.strata_residual_sd,
+    )  # fmt: skip
 
 
 # A unit timed once whose relative residual lies this many robust spreads (1.4826 × MAD) from
@@ -298,11 +408,28 @@ def unit_residuals(designs: Mapping[str, StrategyDesign]) -> dict[str, np.ndarra
     return out
 
 
-def decided(estimates: Mapping[str, GregEstimate], valid: Sequence[str]) -> bool:
-    """The stopping rule's decision: the best valid strategy's saving interval (random's is
-    [0, 0]) lies entirely above the next one's."""
-    ranked = sorted(
-        (estimates[n] for n in valid if n in estimates and math.isfinite(estimates[n].saving)),
-        key=lambda e: -e.saving,
-    )
-    return len(ranked) >= 2 and ranked[0].saving_low > ranked[1].saving_high
+def is_open(estimate: GregEstimate, within: float, max_width: float) -> bool:
+    """Whether a change is still undecided: its saving interval includes 0 and reaches beyond
+    ±`within` (not yet faster, slower, or a tie that cannot matter), or is wider than
+    `max_width`. An interval that could not be computed stays open."""
+    low, high = estimate.saving_low, estimate.saving_high
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return True
+    settled = low > 0 or high < 0 or (low >= -within and high <= within)
+    return not settled or high - low > max_width
+
+
+def open_strategies(
+    estimates: Mapping[str, GregEstimate],
+    valid: Sequence[str],
+    within: float,
+    max_width: float,
+    baseline: str = pl.BASELINE,
+) -> list[str]:
+    """The valid changes the next round still times for the decision (is_open); the rest
+    are decided and get no more units (a race: timing goes where it can change the answer)."""
+    return [
+        n
+        for n in valid
+        if n != baseline and (n not in estimates or is_open(estimates[n], within, max_width))
+    ]

@@ -117,9 +117,18 @@ def control_checks(control: dict[str, Any], coverage: dict[str, Any]) -> list[di
         },
         {
             "name": coverage["name"],
-            "expected": {"coverage_min": coverage["expected"]["coverage_min"]},
-            "observed": {"coverage_min": coverage["observed"]["min_coverage"]},
+            "expected": {
+                "coverage_min": coverage["expected"]["coverage_min"],
+                "max_width_pp": coverage["expected"].get("max_width_pp"),
+            },
+            "observed": {
+                "coverage_min": coverage["observed"]["min_coverage"],
+                "widest_mean_width_pp": max(
+                    coverage["observed"].get("mean_width_pp", {}).values(), default=None
+                ),
+            },
             "passed": bool(coverage["passed"]),
+            "verdict": coverage.get("verdict", "passed" if coverage["passed"] else "failed"),
         },
     ]
 

@@ -97,6 +97,8 @@ def settings_for(cfg: ReplayConfig, grad_accum: int, cpu_only: bool) -> ReplaySe
         warmup=int(section.warmup),
         busy_samples_per_stratum=int(cfg.busy_samples_per_stratum),
         host_bound_threshold=float(cfg.host_bound_threshold),
+        decide_within=float(cfg.decide_within),
+        max_width=float(cfg.max_width),
     )
 
 

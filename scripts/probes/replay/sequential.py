@@ -6,8 +6,11 @@ or the time budget is spent (``run_sequential``), and priced by the model-assist
 Round 1 times at least `per_strategy` units of every strategy (MIN_PER_STRATUM of every stratum,
 all of a smaller one, the rest by Neyman within the strategy) plus `initial_extra` more; each
 later round adds `round_size` units by stratum size × the residual spread just measured.
-Stops: "decision" (the best change's interval clears the next one's), "budget" (another round
-would pass budget_s), "census" (nothing left to time).
+Later rounds time only the changes still undecided (greg.open_strategies: a race) and the
+baseline beside them. Strategies on the baseline's own micro-batches (step-level changes that
+keep them) are paired: the same micro-batches, timed back to back with the baseline's.
+Stops: "decision" (every valid change decided), "budget" (another round would pass budget_s),
+"census" (nothing left to time).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from probes.replay.estimate import (
     GregEstimate,
     StrategyDesign,
     auxiliaries,
-    decided,
     greg_estimate_all,
+    open_strategies,
     outlier_units,
     unit_residuals,
 )
@@ -54,22 +57,65 @@ class Design:
     bounds: dict[str, np.ndarray]
     orders: dict[str, list[np.ndarray]]
     sizes: dict[Key, int]
+    # strategies that run the baseline's own micro-batches (a step-level change that keeps
+    # them): they share its strata and orders, so each of their units has a baseline twin
+    paired: frozenset[str] = frozenset()
 
     @property
     def strategies(self) -> list[str]:
         return list(self.plans)
 
 
-def build_design(plans: pd.DataFrame, n_strata: int, seed: int) -> Design:
+# what makes two plans the same micro-batches: the same examples, in the same layout and shape
+SAME_MICRO_BATCHES = ("micro_batch_index", "layout", "rows", "padded_length", "computed_tokens")
+
+
+def same_micro_batches(plan: pd.DataFrame, base: pd.DataFrame) -> bool:
+    """Whether `plan` runs exactly `base`'s micro-batches (row by row)."""
+    if len(plan) != len(base):
+        return False
+    columns = [c for c in SAME_MICRO_BATCHES if c in plan and c in base]
+    if not plan[columns].reset_index(drop=True).equals(base[columns].reset_index(drop=True)):
+        return False
+    ids = [tuple(v) for v in plan["example_ids"]] if "example_ids" in plan else []
+    return ids == ([tuple(v) for v in base["example_ids"]] if "example_ids" in base else [])
+
+
+def build_design(plans: pd.DataFrame, n_strata: int, seed: int, pair: bool = True) -> Design:
+    """Strata and random orders per strategy; with `pair`, the strategies on the baseline's own
+    micro-batches share its strata and orders (paired)."""
     rng = np.random.default_rng(seed)
-    frames, strata, bounds, orders, sizes = {}, {}, {}, {}, {}
-    for name, group in plans.groupby("strategy", sort=False):
+    frames, strata, bounds, orders, sizes, paired = {}, {}, {}, {}, {}, set()
+    groups = dict(tuple(plans.groupby("strategy", sort=False)))
+    base = groups.get(pl.BASELINE)
+    base = base.reset_index(drop=True) if base is not None else None
+    for name, group in groups.items():
         plan = group.reset_index(drop=True)
+        if pair and base is not None and name != pl.BASELINE and same_micro_batches(plan, base):
+            paired.add(name)
+            continue
         stratum, bound, order = stratum_orders(plan, n_strata, rng)
         frames[name], strata[name], bounds[name], orders[name] = plan, stratum, bound, order
+    for name in paired:
+        frames[name] = groups[name].reset_index(drop=True)
+        strata[name], bounds[name] = strata[pl.BASELINE], bounds[pl.BASELINE]
+        orders[name] = orders[pl.BASELINE]
+    frames = {n: frames[n] for n in groups}
+    for name, order in orders.items():
         for h, members in enumerate(order):
             sizes[(name, h)] = int(members.size)
-    return Design(frames, strata, bounds, orders, sizes)
+    return Design(frames, strata, bounds, orders, sizes, frozenset(paired))
+
+
+def with_twins(design: Design, takes: Mapping[Key, int]) -> dict[Key, int]:
+    """`takes` with the baseline's grown to cover every paired change's units in each stratum
+    (they share one order, so a change's units are a prefix of the baseline's)."""
+    out = dict(takes)
+    for name in design.paired:
+        for (n, h), v in takes.items():
+            if n == name:
+                out[(pl.BASELINE, h)] = max(out.get((pl.BASELINE, h), 0), v)
+    return out
 
 
 # sizing never goes below two strata: one stratum of 2 units per strategy (the trainer default on
@@ -132,14 +178,18 @@ def sized_design(
 
 
 def strategy_weights(
-    totals: Mapping[str, float], valid: Sequence[str], baseline: str = pl.BASELINE
+    totals: Mapping[str, float],
+    valid: Sequence[str],
+    baseline: str = pl.BASELINE,
+    others_weight: float = 0.25,
 ) -> dict[str, float]:
     """1/T² (relative variance), × the number of other valid strategies for the baseline (its
-    variance enters every saving), × 1/4 for a strategy that is invalid anyway."""
+    variance enters every saving), × `others_weight` for a strategy not in `valid` (invalid
+    anyway; 0 once decided)."""
     others = max(sum(1 for n in totals if n != baseline and n in valid), 1)
     weights = {}
     for name, total in totals.items():
-        factor = others if name == baseline else (1.0 if name in valid else 0.25)
+        factor = others if name == baseline else (1.0 if name in valid else others_weight)
         weights[name] = factor / max(total, 1e-12) ** 2
     return weights
 
@@ -164,7 +214,7 @@ def initial_takes(
         floor = sum(min(v, 2) for v in mine.values())
         grown = grow_allocation({}, mine, spread, weights, max(per_strategy - floor, 0), cost)
         takes.update(grown)
-    return grow_allocation(takes, design.sizes, spread, weights, extra, cost)
+    return with_twins(design, grow_allocation(takes, design.sizes, spread, weights, extra, cost))
 
 
 def unit_costs(design: Design, steps: pd.DataFrame) -> dict[Key, float]:
@@ -178,8 +228,10 @@ def unit_costs(design: Design, steps: pd.DataFrame) -> dict[Key, float]:
 def new_units(
     design: Design, takes: Mapping[Key, int], done: Mapping[Key, int], rng: np.random.Generator
 ) -> pd.DataFrame:
-    """The rows to time to go from `done` to `takes`, interleaved: round-robin over the
-    strategies in a fresh random order each cycle, so drift is shared."""
+    """The rows to time to go from `done` to `takes`, interleaved: round-robin over blocks in a
+    fresh random order each cycle, so drift is shared. A block is one unpaired strategy's unit,
+    or a baseline micro-batch with every paired change's unit of the same micro-batch, back to
+    back in a random order (their difference then shares the moment's noise)."""
     queues: dict[str, list[pd.DataFrame]] = {}
     for (name, h), n in takes.items():
         start = done.get((name, h), 0)
@@ -187,23 +239,29 @@ def new_units(
             continue
         picked = design.orders[name][h][start:n]
         rows = design.plans[name].iloc[picked].copy()
+        rows["plan_row"] = picked
         rows["stratum"] = h
         rows["stratum_size"] = design.sizes[(name, h)]
         rows["stratum_low_tokens"] = design.bounds[name][h, 0]
         rows["stratum_high_tokens"] = design.bounds[name][h, 1]
         queues.setdefault(name, []).append(rows)
-    pending = {n: pd.concat(q).sample(frac=1.0, random_state=rng) for n, q in queues.items()}
-    position = dict.fromkeys(pending, 0)
-    ordered = []
-    while pending:
-        for name in rng.permutation(sorted(pending)):
-            frame = pending[name]
-            ordered.append(frame.iloc[[position[name]]])
-            position[name] += 1
-            if position[name] >= len(frame):
-                del pending[name]
-    if not ordered:
+    if not queues:
         return pd.DataFrame()
+    frames = {n: pd.concat(q) for n, q in queues.items()}
+    twins = {n: f for n, f in frames.items() if n in design.paired}
+    lanes = {n: f.sample(frac=1.0, random_state=rng) for n, f in frames.items() if n not in twins}
+    blocks = {n: [[f.iloc[[i]]] for i in range(len(f))] for n, f in lanes.items()}
+    for i, block in enumerate(blocks.get(pl.BASELINE, [])):  # each twin beside its baseline unit
+        row = int(block[0]["plan_row"].iloc[0])
+        block.extend(f[f["plan_row"] == row] for f in twins.values())
+        blocks[pl.BASELINE][i] = [block[j] for j in rng.permutation(len(block))]
+    position, ordered = dict.fromkeys(blocks, 0), []
+    while blocks:
+        for name in rng.permutation(sorted(blocks)):
+            ordered.extend(blocks[name][position[name]])
+            position[name] += 1
+            if position[name] >= len(blocks[name]):
+                del blocks[name]
     return pd.concat(ordered, ignore_index=True)
 
 
@@ -226,6 +284,10 @@ def strategy_designs(design: Design, steps: pd.DataFrame) -> dict[str, StrategyD
             timings=mine["timings"].to_numpy(np.float64)
             if "timings" in mine
             else np.ones(len(mine)),
+            units=mine["plan_row"].to_numpy(np.int64) if "plan_row" in mine else None,
+            paired=name in design.paired
+            and "plan_row" in mine
+            and pl.BASELINE in set(ok["strategy"]),
         )
     return out
 
@@ -334,7 +396,8 @@ def run_sequential(
         estimates, _ = greg_estimate_all(
             strategy_designs(design, timed.steps), np.asarray(timed.optimizer), cv, cv_df
         )
-        if decided(estimates, [n for n in valid if n in estimates]):
+        undecided = open_strategies(estimates, valid, settings.decide_within, settings.max_width)
+        if not undecided:
             stopped_by = "decision"
             break
         elapsed = clock() - started
@@ -342,7 +405,7 @@ def run_sequential(
         if elapsed + per_unit * round_size > budget_s:
             stopped_by = "budget"
             break
-        takes = next_takes(design, done, estimates, timed.steps, cv, valid, round_size)
+        takes = next_takes(design, done, estimates, timed.steps, cv, undecided, round_size)
     steps = timed.steps.reset_index(drop=True)
     steps["run_order"] = np.arange(len(steps))
     record = {
@@ -372,8 +435,9 @@ RETIMED_RULE = (
     f"it has {OUTLIER_TIMINGS} timings and priced at their median"
 )
 STOPPING_RULE = (
-    "stop when the best valid strategy's saving interval lies entirely above the next "
-    "one's (random's is [0, 0]), or when another round would pass budget_s"
+    "later rounds time only the undecided changes (a change is decided when its 95% saving "
+    "interval excludes 0 or lies within +-decide_within, and is at most max_width wide); stop "
+    "when every valid change is decided, or when another round would pass budget_s"
 )
 
 
@@ -422,13 +486,15 @@ def next_takes(
     estimates: Mapping[str, GregEstimate],
     steps: pd.DataFrame,
     cv: float,
-    valid: Sequence[str],
+    undecided: Sequence[str],
     round_size: int,
 ) -> dict[Key, int]:
     """The next round's allocation: `round_size` more units where they pay most, by each
-    stratum's size × the residual spread just measured, per second of timing."""
+    stratum's size × the residual spread just measured, per second of timing, among the
+    undecided changes (`undecided`) and the baseline beside them."""
     totals = {n: e.time_s for n, e in estimates.items()}
-    weights = strategy_weights(totals, valid)
+    weights = strategy_weights(totals, undecided, others_weight=0.0)
     spreads = spreads_from(design, estimates, steps, cv)
     costs = unit_costs(design, steps)
-    return grow_allocation(done, design.sizes, spreads, weights, round_size, costs)
+    grown = grow_allocation(done, design.sizes, spreads, weights, round_size, costs)
+    return with_twins(design, grown)

@@ -221,6 +221,12 @@ class ReplaySettings:
     host_bound_threshold: float = field(
         default_factory=lambda: float(schema_default("replay", "host_bound_threshold"))
     )
+    # a change is decided when its saving interval excludes 0 or lies within ±decide_within,
+    # and is at most max_width wide (greg.is_open); defaults: the schema's
+    decide_within: float = field(
+        default_factory=lambda: float(schema_default("replay", "decide_within"))
+    )
+    max_width: float = field(default_factory=lambda: float(schema_default("replay", "max_width")))
 
 
 def sample_all(plans: pd.DataFrame, settings: ReplaySettings) -> pd.DataFrame:

@@ -17,9 +17,11 @@ from probes.replay.estimate import (
     GregEstimate,
     StrategyDesign,
     auxiliaries,
-    decided,
     fit_working_model,
     greg_estimate_all,
+    log_interval,
+    open_strategies,
+    paired_ratio,
     satterthwaite,
     t_quantile_975,
 )
@@ -128,6 +130,37 @@ def test_coverage_control_passes_and_catches_a_model_only_estimator(design, monk
     monkeypatch.setattr(greg, "greg_total", model_only)
     broken = run_coverage_control(design, takes, 0.05, 20, 60, seed=0)
     assert not broken["passed"] and broken["observed"]["min_coverage"] < 0.5
+    assert broken["verdict"] == "failed"
+
+
+def test_coverage_control_is_uninformative_when_the_budget_is_too_small(design):
+    """Two units a stratum at a CV of 30% (what a trainer on a loaded 2-core CPU can give):
+    the intervals are wide enough to cover anything, so the control must not say passed; at
+    the real run's width it can still fail (a tighter max_width does not make it pass)."""
+    takes = {key: min(size, 2) for key, size in design.sizes.items()}
+    report = run_coverage_control(design, takes, 0.3, 4, 60, seed=0, max_width=0.2)
+    assert report["verdict"] == "uninformative" and not report["passed"], report["observed"]
+    assert min(report["observed"]["mean_width_pp"].values()) > 20
+    roomy = run_coverage_control(design, takes, 0.3, 4, 60, seed=0, max_width=10.0)
+    assert roomy["verdict"] == "passed"  # the same intervals, judged at a width they meet
+
+
+def test_a_paired_change_at_a_known_ratio_is_covered_at_a_narrow_width(plans):
+    """A step-level change on the baseline's own micro-batches (paired) costing 1.25x, which
+    the working model cannot know: its intervals cover the exact saving, at a width that
+    decides it (its twins' noise is independent here; drift shared by twins would cancel)."""
+    base = plans[plans["strategy"] == pl.BASELINE]
+    change = base.assign(strategy="gradient_checkpointing_on")
+    design = build_design(pd.concat([plans, change], ignore_index=True), 3, seed=0)
+    assert design.paired == {"gradient_checkpointing_on"}
+    takes = initial_takes(design, list(design.plans), extra=30)
+    report = run_coverage_control(
+        design, takes, 0.05, 20, 150, seed=0, factors={"gradient_checkpointing_on": 1.25}
+    )
+    observed = report["observed"]
+    assert report["expected"]["exact_saving"]["gradient_checkpointing_on"] < -0.15
+    assert observed["coverage"]["gradient_checkpointing_on"] >= 0.9, observed
+    assert observed["mean_width_pp"]["gradient_checkpointing_on"] < 25
 
 
 def test_working_model_reports_its_range():
@@ -156,17 +189,53 @@ def _est(saving, low, high):
     return GregEstimate(1.0, nan, nan, saving, low, high, 5.0, nan, nan, 0.0, {})
 
 
-def test_decision_needs_the_best_interval_clear_of_the_next():
+def test_a_change_is_decided_when_its_interval_excludes_0_or_is_a_tie_that_cannot_matter():
     estimates = {
         pl.RANDOM: _est(0.0, 0.0, 0.0),
-        "a": _est(0.3, 0.25, 0.35),
-        "b": _est(0.2, 0.1, 0.3),
+        "faster": _est(0.3, 0.25, 0.35),
+        "slower": _est(-0.2, -0.25, -0.15),
+        "tie": _est(0.0, -0.04, 0.03),  # inside ±5 pp: decided, it cannot matter
+        "open": _est(0.1, -0.02, 0.15),
+        "wide": _est(0.3, 0.05, 0.5),  # faster, but wider than 20 pp: timed on
+        "unpriced": _est(math.nan, math.nan, math.nan),
     }
-    assert not decided(estimates, list(estimates))  # a and b overlap
-    estimates["b"] = _est(0.1, 0.05, 0.2)
-    assert decided(estimates, list(estimates))
-    assert decided({pl.RANDOM: _est(0, 0, 0), "a": _est(0.1, 0.02, 0.2)}, [pl.RANDOM, "a"])
-    assert not decided({pl.RANDOM: _est(0, 0, 0), "a": _est(0.1, -0.1, 0.2)}, [pl.RANDOM, "a"])
+    assert open_strategies(estimates, list(estimates), 0.05, 0.2) == ["open", "wide", "unpriced"]
+    assert open_strategies(estimates, ["faster", "tie"], 0.05, 0.2) == []
+    assert open_strategies({}, [pl.RANDOM, "new"], 0.05, 0.2) == ["new"]  # never timed yet
+
+
+def test_log_intervals_never_reach_below_zero():
+    low, high = log_interval(10.0, 20.0, 3.0)  # an se twice the value: a linear one goes < 0
+    assert 0 < low < 10.0 < high
+    assert math.isclose(math.log(10.0) - math.log(low), math.log(high) - math.log(10.0))
+    assert log_interval(10.0, 0.0, 5.0) == (10.0, 10.0)
+    assert all(math.isnan(v) for v in log_interval(0.0, 1.0, 5.0))
+
+
+def test_paired_ratio_cancels_the_micro_batch_s_own_length(design):
+    """A change costing exactly 1.3x on the same micro-batches: timed paired, R is 1.3 to the
+    noise and its interval covers it, though the micro-batches' own times vary 10x."""
+    cost = SimulatedCost.scaled_to(pd.concat(design.plans.values()))
+    plan = design.plans[pl.BASELINE]
+    mu = cost.micro_batch_s(plan)
+    rng = np.random.default_rng(2)
+    units = np.concatenate([m[:8] for m in design.orders[pl.BASELINE]])
+    stratum = design.stratum[pl.BASELINE][units]
+    x = auxiliaries(plan)
+
+    def timed(factor):
+        y = factor * mu[units] * (1 + 0.03 * rng.standard_normal(units.size))
+        return StrategyDesign(
+            x, design.stratum[pl.BASELINE], 10, stratum, x[units], y, np.ones(units.size),
+            units=units, paired=factor != 1.0,
+        )  # fmt: skip
+
+    covered = 0
+    for _ in range(100):
+        pair = paired_ratio(timed(1.3), timed(1.0), 0.03, 4.0)
+        covered += pair.low <= 1.3 <= pair.high
+        assert pair.high - pair.low < 0.2 and pair.pairs == units.size  # y itself varies 10x
+    assert covered >= 90
 
 
 def test_a_strategy_the_shared_model_misprices_is_not_retimed_for_it(design):

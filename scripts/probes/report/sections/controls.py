@@ -36,6 +36,17 @@ def check_values(expected: Any, observed: Any, limit: int = 3) -> tuple[str, str
     )
 
 
+UNINFORMATIVE = "uninformative"
+
+
+def check_result(check: Mapping[str, Any]) -> str:
+    """passed, FAILED, or uninformative (a check that could not fail at the width the run had:
+    the replay's coverage control over intervals wider than replay.max_width)."""
+    if check.get("verdict") == UNINFORMATIVE:
+        return UNINFORMATIVE
+    return "passed" if check.get("passed") is True else "FAILED"
+
+
 def controls_section(jsons: Mapping[str, Any], not_run: Mapping[str, str]) -> list[dict]:
     """Every probe's positive control and its result; a control made of checks lists each."""
     rows = []
@@ -68,7 +79,7 @@ def controls_section(jsons: Mapping[str, Any], not_run: Mapping[str, str]) -> li
                         strict=True,
                     )
                 ),
-                "result": "passed" if check.get("passed") is True else "FAILED",
+                "result": check_result(check),
             }
             for check in entry.get("checks") or []
             if isinstance(check, Mapping)

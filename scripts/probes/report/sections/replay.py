@@ -326,6 +326,9 @@ def replay_measurement_notes(control: Any) -> dict[str, Any]:
             "per_strategy": observed.get("coverage"),
             "replications": (coverage.get("expected") or {}).get("replications"),
             "passed": bool(coverage.get("passed")),
+            "verdict": coverage.get("verdict", "passed" if coverage.get("passed") else "failed"),
+            "max_width_pp": (coverage.get("expected") or {}).get("max_width_pp"),
+            "widest_pp": max((observed.get("mean_width_pp") or {}).values(), default=None),
         }
     if isinstance(control.get("stopping"), Mapping):
         out["stopping"] = dict(control["stopping"])
