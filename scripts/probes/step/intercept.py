@@ -113,7 +113,8 @@ def patch_models(stack: contextlib.ExitStack, settings: Mapping[str, Any], captu
     @functools.wraps(original)
     def from_pretrained(cls, *args, **kwargs):
         capture.model_loads += 1
-        kwargs.pop("torch_dtype", None) if "dtype" in overrides else None
+        if "dtype" in overrides:
+            kwargs.pop("torch_dtype", None)  # the old name of the same argument
         return original(cls, *args, **{**kwargs, **overrides})
 
     stack.enter_context(patched(PreTrainedModel, "from_pretrained", classmethod(from_pretrained)))

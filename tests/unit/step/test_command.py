@@ -227,3 +227,19 @@ def test_the_report_names_the_command_that_was_probed():
         "name": "SFTTrainer",
         "factory": "trl sft --x 1",
     }
+
+
+def test_the_shipped_top_level_script_is_probed_unmodified(script, tmp_path):
+    directory, _, model, data = script
+    example = Path(__file__).resolve().parents[3] / "examples" / "train_script.py"
+    user_out = directory / "example-out"
+    argv = [sys.executable, str(example), "--model", str(model), "--data", str(data)]
+    argv += ["--output_dir", str(user_out), "--max_length", "64", "--lora_r", "4"]
+    step = load_trainer_step(Command.of(argv), settings(tmp_path, per_device_train_batch_size=3))
+    assert (
+        type(step.trainer).__name__ == "Trainer"
+        and step.trainer.args.per_device_train_batch_size == 3
+    )
+    assert max(len(r) for r in step.trainer.train_dataset["input_ids"]) <= 64
+    assert torch.isfinite(step.forward_backward(step.collate(["0", "1", "2"], packed=False)))
+    assert not user_out.exists()  # its save_model() after train() never ran
