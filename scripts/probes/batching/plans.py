@@ -368,9 +368,25 @@ def read_plans(path: str | Path) -> pd.DataFrame:
     return frame
 
 
-def cap_examples(examples: PlanExamples, cap: int) -> PlanExamples:
-    """Examples with lengths capped at `cap` (a CPU run's max_seq_len), loss tokens capped too."""
-    lengths = np.minimum(examples.lengths, cap)
-    return dataclasses.replace(
-        examples, lengths=lengths, loss_tokens=np.minimum(examples.loss_tokens, lengths)
-    )
+def rehearsal_length(lengths: Any, cap: int, max_seq_len: int) -> np.ndarray:
+    """A CPU rehearsal's length of each example: its length (cut at `max_seq_len`) scaled by
+    cap / max_seq_len, rounded up, at least 1. Scaling instead of cutting keeps the data's
+    shape: every micro-batch keeps its examples, and the padding waste, the packing and the
+    micro-batch counts stay near the real run's (cut at the cap, most examples of the default
+    data reached it and no batching change could save anything)."""
+    full = np.minimum(np.asarray(lengths, dtype=np.int64), int(max_seq_len))
+    scaled = np.ceil(full * (float(cap) / float(max_seq_len))).astype(np.int64)
+    return np.clip(scaled, 1, int(cap))
+
+
+def rehearsal_examples(examples: PlanExamples, cap: int, max_seq_len: int) -> PlanExamples:
+    """Examples at a CPU rehearsal's lengths (rehearsal_length), each one's loss tokens scaled
+    with it (at least 1 where it has any); unchanged when `cap` is not below `max_seq_len`."""
+    if cap >= max_seq_len:
+        return examples
+    lengths = rehearsal_length(examples.lengths, cap, max_seq_len)
+    full = np.maximum(np.minimum(examples.lengths, max_seq_len), 1)
+    loss = np.minimum(examples.loss_tokens, full)
+    scaled = np.round(loss * lengths / full).astype(np.int64)
+    loss = np.where(loss > 0, np.clip(scaled, 1, lengths), 0)
+    return dataclasses.replace(examples, lengths=lengths, loss_tokens=loss)

@@ -3,7 +3,7 @@ realized saving beside the promised one.
 
 Order of work: the replay's per-strategy table -> the changes to check (the best measured
 savings, recommended ones first, at most ``realize.max_changes``; ``cpu_max_changes`` on CPU)
--> the replay's own plans (capped on CPU exactly as the replay capped them) -> idle-card check
+-> the replay's own plans (rehearsed on CPU at the replay's scaled lengths) -> idle-card check
 -> weights and the user's harness (the replay's loader) -> a simple random sample of each
 strategy's optimizer steps, each run whole (probes.realize.steps), interleaved across strategies
 (probes.realize.timing) -> epoch estimates with intervals (probes.realize.sample) -> the
@@ -243,7 +243,7 @@ def realize_summary(
 @dataclass
 class RealizeWork:
     """What the stage checks, known before any timing: the device, the changes, the replay's
-    plans on this device (capped on CPU) with its per-step promise, and the sample's size."""
+    plans on this device (rehearsed on CPU) with its per-step promise, and the sample's size."""
 
     device: torch.device
     cpu_only: bool

@@ -43,11 +43,11 @@ def plans_at_shape(
     inputs: Mapping[str, Any], training: TrainingConfig, cap: int | None, shape: tuple[int, int]
 ) -> pd.DataFrame:
     """Every strategy's plan at another (micro-batch size, grad_accum), built as the device's
-    plans are (same seed, same bucket size; lengths capped at `cap` on CPU)."""
+    plans are (same seed, same bucket size; lengths scaled to a `cap` rehearsal on CPU)."""
     max_seq_len = int(training.max_seq_len)
     examples = pl.read_examples(inputs["lengths"], max_seq_len)
     if cap is not None:
-        examples = pl.cap_examples(examples, cap)
+        examples = pl.rehearsal_examples(examples, cap, max_seq_len)
     return pl.build_plans(
         examples,
         micro_batch_size=shape[0],

@@ -1,6 +1,7 @@
 """The replay's preparation, before any timing: the device and dtype, the bucket stage's plans
-(rebuilt with lengths capped on CPU), the sampling settings, the scaling fit's lengths, and the
-strategies the mask gate rules out (``prepare`` -> ``ReplayPlan``; ``invalid_strategies``)."""
+(rebuilt at a CPU rehearsal's scaled lengths), the sampling settings, the scaling fit's
+lengths, and the strategies the mask gate rules out (``prepare`` -> ``ReplayPlan``;
+``invalid_strategies``)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ LOG = logging.getLogger("probes.replay")
 
 INPUT_KEYS = ("plans", "lengths", "recommendation", "gate")
 CPU_NOTE = (
-    "CPU-only run: lengths capped at {cap} tokens (max_seq_len {max_seq_len}) and small samples; "
+    "CPU-only run: a rehearsal of the data's shape, every length scaled by {cap}/{max_seq_len} "
+    "(the same micro-batches, padding waste and packing as the real run, at a CPU's lengths); "
     "not comparable with a GPU run"
 )
 
@@ -68,13 +70,16 @@ def plans_for_device(
     cpu_only: bool,
     cap: int,
 ) -> tuple[pd.DataFrame, int]:
-    """The bucket stage's plans, or on CPU the same plans rebuilt with lengths capped at `cap`."""
+    """The bucket stage's plans, or on CPU the same plans rebuilt at a rehearsal's lengths
+    (every length scaled by cap / max_seq_len: plans.rehearsal_length)."""
     plans = pl.read_plans(inputs["plans"])
     max_seq_len = int(training.max_seq_len)
     if not cpu_only or cap >= max_seq_len:
         return plans, max_seq_len
     seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
-    examples = pl.cap_examples(pl.read_examples(inputs["lengths"], max_seq_len), cap)
+    examples = pl.rehearsal_examples(
+        pl.read_examples(inputs["lengths"], max_seq_len), cap, max_seq_len
+    )
     capped = pl.build_plans(
         examples,
         micro_batch_size=int(training.micro_batch_size),
@@ -136,8 +141,8 @@ def fit_lengths_for(
 
 @dataclass
 class ReplayPlan:
-    """What the stage knows before any timing: the device, the plans it replays (capped on
-    CPU), the sampling settings and the scaling fit's lengths."""
+    """What the stage knows before any timing: the device, the plans it replays (rehearsed
+    on CPU), the sampling settings and the scaling fit's lengths."""
 
     device: torch.device
     cpu_only: bool

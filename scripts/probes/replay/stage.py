@@ -6,9 +6,10 @@ Order of work: the device, plans and settings (probes.replay.prepare) -> positiv
 the combined configuration -> coverage control -> outputs (probes.replay.outputs; written
 all-or-nothing).
 
-On CPU (no GPU, profile.allow_cpu) the plans are rebuilt with every length capped at
-``replay.cpu.max_seq_len`` and small samples, so the run stays within a few minutes; every output
-says ``cpu_only`` and its numbers are not comparable with a GPU run.
+On CPU (no GPU, profile.allow_cpu) the plans are rebuilt with every length scaled by
+``replay.cpu.max_seq_len`` / ``training.max_seq_len`` (a rehearsal of the data's shape), so the
+run stays within a few minutes; every output says ``cpu_only`` and its numbers are not
+comparable with a GPU run.
 """
 
 from __future__ import annotations

@@ -121,12 +121,13 @@ def change_plans_for(
     max_len: int,
 ) -> pd.DataFrame:
     """The plan rows of the step-level changes: the baseline's micro-batches, or the trainer's
-    random order at a changed micro-batch size (the lengths capped as the device's plans are)."""
+    random order at a changed micro-batch size (at the device's lengths: a CPU rehearsal's
+    scaled ones)."""
     from probes.step import changes as sc
 
     examples = pl.read_examples(inputs["lengths"], int(training.max_seq_len))
     if cpu_only:
-        examples = pl.cap_examples(examples, max_len)
+        examples = pl.rehearsal_examples(examples, max_len, int(training.max_seq_len))
     seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
     micro = sc.micro_batch_plans(changes, examples, max_len, seed)
     return sc.change_plans(plans, changes, micro)

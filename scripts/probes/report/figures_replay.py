@@ -30,7 +30,7 @@ def _save(fig: plt.Figure, path: str | Path, dpi: int, left: float = 0.1) -> Non
 
 def _cpu_suffix(frame: pd.DataFrame) -> str:
     if "cpu_only" in frame and bool(frame["cpu_only"].fillna(False).any()):
-        return "\nCPU-only, lengths capped: not comparable with a GPU"
+        return "\nCPU-only, lengths scaled: not comparable with a GPU"
     return ""
 
 

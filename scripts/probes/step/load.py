@@ -38,9 +38,11 @@ def load_step(
         from probes.step.trainer import load_trainer_step, probe_settings
 
         # built at its own max_length (its rows and their numbers stay those the padding stage
-        # counted); rows are cut at `max_length` as TRL's truncation cuts them
+        # counted); on a CPU rehearsal (`max_length`) each row is scaled to its rehearsal length
         settings = probe_settings(output_dir(), device, dtype, None, seed)
-        step = load_trainer_step(source, settings, cap=max_length)
+        full = int(cfg.training.max_seq_len)
+        rehearsal = (int(max_length), full) if max_length and max_length < full else None
+        step = load_trainer_step(source, settings, rehearsal)
         text = ts.model_text_config(step.model)
         return step, int(text["vocab_size"]), int(text.get("pad_token_id") or 0), step.describe()
     model, harness, optimizer, targets, options = ts.load_for_steps(

@@ -58,13 +58,21 @@ def loader_inputs(trainer: Any, collator: Callable) -> tuple[Any, Callable]:
     return dataset, trainer._get_collator_with_removed_columns(collator, description="training")
 
 
-def truncated(row: Mapping[str, Any], cap: int) -> dict[str, Any]:
-    """A prepared row cut to its first `cap` tokens: every per-token list of the row's length."""
+def rehearsed(row: Mapping[str, Any], cap: int, max_seq_len: int) -> dict[str, Any]:
+    """A prepared row at a CPU rehearsal's length (probes.batching.plans.rehearsal_length: its
+    length scaled by cap / max_seq_len): every per-token list of the row's length keeps the same
+    evenly spaced positions, so the row keeps its share of loss tokens (an assistant turn late in
+    a conversation is not cut away as a prefix would cut it)."""
+    from probes.batching.plans import rehearsal_length
+
     n = len(row["input_ids"])
-    if n <= cap:
+    k = int(rehearsal_length([n], cap, max_seq_len)[0])
+    if n <= k:
         return dict(row)
+    keep = [(i * n) // k for i in range(k)]
     return {
-        k: v[:cap] if isinstance(v, list | tuple) and len(v) == n else v for k, v in row.items()
+        key: [v[i] for i in keep] if isinstance(v, list | tuple) and len(v) == n else v
+        for key, v in row.items()
     }
 
 
@@ -122,11 +130,14 @@ class TrainerStep:
     """The user's trainer as the probes run it: micro-batches, forward + backward, optimizer."""
 
     def __init__(
-        self, trainer: Any, source: TrainerSource | None = None, cap: int | None = None
+        self,
+        trainer: Any,
+        source: TrainerSource | None = None,
+        rehearsal: tuple[int, int] | None = None,
     ) -> None:
         self.trainer = trainer
         self.source = source
-        self.cap = cap
+        self.rehearsal = rehearsal  # (cap, max_seq_len) of a CPU rehearsal, else None
         args = trainer.args
         if trainer.optimizer is None or trainer.lr_scheduler is None:
             trainer.create_optimizer_and_scheduler(num_training_steps=SCHEDULE_STEPS)
@@ -142,11 +153,13 @@ class TrainerStep:
 
     # the micro-batch -----------------------------------------------------------------------
     def features(self, example_ids: Sequence[str]) -> list[dict[str, Any]]:
-        """The trainer's prepared rows; on a CPU cap, each cut to its first ``cap`` tokens as
-        TRL's truncation cuts (the trainer is built at its own max_length so its rows and their
-        numbers stay those the padding stage counted)."""
+        """The trainer's prepared rows; on a CPU rehearsal each at its rehearsal length
+        (rehearsed; the trainer is built at its own max_length so its rows and their numbers
+        stay those the padding stage counted)."""
         rows = [self.dataset[example_row(i)] for i in example_ids]
-        return [truncated(row, self.cap) for row in rows] if self.cap else rows
+        if self.rehearsal is None:
+            return rows
+        return [rehearsed(row, *self.rehearsal) for row in rows]
 
     @property
     def collates_in_loop(self) -> bool:
@@ -274,7 +287,11 @@ class TrainerStep:
                 ),  # the enum's name users write
             },
             "train_rows": len(self.dataset),
-            "rows_cut_at": self.cap,
+            "rows_rehearsed_at": (
+                {"cap": self.rehearsal[0], "max_seq_len": self.rehearsal[1]}
+                if self.rehearsal
+                else None
+            ),
         }
 
 
@@ -302,10 +319,12 @@ def probe_settings(
 
 
 def load_trainer_step(
-    source: TrainerSource | str, settings: Mapping[str, Any], cap: int | None = None
+    source: TrainerSource | str,
+    settings: Mapping[str, Any],
+    rehearsal: tuple[int, int] | None = None,
 ) -> TrainerStep:
     """The user's trainer, built once with `settings` by its source (a factory spec string is
-    a ``trainer.factory``), as a TrainerStep (rows cut at `cap`)."""
+    a ``trainer.factory``), as a TrainerStep (rows at a CPU rehearsal's (cap, max_seq_len))."""
     if isinstance(source, str):
         source = load_factory(source)
-    return TrainerStep(source.build(settings), source, cap)
+    return TrainerStep(source.build(settings), source, rehearsal)

@@ -95,7 +95,7 @@ def test_no_pad_to_max_plan_for_a_users_trainer(tmp_path, examples):
         write_parquet(frame.assign(file=file), path, {})
         read = pl.read_examples(path, MAX_LEN)
         assert read.trainer_collated is collated
-        assert pl.cap_examples(read, 64).trainer_collated is collated
+        assert pl.rehearsal_examples(read, 64, MAX_LEN).trainer_collated is collated
     trainer = dataclasses.replace(examples, trainer_collated=True)
     built = set(pl.build_plans(trainer, MICRO, ACCUM, MAX_LEN, bucket_size_batches=4)["strategy"])
     assert built == set(pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, 4)["strategy"]) - {
@@ -275,11 +275,26 @@ def test_bad_inputs_name_what_to_do(tmp_path):
         pl.recommended_bucket_size({"status": "ok"})
 
 
-def test_capped_examples_rebuild_smaller_plans(examples):
-    capped = pl.cap_examples(examples, 64)
-    assert capped.lengths.max() <= 64 and (capped.loss_tokens <= capped.lengths).all()
-    small = pl.build_plans(capped, MICRO, ACCUM, 64, 8, seed=0)
-    assert small["padded_length"].max() == 64
+def test_a_cpu_rehearsal_scales_lengths_and_keeps_the_datas_shape(examples):
+    """Scaled, not cut: every length within the rehearsal's cap, loss tokens scaled with it, and
+    the plans keep the real data's micro-batch counts and (to rounding) its padding waste, where
+    cutting at the cap flattens the lengths so batching saves nothing."""
+    small = pl.rehearsal_examples(examples, 64, MAX_LEN)
+    assert small.lengths.max() <= 64 and small.lengths.min() >= 1
+    assert (small.loss_tokens <= small.lengths).all()
+    assert ((small.loss_tokens > 0) == (examples.loss_tokens > 0)).all()
+    assert np.array_equal(small.lengths, np.ceil(examples.lengths / 4).astype(int))
+    real = pl.plan_summary(pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, 8, seed=0))
+    rehearsed = pl.plan_summary(pl.build_plans(small, MICRO, ACCUM, 64, 8, seed=0))
+    real, rehearsed = real.set_index("strategy"), rehearsed.set_index("strategy")
+    padded = [s for s in real.index if s != pl.PACKING]
+    assert (real.loc[padded, "micro_batches"] == rehearsed.loc[padded, "micro_batches"]).all()
+
+    def waste(summary):
+        return 1 - summary["real_tokens"] / summary["computed_tokens"]
+
+    assert np.allclose(waste(real)[padded], waste(rehearsed)[padded], atol=0.03)
+    assert pl.rehearsal_examples(examples, MAX_LEN, MAX_LEN) is examples
 
 
 def test_default_fit_lengths_come_from_the_data():

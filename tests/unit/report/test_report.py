@@ -372,7 +372,10 @@ def test_profile_not_run_renders_not_run(rendered_not_run):
 def test_cpu_fit_is_flagged(tmp_path):
     markdown, _ = render(tmp_path, profile="cpu")
     summary = section(markdown, "Measured savings")
-    assert "**CPU-only replay** (lengths capped at 4,096 tokens)" in summary
+    assert (
+        "**CPU-only replay** (a rehearsal of the data's shape: every length scaled down to at "
+        "most 4,096 tokens" in summary
+    )
     assert "**not comparable with a GPU**" in summary
     assert "Host-bound" not in summary
     assert "**CPU-only run**" in section(markdown, "Scaling")

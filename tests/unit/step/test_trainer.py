@@ -29,13 +29,13 @@ def factory_dir(tmp_path_factory, tiny_model_dir):
     return directory, tiny_model_dir, data
 
 
-def _step(factory_dir, kind, seed=0, cap=None, extra_s=0.0):
+def _step(factory_dir, kind, seed=0, rehearsal=None, extra_s=0.0):
     directory, model_dir, data = factory_dir
     spec = write_factory(directory, model_dir, data, kind, micro=MICRO, extra_s=extra_s)
     settings = probe_settings(
         str(directory / "out"), torch.device("cpu"), torch.float32, None, seed
     )
-    return load_trainer_step(spec, settings, cap)
+    return load_trainer_step(spec, settings, rehearsal)
 
 
 def _examples(step) -> pl.PlanExamples:
@@ -81,11 +81,22 @@ def test_a_packed_micro_batch_is_the_padding_free_collators_one_flattened_row(fa
     assert "attention_mask" not in batch
 
 
-def test_rows_cut_at_the_cpu_cap_keep_the_padding_stages_row_numbers(factory_dir):
-    step = _step(factory_dir, "sft", cap=16)
+def test_rehearsed_rows_are_the_plans_lengths_and_keep_the_padding_stages_row_numbers(
+    factory_dir,
+):
+    """At a CPU rehearsal (cap 16 of max_seq_len 64) a row is its rehearsal length (what the
+    plans count), its tokens evenly spaced, with about its share of loss tokens."""
+    full = _step(factory_dir, "sft")
+    step = _step(factory_dir, "sft", rehearsal=(16, 64))
+    assert len(step.dataset) == len(full.dataset)
+    for i in ("1", "2", "5"):
+        row, small = full.features([i])[0], step.features([i])[0]
+        n = len(row["input_ids"])
+        assert len(small["input_ids"]) == pl.rehearsal_length([n], 16, 64)[0]
+        assert small["input_ids"][0] == row["input_ids"][0]
     batch = step.plan_batch(SimpleNamespace(example_ids=["1", "2"], layout=pl.PADDED))
-    assert batch["input_ids"].shape == (2, 16)
-    assert len(step.dataset) == len(_step(factory_dir, "sft").dataset)
+    lengths = [len(full.features([i])[0]["input_ids"]) for i in ("1", "2")]
+    assert batch["input_ids"].shape == (2, max(pl.rehearsal_length(lengths, 16, 64)))
 
 
 def test_a_step_trains_the_adapters_through_the_trainers_optimizer_and_scheduler(factory_dir):
@@ -232,19 +243,19 @@ def current_config_of(step):
 
 
 def test_load_step_keeps_the_padding_stages_rows_at_a_cpu_cap(factory_dir):
-    """The cap cuts rows; it is not the trainer's max_length (where TRL would drop the rows whose
-    loss tokens all lie past the cap, and every later row number would shift)."""
+    """The rehearsal scales rows; it is not the trainer's max_length (where TRL would drop the
+    rows whose loss tokens all lie past the cap, and every later row number would shift)."""
     from probes.step.load import load_step
 
     directory, model_dir, data = factory_dir
     spec = write_factory(directory, model_dir, data, "sft", micro=MICRO)
-    config = workflow_config(trainer={"factory": spec})
+    config = workflow_config(trainer={"factory": spec}, training={"max_seq_len": 64})
     step, *_ = load_step(config, model_dir, torch.device("cpu"), torch.float32, 8)
     full = _step(factory_dir, "sft")
     assert len(step.dataset) == len(full.dataset)
-    assert step.plan_batch(SimpleNamespace(example_ids=["3"], layout=pl.PADDED))[
-        "input_ids"
-    ].shape == (1, 8)
+    n = len(full.features(["3"])[0]["input_ids"])
+    shape = step.plan_batch(SimpleNamespace(example_ids=["3"], layout=pl.PADDED))["input_ids"]
+    assert shape.shape == (1, pl.rehearsal_length([n], 8, 64)[0])
 
 
 def test_the_builtin_group_by_length_plan_is_that_trainers_sampler(factory_dir):
