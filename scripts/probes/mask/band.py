@@ -8,6 +8,7 @@ configuration asks for. Everything here is pure tensor/array code on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,20 +77,33 @@ def row_intervals(mask: torch.Tensor, key_is_pad: torch.Tensor | None = None) ->
     stride 0 (the same mask for every sequence) is measured once.
     """
     mask3 = _collapse_heads(mask)
-    batch = mask3.shape[0]
-    shared = batch > 1 and mask3.stride(0) == 0
-    if shared:
-        mask3 = mask3[:1]
-    n, q_len, _ = mask3.shape
-    first = np.empty((n, q_len), dtype=np.int64)
-    last = np.empty((n, q_len), dtype=np.int64)
-    count = np.empty((n, q_len), dtype=np.int64)
-    for start in range(0, q_len, ROW_CHUNK):
-        stop = min(start + ROW_CHUNK, q_len)
-        block = allowed_from_mask(mask3[:, start:stop, :]).numpy()
-        first[:, start:stop], last[:, start:stop], count[:, start:stop] = block_intervals(block)
-    if shared:
-        first, last, count = (np.repeat(a, batch, axis=0) for a in (first, last, count))
+    batch, q_len = mask3.shape[0], mask3.shape[1]
+    return intervals_by_rows(lambda start, stop: mask3[:, start:stop, :], batch, q_len, key_is_pad)
+
+
+def intervals_by_rows(
+    read_rows: Callable[[int, int], torch.Tensor],
+    batch: int,
+    q_len: int,
+    key_is_pad: torch.Tensor | None = None,
+    row_chunk: int = ROW_CHUNK,
+) -> RowIntervals:
+    """:func:`row_intervals` of a mask read `row_chunk` query rows at a time: `read_rows(start,
+    stop)` gives rows [start, stop) as (B, rows, Tk) or (B, 1, rows, Tk), so the whole mask
+    never needs to exist at once (probes.mask.shapes builds an SDPA mask that way)."""
+    first = np.empty((batch, q_len), dtype=np.int64)
+    last = np.empty((batch, q_len), dtype=np.int64)
+    count = np.empty((batch, q_len), dtype=np.int64)
+    for start in range(0, q_len, row_chunk):
+        stop = min(start + row_chunk, q_len)
+        block = read_rows(start, stop)
+        if block.dim() == 4:
+            block = _collapse_heads(block)
+        if batch > 1 and block.shape[0] == batch and block.stride(0) == 0:
+            block = block[:1]  # the same rows for every sequence: measured once
+        stats = block_intervals(allowed_from_mask(block).numpy())
+        for out, value in zip((first, last, count), stats, strict=True):
+            out[:, start:stop] = value  # broadcasts a shared block over the batch
     return RowIntervals(first, last, count, pad_keys_in_interval(first, last, key_is_pad))
 
 

@@ -12,7 +12,7 @@ from probes.mask import backend as sdpa_backend
 from probes.mask.implementations import with_all_ones_mask
 from probes.mask.layers import FULL, SLIDING
 from probes.mask.scenarios import flattening_collator
-from probes.mask.verdict import evaluate, merged_mask_config
+from probes.mask.verdict import evaluate, make_target, merged_mask_config
 
 # --- positive control ----------------------------------------------------------------------------
 
@@ -66,7 +66,10 @@ CONTROL_EXPECTED: dict[str, Any] = {
     "violations": 0,
     "wrong_window_detected": True,
     "cross_document_detected": True,
+    "sdpa_by_rows_agrees_with_dense": True,
 }
+# query rows per block in that comparison: several blocks, the last one short, at T = 24
+CONTROL_ROW_CHUNK = 5
 
 
 def _first(table: pd.DataFrame, scenario: str, layer_type: str, column: str) -> Any:
@@ -89,6 +92,56 @@ def cross_document_detected() -> bool:
         CONTROL_CONFIG, cfg, CONTROL_TRAINING, "control", progress=False, packed_collator=leaky
     )
     return summary["violations_total"] > 0
+
+
+def by_rows_agrees_with_dense() -> bool:
+    """SDPA's masks built a block of query rows at a time and the dispatch trace's one-row
+    masks (probes.mask.shapes) give the rows transformers' own dense masks give: every column
+    of the band trace, every dispatch column of the dispatch trace, on each control scenario,
+    traced on the multimodal wrapper of the control's text model (so token_type_ids applies)."""
+    from probes.mask.layers import (
+        DISPATCH_COLUMNS,
+        GateSettings,
+        layer_specs,
+        model_window,
+        run_scenario,
+    )
+    from probes.mask.scenarios import build_scenarios
+    from probes.mask.trace import build_probe_model
+
+    cfg = merged_mask_config({**CONTROL_MASK_CONFIG, "scenarios": list(ROW_SCENARIOS)})
+    settings = GateSettings(target=make_target(cfg), row_chunk=CONTROL_ROW_CHUNK)
+    probe = build_probe_model(CONTROL_MULTIMODAL)
+    specs = layer_specs(probe.text_config, probe.num_layers)
+    scenarios, _ = build_scenarios(
+        cfg, CONTROL_TRAINING, model_window(specs), probe.accepts_token_type_ids
+    )
+    for scenario in scenarios:
+        dense = run_scenario(probe, scenario, specs, settings, "dense")
+        if run_scenario(probe, scenario, specs, settings, "rows") != dense:
+            return False
+        dispatch = run_scenario(probe, scenario, specs, settings, None)
+        for a, b in zip(dispatch, dense, strict=True):
+            if any(a.get(k) != b.get(k) for k in DISPATCH_COLUMNS):
+                return False
+    return True
+
+
+ROW_SCENARIOS = ("train", "right_padded", "left_padded", "packed", "token_type_ids")
+CONTROL_MULTIMODAL: dict[str, Any] = {
+    "model_type": "gemma3",
+    "text_config": CONTROL_CONFIG,
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    },
+    "mm_tokens_per_image": 4,
+}
 
 
 def run_control() -> dict[str, Any]:
@@ -131,6 +184,7 @@ def run_control() -> dict[str, Any]:
     _, wrong = evaluate(CONTROL_CONFIG, wrong_cfg, CONTROL_TRAINING, "control", progress=False)
     observed["wrong_window_detected"] = wrong["violations_total"] > 0
     observed["cross_document_detected"] = cross_document_detected()
+    observed["sdpa_by_rows_agrees_with_dense"] = by_rows_agrees_with_dense()
     mismatches = {
         k: (CONTROL_EXPECTED[k], observed.get(k))
         for k in CONTROL_EXPECTED
@@ -143,7 +197,8 @@ def run_control() -> dict[str, Any]:
             "traced at B=2, T=24 unpadded, right-padded and packed into 12+7+5 tokens, with "
             "hand-written answers; then the same model against a wrong window (9), and its "
             "packed row with an all-ones 2-D attention_mask (documents see each other), both of "
-            "which the gate must reject."
+            "which the gate must reject; and SDPA's masks built by blocks of 5 query rows, and "
+            "the dispatch trace's one-row masks, must give what the dense masks give."
         ),
         "expected": CONTROL_EXPECTED,
         "observed": observed,

@@ -24,9 +24,14 @@ FLEX = "flex_attention"
 def _blocks_to_positions(
     blocks: torch.Tensor, block_size: tuple[int, int], q_len: int, kv_len: int
 ) -> torch.Tensor:
-    """(B, H, q blocks, kv blocks) flags as (B, H, q_len, kv_len) per position."""
-    rows = blocks.repeat_interleave(block_size[0], dim=-2)[..., :q_len, :]
-    return rows.repeat_interleave(block_size[1], dim=-1)[..., :kv_len].bool()
+    """(B, H, q blocks, kv blocks) flags as (B, H, q_len, kv_len) per position (one copy of
+    the boolean blocks broadcast over their positions)."""
+    batch, heads, q_blocks, kv_blocks = blocks.shape
+    per_position = blocks.bool()[:, :, :, None, :, None].expand(
+        batch, heads, q_blocks, block_size[0], kv_blocks, block_size[1]
+    )
+    positions = per_position.reshape(batch, heads, q_blocks * block_size[0], -1)
+    return positions[..., :q_len, :kv_len]
 
 
 def dense_allowed(block_mask: Any) -> torch.Tensor:

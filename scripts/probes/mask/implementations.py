@@ -1,7 +1,9 @@
 """The gate per attention implementation: every implementation a step-level change proposes
 (probes.step.changes: eager, sdpa, flex_attention, flash_attention_2) traced on the configured
 packed, padded and window scenarios, each with its own mask code (the main gate's
-implementation keeps its verdict over every scenario it traced).
+implementation keeps its verdict over every scenario it traced). Each is checked at the scenario's
+semantic shape (probes.mask.shapes: the smallest that puts the padded rows and packed documents on
+every side of the window the training shape does), named per scenario in ``checked_at``.
 
 Documents stay apart, padding is never attended and sliding windows are exact, or the
 implementation fails with its first violation named; a padding-free change on it is then never
@@ -33,8 +35,8 @@ from probes.mask.trace import (
 PASSED, FAILED, NOT_CHECKED = "passed", "failed", "not_checked"
 PACKED_SCENARIO = "packed"
 # what each further implementation is traced on, among mask.scenarios: the packed and padded
-# batches and the window's edges (the unpadded training shape adds a second of dense masks per
-# implementation and nothing these do not check)
+# batches and the window's edges (the unpadded training shape adds nothing these do not check:
+# eager and flex put a mask on every layer and choose no backend)
 IMPLEMENTATION_SCENARIOS = (
     "below_window",
     "at_window",
@@ -60,6 +62,7 @@ SCENARIO_KEYS = (
     "layers_checked",  # layers whose pattern the gate knows (band_ok not null)
     "violations",
     "first_violation",
+    "checked_at",  # BxT the masks were measured at (probes.mask.shapes)
 )
 
 
@@ -98,6 +101,7 @@ def scenario_rows(table: pd.DataFrame) -> list[dict[str, Any]]:
                 "layers_checked": int(part["band_ok"].notna().sum()),
                 "violations": len(violations),
                 "first_violation": violations[0] if violations else None,
+                "checked_at": str(part["band_shape"].iloc[0]),
             }
         )
     return rows

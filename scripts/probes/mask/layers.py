@@ -16,7 +16,7 @@ from probes.mask import backend as sdpa_backend
 from probes.mask import band as mask_band
 from probes.mask import confirm as sdpa_confirm
 from probes.mask.scenarios import Scenario
-from probes.mask.shapes import masks_without_values
+from probes.mask.shapes import SdpaMasks, sdpa_masks_by_rows
 from probes.mask.trace import AttentionRecord, ProbeModel, trace_attention
 
 SLIDING = "sliding_attention"
@@ -130,6 +130,7 @@ class GateSettings:
     confirm_target: sdpa_backend.Target | None = None
     max_mask_gib: float = 8.0
     confirm_cache: dict = field(default_factory=dict)
+    row_chunk: int = mask_band.ROW_CHUNK  # query rows per block where masks are built by rows
 
 
 def _gqa_path(record: AttentionRecord) -> str:
@@ -197,20 +198,22 @@ def run_scenario(
     scenario: Scenario,
     specs: list[LayerSpec],
     settings: GateSettings,
-    measure_band: bool = True,
+    band: str | None = "dense",
 ) -> list[dict[str, Any]]:
-    """Trace one scenario and return one layers.parquet row per decoder layer. Without
-    `measure_band`, a dispatch trace (probes.mask.shapes): the calls and backends, no band."""
-    if measure_band:
+    """Trace one scenario and return one layers.parquet row per decoder layer. `band`: "dense"
+    (the masks as transformers builds them, measured whole), "rows" (SDPA masks built and
+    measured a block of query rows at a time, probes.mask.shapes) or None (a dispatch trace:
+    the calls and backends, no band)."""
+    if band == "dense":
         _check_mask_size(scenario, settings)
-        records = trace_attention(probe, scenario.inputs())
+        records, masks = trace_attention(probe, scenario.inputs()), None
     else:
-        with masks_without_values():
+        with sdpa_masks_by_rows() as masks:
             records = trace_attention(probe, scenario.inputs())
     by_layer: dict[int, list[AttentionRecord]] = {}
     for record in records:
         by_layer.setdefault(record.layer_idx, []).append(record)
-    measured: dict[tuple, mask_band.RowIntervals] = {}  # per distinct mask (storage and view)
+    measured: dict[Any, Any] = {}  # intervals per distinct mask (storage and view), summaries
     rows = []
     for layer_idx, spec in enumerate(specs):
         layer_records = by_layer.get(layer_idx, [])
@@ -228,8 +231,8 @@ def run_scenario(
             continue
         record = layer_records[-1]
         row.update(_call_columns(probe, scenario, layer_idx, record))
-        if measure_band:
-            row.update(_band_columns(scenario, layer_idx, spec, record, measured))
+        if band is not None:
+            row.update(_band_columns(scenario, layer_idx, spec, record, measured, masks, settings))
         row.update(_backend_columns(probe, record, settings))
         rows.append(row)
     return rows
@@ -343,23 +346,36 @@ def _band_columns(
     layer_idx: int,
     spec: LayerSpec,
     record: AttentionRecord,
-    measured: dict[tuple, mask_band.RowIntervals],
+    measured: dict[Any, Any],
+    masks: SdpaMasks | None = None,
+    settings: GateSettings | None = None,
 ) -> dict[str, Any]:
-    """The band: measured from the mask tensor (once per distinct mask), or SDPA's own
-    semantics when there is no mask; checked against the layer's expected window."""
+    """The band: measured from the mask (once per distinct mask; by blocks of rows where
+    `masks` built it), or SDPA's own semantics when there is no mask; checked against the
+    layer's expected window."""
     call, mask = record.call, record.mask
     if mask is not None:
-        key = mask_identity(mask)
-        if key not in measured:
-            measured[key] = mask_band.row_intervals(mask, scenario.key_is_pad())
-        intervals, band_source = measured[key], "mask"
+        key: tuple = mask_identity(mask)
+        band_source = "mask"
     else:
-        is_causal = bool(call.is_causal) if call else False
-        intervals = mask_band.implied_intervals(
-            scenario.batch, scenario.seq_len, scenario.seq_len, is_causal
+        band_source = "is_causal" if call is not None and call.is_causal else "none"
+        key = (band_source,)
+    if key not in measured:
+        measured[key] = (
+            _intervals(mask, scenario, masks, settings.row_chunk if settings else None)
+            if mask is not None
+            else mask_band.implied_intervals(
+                scenario.batch, scenario.seq_len, scenario.seq_len, band_source == "is_causal"
+            )
         )
-        band_source = "is_causal" if is_causal else "none"
-    summary = mask_band.summarise(intervals, scenario.doc_ids, spec.window, check=spec.checkable)
+    # layers of one type share their mask and their expectation: summarised once
+    summaries = measured.setdefault("summaries", {})
+    expectation = (key, spec.window, spec.checkable)
+    if expectation not in summaries:
+        summaries[expectation] = mask_band.summarise(
+            measured[key], scenario.doc_ids, spec.window, check=spec.checkable
+        )
+    summary = summaries[expectation]
     band_ok = (
         None
         if not spec.checkable
@@ -386,6 +402,21 @@ def _band_columns(
         if band_ok in (True, None)
         else _violation_text(scenario, layer_idx, spec, summary, band_source),
     }
+
+
+def _intervals(
+    mask: torch.Tensor, scenario: Scenario, masks: SdpaMasks | None, row_chunk: int | None
+) -> mask_band.RowIntervals:
+    arguments = masks.arguments_of(mask) if masks is not None else None
+    if arguments is None:  # a mask as SDPA (or eager, flex) received it, values and all
+        return mask_band.row_intervals(mask, scenario.key_is_pad())
+    return mask_band.intervals_by_rows(
+        lambda start, stop: masks.rows(arguments, start, stop),
+        scenario.batch,
+        scenario.seq_len,
+        scenario.key_is_pad(),
+        row_chunk or mask_band.ROW_CHUNK,
+    )
 
 
 def _backend_columns(

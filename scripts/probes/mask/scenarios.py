@@ -5,6 +5,7 @@ say which positions belong together.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +68,7 @@ class Scenario:
     def seq_len(self) -> int:
         return int(self.doc_ids.shape[1])
 
-    @property
+    @functools.cached_property
     def n_docs(self) -> int:
         return int(max(len(set(row[row >= 0].tolist())) for row in self.doc_ids))
 

@@ -14,7 +14,7 @@ over the others, so the SDPA call has the real shapes and dtype without the B x 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -102,12 +102,76 @@ def plan_shapes(
     return ShapePlan(batch, seq_len, seq_len, "no shorter length relates to the window alike")
 
 
+class SdpaMasks:
+    """The SDPA masks transformers built during one trace, each kept as the arguments of its
+    mask interface call: SDPA was handed the mask's last query row broadcast over the rows (its
+    real shape, dtype and last stride), and :meth:`rows` builds any block of its real rows by
+    the same call for those rows only (``q_length``, ``q_offset``), so the band is measured
+    without the B x T x T mask ever existing at once."""
+
+    def __init__(self, interface: Callable[..., Any]) -> None:
+        self.interface = interface
+        self.built: dict[int, tuple[Any, dict[str, Any]]] = {}  # storage -> (mask, arguments)
+
+    def keep(self, mask: Any, arguments: dict[str, Any]) -> None:
+        # the tensor is kept so its storage (the key) is not reused by a later mask
+        self.built[mask.untyped_storage().data_ptr()] = (mask, arguments)
+
+    def arguments_of(self, mask: Any) -> dict[str, Any] | None:
+        kept = self.built.get(mask.untyped_storage().data_ptr())
+        return None if kept is None else kept[1]
+
+    def rows(self, arguments: dict[str, Any], start: int, stop: int) -> Any:
+        """Query rows [start, stop) of the mask built with `arguments`, as transformers builds
+        them (B, 1, stop - start, kv_length)."""
+        return self.interface(
+            **{
+                **arguments,
+                "q_length": stop - start,
+                "q_offset": int(arguments.get("q_offset") or 0) + start,
+                "allow_is_causal_skip": False,  # known: this mask was not skipped
+                "allow_is_bidirectional_skip": False,
+            }
+        )
+
+
 @contextmanager
-def masks_without_values() -> Iterator[None]:
-    """transformers builds each dense mask for the last query row only and broadcasts it over the
-    rows (its shape, dtype and last stride are what SDPA is handed; the values are not)."""
+def sdpa_masks_by_rows() -> Iterator[SdpaMasks]:
+    """Within the block, transformers' SDPA mask interface decides mask or is_causal as always
+    but builds each mask for its last query row only, broadcast over the rows; the masks and
+    their arguments are in the yielded SdpaMasks."""
+    import inspect
+
     import transformers.masking_utils as masking_utils
 
+    mapping = masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    original = mapping["sdpa"]
+    signature = inspect.signature(original)
+    var_keyword = next(
+        (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
+    )
+    masks = SdpaMasks(original)
+
+    def interface(*args: Any, **kwargs: Any) -> Any:
+        arguments = dict(signature.bind(*args, **kwargs).arguments)
+        arguments.update(arguments.pop(var_keyword, None) or {})
+        with _last_query_row(masking_utils):
+            mask = original(**arguments)
+        if mask is not None:
+            masks.keep(mask, arguments)
+        return mask
+
+    mapping["sdpa"] = interface
+    try:
+        yield masks
+    finally:
+        mapping["sdpa"] = original
+
+
+@contextmanager
+def _last_query_row(masking_utils: Any) -> Iterator[None]:
+    """sdpa_mask's two expansions (index broadcasting, vmap) evaluate the mask function for the
+    last query row and broadcast it over the others."""
     non_vmap = masking_utils._non_vmap_expansion_sdpa
     vmap = masking_utils._vmap_expansion_sdpa
 

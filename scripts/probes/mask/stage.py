@@ -54,20 +54,27 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
 
 def log_gate(gate: Mapping[str, Any]) -> None:
     LOG.info("%s", gate["headline"] or "no training-shape scenario")
+    shapes = gate["shapes"]
+    LOG.info(
+        "shapes: training %s, semantic %s (%s)",
+        *(shapes[k] for k in ("training", "semantic", "reason")),
+    )
     for scenario in gate["scenarios"]:
         LOG.info(
-            "scenario %-15s B=%d T=%-6d fast path %d/%d, backends %s, violations %d",
+            "scenario %-15s fast path %d/%d and backends %s at %s, band at %s, violations %d",
             scenario["scenario"],
-            scenario["batch"],
-            scenario["seq_len"],
             scenario["layers_fast_path"],
             scenario["layers"],
             scenario["backends"],
+            scenario["dispatch_shape"],
+            scenario["band_shape"],
             scenario["violations"],
         )
     for name, verdict in gate.get("implementations", {}).items():
+        at = sorted({s["checked_at"] for s in verdict["per_scenario"]})
         LOG.info(
-            "attention %-18s %s%s", name, verdict["status"],
+            "attention %-18s %s%s%s", name, verdict["status"],
+            f" at {', '.join(at)}" if at else "",
             f": {verdict['violation'] or verdict['reason']}"
             if verdict["violation"] or verdict["reason"] else "",
         )  # fmt: skip

@@ -188,21 +188,25 @@ def trace_scenario(
     specs: list[LayerSpec],
     settings: GateSettings,
 ) -> list[dict[str, Any]]:
-    """One scenario's rows. At one shape: traced densely. Else its band densely at the semantic
-    shape and, under SDPA (whose mask skip and backend depend on T), its dispatch at the training
-    shape; at the training shape densely after all where a layer's mask comes and goes with T."""
+    """One scenario's rows. At one shape: traced once. Else its band at the semantic shape and,
+    under SDPA (whose mask skip and backend depend on T), its dispatch at the training shape;
+    the band at the training shape after all where a layer's mask comes and goes with T.
+    SDPA's masks are measured a block of rows at a time (probes.mask.shapes), the others'
+    as transformers hands them over."""
+    sdpa = probe.attn_implementation == "sdpa"
+    reader = "rows" if sdpa else "dense"
     if semantic.seq_len == scenario.seq_len or scenario.name not in REDUCIBLE:
-        return run_scenario(probe, scenario, specs, settings)
-    band = run_scenario(probe, semantic, specs, settings)
-    if probe.attn_implementation != "sdpa":
+        return run_scenario(probe, scenario, specs, settings, reader)
+    band = run_scenario(probe, semantic, specs, settings, reader)
+    if not sdpa:
         return band  # eager and flex: a mask on every layer and no backend, at any T
-    dispatch = run_scenario(probe, scenario, specs, settings, measure_band=False)
+    dispatch = run_scenario(probe, scenario, specs, settings, band=None)
     merged = merge_dispatch(dispatch, band)
     if merged is None:
         log.info(
             "scenario %s: a mask comes and goes with T; band at the training shape", scenario.name
         )
-        return run_scenario(probe, scenario, specs, settings)
+        return run_scenario(probe, scenario, specs, settings, reader)
     return merged
 
 
