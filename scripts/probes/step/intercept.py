@@ -12,7 +12,9 @@ Inside ``intercepting(settings)``:
   ending trackers) never runs;
 - a launcher that would start the training script in a new process (``accelerate launch``, the
   ``trl`` CLI's ``launch_training_script``) runs it here instead, as one process;
-- the environment is offline and tracker-free (``QUIET_ENV``).
+- the environment is offline and tracker-free (``QUIET_ENV``);
+- ``datasets`` fingerprints a tokenizer by a digest of its content (``fingerprint_tokenizer``)
+  instead of pickling it whole: the same map, the same rows, seconds less per build.
 
 Everything is put back on leaving the block.
 """
@@ -231,6 +233,74 @@ def patch_offline(stack: contextlib.ExitStack) -> None:
             stack.enter_context(patched(loaded, name, True))
 
 
+def backend_digest(backend: Any) -> str:
+    """sha256 of a fast tokenizer's backend as its JSON (vocabulary, merges, added tokens,
+    normalizer, pre-tokenizer, post-processor), its runtime truncation and padding left out (as
+    datasets' own reducer leaves them out)."""
+    import hashlib
+
+    truncation, padding = backend.truncation, backend.padding
+    backend.no_truncation()
+    backend.no_padding()
+    try:
+        return hashlib.sha256(backend.to_str().encode()).hexdigest()
+    finally:
+        if truncation is not None:
+            backend.enable_truncation(**truncation)
+        if padding is not None:
+            backend.enable_padding(**padding)
+
+
+BACKEND_COPIES = ("_tokenizer", "_vocab", "_merges")  # the backend and the copies it was built from
+SCRATCH = ("cache", "deprecation_warnings")  # what datasets' own reducer empties
+
+
+def fingerprint_tokenizer(original: Any) -> Any:
+    """A datasets pickler reducer for tokenizers: the Python state as datasets pickles it, the
+    backend (and the vocabulary and merges it was built from) as one digest. A map whose function
+    takes the tokenizer (TRL's tokenization) is fingerprinted in about a second, not 5-6 (the
+    default's 262k-token vocabulary and 515k merges pickled item by item); a changed vocabulary,
+    template or setting still changes the fingerprint."""
+
+    def save(pickler: Any, obj: Any) -> None:
+        backend = vars(obj).get("_tokenizer")
+        if backend is None or not hasattr(backend, "to_str"):
+            return original(pickler, obj)
+        state = {k: v for k, v in vars(obj).items() if k not in BACKEND_COPIES + SCRATCH}
+        state["probes_backend_sha256"] = backend_digest(backend)
+        pickler.save_reduce(type(obj), (), state=state, obj=obj)
+        return None
+
+    return save
+
+
+def patch_fingerprints(stack: contextlib.ExitStack) -> None:
+    try:
+        from datasets.utils import _dill
+        from transformers import PreTrainedTokenizerBase
+    except ImportError:
+        return
+    name = "_save_transformersPreTrainedTokenizerBase"
+    original = getattr(_dill, name, None)
+    if original is None:
+        return
+    reducer = fingerprint_tokenizer(original)
+    stack.enter_context(patched(_dill, name, reducer))
+    for cls in [c for c in _dill.Pickler.dispatch if isinstance(c, type)]:
+        if issubclass(cls, PreTrainedTokenizerBase):  # registered by an earlier map here
+            stack.enter_context(item_patched(_dill.Pickler.dispatch, cls, reducer))
+
+
+@contextlib.contextmanager
+def item_patched(mapping: dict, key: Any, value: Any) -> Iterator[None]:
+    old = mapping[key]
+    mapping[key] = value
+    try:
+        yield
+    finally:
+        mapping[key] = old
+
+
 @contextlib.contextmanager
 def intercepting(settings: Mapping[str, Any]) -> Iterator[Capture]:
     """The block in which the command runs (see the module's docstring)."""
@@ -238,6 +308,7 @@ def intercepting(settings: Mapping[str, Any]) -> Iterator[Capture]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(environment(QUIET_ENV))
         patch_offline(stack)
+        patch_fingerprints(stack)
         patch_arguments(stack, settings, capture)
         patch_models(stack, settings, capture)
         patch_trainer(stack, capture)

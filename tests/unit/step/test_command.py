@@ -243,3 +243,25 @@ def test_the_shipped_top_level_script_is_probed_unmodified(script, tmp_path):
     assert max(len(r) for r in step.trainer.train_dataset["input_ids"]) <= 64
     assert torch.isfinite(step.forward_backward(step.collate(["0", "1", "2"], packed=False)))
     assert not user_out.exists()  # its save_model() after train() never ran
+
+
+def test_a_tokenizers_fingerprint_is_its_content_while_intercepted(tiny_model_dir):
+    import contextlib
+
+    from datasets.fingerprint import Hasher
+    from transformers import AutoTokenizer
+
+    from probes.step.intercept import patch_fingerprints
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    with contextlib.ExitStack() as stack:
+        patch_fingerprints(stack)
+        first, again = (
+            Hasher.hash(tokenizer),
+            Hasher.hash(AutoTokenizer.from_pretrained(tiny_model_dir)),
+        )
+        tokenizer.chat_template += " "
+        templated = Hasher.hash(tokenizer)
+        tokenizer.add_tokens(["<probes-new-token>"])
+        added = Hasher.hash(tokenizer)
+    assert first == again and len({first, templated, added}) == 3
