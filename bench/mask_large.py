@@ -1,26 +1,27 @@
-"""Wall time of the mask gate on a large real architecture (the issue's "< 15 s" figure).
+"""Wall time and peak memory of the mask rule on a large real architecture, against the SDPA-only
+trace, in one run (issue 46: <= 15 s and <= 2 GiB at 2 x 16,384 on a 2-core CPU).
 
-One run measures, on the shipped Gemma 3 27B config (62 layers, 52 sliding : 10 full, the
-multimodal wrapper, so the token_type_ids scenario runs too):
-  1. the entry script end to end in fresh interpreters at the training shape 2 x 4,096 and at
-     2 x 16,384, this checkout against the named peer: the same entry script from git ref
-     --baseline-ref (default: the commit before the issue-13 speed-up), run alternately in the
-     same session so both see the same load; wall, CPU (user + system) and the ratio;
-  2. in-process at 2 x 16,384, where the time goes per scenario: tracing the model's forward,
-     of which building masks inside transformers (its mask interface), and band extraction;
-  3. in-process, the training-shape trace with and without the meta-output replay of the
-     decoder submodules (the ablation that explains the tracing time).
+On the shipped Gemma 3 27B config (62 layers, 52 sliding (window 1024) : 10 full, the multimodal
+wrapper, so the token_type_ids scenario runs too) at the training shape, alternately in fresh
+interpreters so both see the same load:
+  1. this checkout's entry script (what the `mask` rule runs): every scenario, SDPA, eager and
+     flex attention, the positive control;
+  2. the peer: the same entry script from git ref --peer-ref (default: the commit before the gate
+     traced eager and flex, when it traced SDPA only, every scenario densely at the training
+     shape);
+each with wall, CPU (user + system), peak resident memory (the child's own ru_maxrss) and the
+gate's own seconds. This checkout's verdicts are compared with the previous gate's, recorded in
+tests/unit/mask/old_gate_verdicts.json (probes.mask.digest), when the shape has a record.
 
 The machine is shared, so absolute times move with the load: the load average is printed with
-every run, and the comparison is the ratio against the peer measured in the same run.
+every run, and CPU seconds beside wall.
 
-    python bench/mask_large.py [--config ...] [--repeat 1] [--baseline-ref c73b433] [--quick]
+    python bench/mask_large.py [--config ...] [--seq-len 16384] [--repeat 1] [--peer-ref 514e7b6]
 """
 
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,22 +32,21 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
 BUDGET_S = 15.0
-BASELINE_REF = "c73b433"  # main before the issue-13 mask speed-up (dense scans, mmapped masks)
-SHAPES = ((2, 4096), (2, 16384))
+BUDGET_RSS_GIB = 2.0
+PEER_REF = "514e7b6"  # main just before 59aa545 (the gate per attention implementation)
+OLD_VERDICTS = REPO / "tests" / "unit" / "mask" / "old_gate_verdicts.json"
 
 
 def _load() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def _command(scripts_dir: Path, config: Path, batch: int, seq_len: int, outdir: str) -> tuple:
-    """The entry script's command line and where it writes gate.json and layers.parquet: the
-    stage entry (default config, --set, --results) or, for an older checkout, its own flags."""
-    script = scripts_dir / "run_mask.py"
-    if "--configfile" in script.read_text() or "probes.stage" in script.read_text():
+def run_entry(root: Path, config: Path, batch: int, seq_len: int) -> dict:
+    """The entry script under `root` in a fresh interpreter: wall, CPU, peak RSS, gate.json."""
+    with tempfile.TemporaryDirectory() as outdir:
         command = [
             sys.executable,
-            str(script),
+            str(root / "scripts" / "run_mask.py"),
             "--set",
             f"model.config_path={config}",
             "--set",
@@ -56,222 +56,118 @@ def _command(scripts_dir: Path, config: Path, batch: int, seq_len: int, outdir: 
             "--results",
             outdir,
         ]
-        return command, Path(outdir, "mask", "gate.json"), Path(outdir, "mask", "layers.parquet")
-    command = [
-        sys.executable,
-        str(script),
-        "--model-config",
-        str(config),
-        "--outdir",
-        outdir,
-        "--micro-batch-size",
-        str(batch),
-        "--max-seq-len",
-        str(seq_len),
-    ]
-    return command, Path(outdir, "gate.json"), Path(outdir, "layers.parquet")
-
-
-def end_to_end(scripts_dir: Path, config: Path, batch: int, seq_len: int) -> dict:
-    with tempfile.TemporaryDirectory() as outdir:
-        command, gate_path, layers_path = _command(scripts_dir, config, batch, seq_len, outdir)
         # each checkout imports its own probes package, not the one installed in the venv
-        env = {**os.environ, "PYTHONPATH": str(scripts_dir)}
+        env = {**os.environ, "PYTHONPATH": str(root / "scripts")}
         load_before = _load()
-        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         start = time.perf_counter()
-        subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO, env=env)
+        child = subprocess.Popen(
+            command, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        _, status, usage = os.wait4(child.pid, 0)
         wall = time.perf_counter() - start
-        after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        gate = json.loads(gate_path.read_text())
-        layers_bytes = layers_path.read_bytes()
+        stderr = child.stderr.read().decode(errors="replace") if child.stderr else ""
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"{command} failed:\n{stderr[-2000:]}")
+        gate = json.loads(Path(outdir, "mask", "gate.json").read_text())
+        layers_bytes = Path(outdir, "mask", "layers.parquet").read_bytes()
     return {
         "wall_s": round(wall, 2),
-        "user_s": round(after.ru_utime - before.ru_utime, 2),
-        "system_s": round(after.ru_stime - before.ru_stime, 2),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "peak_rss_gib": round(usage.ru_maxrss / 2**20, 3),  # Linux: kilobytes
         "gate_s": gate["wall_seconds"],
         "passed": gate["passed"],
-        "layers": gate["model"]["num_layers"],
-        "scenarios": len(gate["scenarios"]),
         "load_1m": [load_before, _load()],
-        "_layers_parquet": layers_bytes,
+        "_gate": gate,
+        "_layers": layers_bytes,
     }
 
 
-# columns of the SDPA backend prediction, which issue 14.5 changed on purpose (torch-release
-# priority order); everything else in layers.parquet must be identical to the peer's
-BACKEND_COLUMNS = ["backend", "excluded_by", "local_predicted_backend", "confirmed_backend"]
+def peer_checkout(ref: str, into: Path) -> Path:
+    """The entry script, package, schema and default config as they were at `ref`."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ref, "scripts", "workflow/schemas", "config"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
 
 
-def _compare_tables(a: bytes, b: bytes) -> dict:
+def verdicts_against_previous(run: dict, seq_len: int, batch: int) -> dict:
+    """This gate's digest against the previous gate's record at the same shape, if any."""
     import io
 
     import pandas as pd
 
-    new, old = pd.read_parquet(io.BytesIO(a)), pd.read_parquet(io.BytesIO(b))
-    band = [c for c in new.columns if c not in BACKEND_COLUMNS and c in old.columns]
-    changed = new["backend"].astype(str) != old["backend"].astype(str)
+    from probes.mask.digest import digest
+
+    key = f"gemma-3-27b-it@{batch}x{seq_len}"
+    recorded = json.loads(OLD_VERDICTS.read_text())["real"].get(key)
+    if recorded is None:
+        return {"compared": False, "why": f"no record for {key} in {OLD_VERDICTS.name}"}
+    mine = digest(pd.read_parquet(io.BytesIO(run["_layers"])), run["_gate"])
+    differing = sorted(
+        name
+        for name in set(mine["scenarios"]) | set(recorded["scenarios"])
+        if mine["scenarios"].get(name) != recorded["scenarios"].get(name)
+    )
     return {
-        "band_columns_identical": bool(new[band].equals(old[band])),
-        "rows": int(len(new)),
-        "rows_with_another_predicted_backend": int(changed.sum()),
+        "compared": True,
+        "record": key,
+        "equal": mine == recorded,
+        "scenarios_differing": differing,
+        "implementations_equal": mine["implementations"] == recorded["implementations"],
     }
 
 
-def baseline_scripts(ref: str, into: Path) -> Path:
-    """The entry script and package as they were at `ref` (git archive of scripts/)."""
-    archive = subprocess.run(
-        ["git", "-C", str(REPO), "archive", ref, "scripts"], check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into / "scripts"
-
-
-def compare(config: Path, ref: str, repeat: int, shapes: tuple) -> list[dict]:
-    """This checkout against `ref` at each shape, alternating so both see the same load."""
-    results = []
-    with tempfile.TemporaryDirectory() as tmp:
-        old_scripts = baseline_scripts(ref, Path(tmp))
-        for batch, seq_len in shapes:
-            new_runs, old_runs = [], []
-            for _ in range(repeat):
-                new_runs.append(end_to_end(REPO / "scripts", config, batch, seq_len))
-                old_runs.append(end_to_end(old_scripts, config, batch, seq_len))
-            best_new = min(new_runs, key=lambda run: run["wall_s"])
-            best_old = min(old_runs, key=lambda run: run["wall_s"])
-            tables = _compare_tables(best_new["_layers_parquet"], best_old["_layers_parquet"])
-            for run in new_runs + old_runs:
-                run.pop("_layers_parquet")
-            results.append(
-                {
-                    "shape": f"{batch}x{seq_len}",
-                    "this_checkout": new_runs,
-                    f"baseline_{ref}": old_runs,
-                    "wall_ratio_new_over_baseline": round(
-                        best_new["wall_s"] / best_old["wall_s"], 2
-                    ),
-                    "cpu_ratio_new_over_baseline": round(
-                        (best_new["user_s"] + best_new["system_s"])
-                        / (best_old["user_s"] + best_old["system_s"]),
-                        2,
-                    ),
-                    "layers_table": tables,
-                    "ratio_to_budget": round(best_new["wall_s"] / BUDGET_S, 2),
-                }
-            )
-    return results
-
-
-def breakdown(config: Path, batch: int, seq_len: int) -> dict:
-    """Per scenario: trace (model forward), of which mask building, and band extraction."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    from probes.mask import band as mask_band
-    from probes.mask import layers as mask_layers
-    from probes.mask import verdict as mask_gate
-    from probes.mask.trace import read_config_json
-
-    spent: dict[str, float] = {}
-
-    def timed(label: str, function):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                spent[label] = spent.get(label, 0.0) + time.perf_counter() - start
-
-        return wrapper
-
-    mapping = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-    originals = dict(mapping), mask_band.row_intervals, mask_layers.trace_attention
-    for name in ("sdpa", "eager"):
-        mapping[name] = timed("build_masks_s", mapping[name])
-    mask_band.row_intervals = timed("band_s", mask_band.row_intervals)
-    mask_layers.trace_attention = timed("trace_s", mask_layers.trace_attention)
-    per_scenario = {}
-    original_run_scenario = mask_gate.run_scenario
-
-    def run_scenario(probe, scenario, specs, settings):
-        spent.clear()
-        start = time.perf_counter()
-        rows = original_run_scenario(probe, scenario, specs, settings)
-        total = time.perf_counter() - start
-        entry = {key: round(value, 2) for key, value in spent.items()}
-        entry["total_s"] = round(total, 2)
-        entry["rest_s"] = round(total - spent.get("trace_s", 0) - spent.get("band_s", 0), 2)
-        entry["shape"] = f"{scenario.batch}x{scenario.seq_len}"
-        per_scenario[scenario.name] = entry
-        return rows
-
-    mask_gate.run_scenario = run_scenario
-    try:
-        start = time.perf_counter()
-        _, gate = mask_gate.evaluate(
-            read_config_json(config),
-            mask_gate.merged_mask_config({"confirm_on_cuda": False}),
-            {"micro_batch_size": batch, "max_seq_len": seq_len},
-            progress=False,
-        )
-        total = time.perf_counter() - start
-    finally:
-        mapping.clear()
-        mapping.update(originals[0])
-        mask_band.row_intervals, mask_layers.trace_attention = originals[1], originals[2]
-        mask_gate.run_scenario = original_run_scenario
+def summary(runs: list[dict]) -> dict:
+    best = min(runs, key=lambda run: run["wall_s"])
     return {
-        "shape": f"{batch}x{seq_len}",
-        "evaluate_s": round(total, 2),
-        "scenarios": per_scenario,
-        "passed": gate["passed"],
-        "load_1m": _load(),
+        "best_wall_s": best["wall_s"],
+        "best_cpu_s": min(run["cpu_s"] for run in runs),
+        "peak_rss_gib": max(run["peak_rss_gib"] for run in runs),
+        "runs": [{k: v for k, v in run.items() if not k.startswith("_")} for run in runs],
     }
-
-
-def trace_ablation(config: Path, batch: int, seq_len: int) -> dict:
-    import torch
-
-    from probes.mask import trace as mask_trace
-    from probes.mask.scenarios import Scenario, _single_doc
-
-    inputs = Scenario("train", "", _single_doc(batch, seq_len)).inputs()
-    timings = {}
-    for label, memoise in (("with_replay", True), ("without_replay", False)):
-        original = mask_trace.memoise_decoder_submodules
-        if not memoise:
-            mask_trace.memoise_decoder_submodules = lambda layers: mask_trace._MetaMemo()
-        try:
-            probe = mask_trace.build_probe_model(
-                mask_trace.read_config_json(config), torch.bfloat16
-            )
-            mask_trace.trace_attention(probe, inputs)  # warm: first-call meta kernels, imports
-            start = time.perf_counter()
-            records = mask_trace.trace_attention(probe, inputs)
-            timings[label] = round(time.perf_counter() - start, 3)
-        finally:
-            mask_trace.memoise_decoder_submodules = original
-    timings["calls"] = len(records)
-    timings["speedup"] = round(timings["without_replay"] / timings["with_replay"], 2)
-    return timings
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "config/models/gemma-3-27b-it/config.json"))
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--baseline-ref", default=BASELINE_REF)
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="only the breakdown at 2 x 16,384 (no peer, no ablation)",
-    )
+    parser.add_argument("--peer-ref", default=PEER_REF, help="'none': this checkout only")
     args = parser.parse_args()
-    config = Path(args.config)
-    result: dict = {"config": str(config), "cpus": os.cpu_count(), "budget_s": BUDGET_S}
-    result["breakdown"] = breakdown(config, *SHAPES[-1])
-    if not args.quick:
-        result["end_to_end"] = compare(config, args.baseline_ref, args.repeat, SHAPES)
-        result["train_trace_s_2x4096"] = trace_ablation(config, *SHAPES[0])
+    config = Path(args.config).resolve()
+    mine, peer = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        peer_root = None if args.peer_ref == "none" else peer_checkout(args.peer_ref, Path(tmp))
+        for _ in range(args.repeat):
+            mine.append(run_entry(REPO, config, args.batch, args.seq_len))
+            if peer_root is not None:
+                peer.append(run_entry(peer_root, config, args.batch, args.seq_len))
+    result: dict = {
+        "config": str(config),
+        "shape": f"{args.batch}x{args.seq_len}",
+        "cpus": os.cpu_count(),
+        "budget": {"wall_s": BUDGET_S, "peak_rss_gib": BUDGET_RSS_GIB},
+        "rule": summary(mine),
+        "shapes": mine[0]["_gate"].get("shapes"),
+        "verdicts": verdicts_against_previous(mine[0], args.seq_len, args.batch),
+    }
+    rule = result["rule"]
+    result["within_budget"] = {
+        "wall": rule["best_wall_s"] <= BUDGET_S,
+        "peak_rss": rule["peak_rss_gib"] <= BUDGET_RSS_GIB,
+    }
+    if peer:
+        result[f"sdpa_only_{args.peer_ref}"] = summary(peer)
+        other = result[f"sdpa_only_{args.peer_ref}"]
+        result["rule_over_sdpa_only"] = {
+            "wall": round(rule["best_wall_s"] / other["best_wall_s"], 2),
+            "cpu": round(rule["best_cpu_s"] / other["best_cpu_s"], 2),
+            "peak_rss": round(rule["peak_rss_gib"] / other["peak_rss_gib"], 2),
+        }
     result["load_average_1m_at_end"] = _load()
     print(json.dumps(result, indent=2))
 

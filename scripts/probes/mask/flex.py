@@ -36,17 +36,20 @@ def _blocks_to_positions(
 
 def dense_allowed(block_mask: Any) -> torch.Tensor:
     """(B, H, Q, KV) boolean: the positions flex attention attends under `block_mask`."""
-    from torch.nn.attention.flex_attention import _ordered_to_dense, create_mask
+    from torch.nn.attention import flex_attention
 
     batch, heads, q_len, kv_len = (int(v) for v in block_mask.shape)
     size = tuple(int(v) for v in block_mask.BLOCK_SIZE)
-    partial = _ordered_to_dense(
+    partial = flex_attention._ordered_to_dense(
         block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.kv_indices.shape[-1]
     )
-    by_mod = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device="cpu")
+    # module attribute: within uncompiled_block_masks, what building the BlockMask evaluated
+    by_mod = flex_attention.create_mask(
+        block_mask.mask_mod, batch, heads, q_len, kv_len, device="cpu"
+    )
     allowed = _blocks_to_positions(partial, size, q_len, kv_len) & by_mod
     if block_mask.full_kv_num_blocks is not None:
-        full = _ordered_to_dense(
+        full = flex_attention._ordered_to_dense(
             block_mask.full_kv_num_blocks,
             block_mask.full_kv_indices,
             block_mask.full_kv_indices.shape[-1],
@@ -57,7 +60,10 @@ def dense_allowed(block_mask: Any) -> torch.Tensor:
 
 @contextmanager
 def uncompiled_block_masks() -> Iterator[None]:
-    """transformers' masking code builds its BlockMasks without torch.compile meanwhile."""
+    """transformers' masking code builds its BlockMasks without torch.compile meanwhile, and
+    torch's ``create_mask`` keeps what it evaluated per mask_mod and shape: building a BlockMask
+    evaluates ``mask_mod`` at every position, and ``dense_allowed`` asks for the same again."""
+    import torch.nn.attention.flex_attention as flex_attention
     import transformers.masking_utils as masking_utils
 
     original = getattr(masking_utils, "create_block_mask", None)
@@ -68,8 +74,19 @@ def uncompiled_block_masks() -> Iterator[None]:
     def create_block_mask(*args: Any, **kwargs: Any) -> Any:
         return original(*args, **{**kwargs, "_compile": False})
 
+    create_mask = flex_attention.create_mask
+    evaluated: dict[tuple, tuple[Any, torch.Tensor]] = {}  # the mask_mod kept: ids not reused
+
+    def remembered(mask_mod: Any, B: Any, H: Any, Q_LEN: Any, KV_LEN: Any, device: Any = "cpu"):
+        key = (id(mask_mod), B, H, Q_LEN, KV_LEN, str(device))
+        if key not in evaluated:
+            evaluated[key] = (mask_mod, create_mask(mask_mod, B, H, Q_LEN, KV_LEN, device))
+        return evaluated[key][1]
+
     masking_utils.create_block_mask = create_block_mask
+    flex_attention.create_mask = remembered
     try:
         yield
     finally:
         masking_utils.create_block_mask = original
+        flex_attention.create_mask = create_mask
