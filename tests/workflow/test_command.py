@@ -64,3 +64,40 @@ def test_every_changes_settings_reach_the_trainer_trl_sft_builds(trl_sft, tmp_pa
     batch = step.collate(["0", "1"], packed=False)
     assert torch.isfinite(step.forward_backward(batch))
     assert not user_out.exists()  # no checkpoint, no save_model, no push: nothing after train()
+
+
+def test_the_config_takes_one_trainer_source_and_knows_the_commands_files(tmp_path):
+    from pathlib import Path
+
+    from probes.config import ConfigError, check_config_paths, load_config, stage_inputs
+
+    config = load_config(Path("config/config.yaml"))
+    config["trainer"] = {"factory": "examples/sft_trainer.py:build_trainer", "command": "trl sft"}
+    with pytest.raises(ConfigError, match="trainer.factory and trainer.command are both set"):
+        check_config_paths(config, Path.cwd())
+    config["trainer"] = {"command": "python no/such/train.py --lr 1"}
+    with pytest.raises(ConfigError, match="config key trainer.command .*does not exist"):
+        check_config_paths(config, Path.cwd())
+    script = "python examples/train_script.py --lr 1"
+    config["trainer"] = {"command": script, "command_inputs": ["data/x.parquet"]}
+    inputs = stage_inputs("padding", config)
+    assert inputs["factory"] == "examples/train_script.py"  # an edit to it reruns the stage
+    assert inputs["command_inputs"] == ["data/x.parquet"]
+    assert "command_inputs" not in stage_inputs("mask", config)
+
+
+def test_a_stage_whose_command_fails_names_it_and_writes_nothing(tmp_path):
+    from pathlib import Path
+
+    from conftest import workflow_config
+    from probes.contracts import STAGE_OUTPUTS
+    from probes.padding import stage as padding
+    from probes.step.command import CommandError
+
+    script = tmp_path / "train.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    cfg = workflow_config(trainer={"command": ["python", str(script)]})
+    outputs = {k: str(tmp_path / "out" / Path(v).name) for k, v in STAGE_OUTPUTS["padding"].items()}
+    with pytest.raises(CommandError, match=r"trainer.command 'python .../train.py': it exited"):
+        padding.run({"tokenizer": ["unused"], "model_config": "unused"}, outputs, cfg)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
