@@ -200,7 +200,7 @@ def log_interval(value: float, se: float, df: float) -> tuple[float, float]:
     se/v): value × exp(±t·se/value), never below 0 whatever the spread."""
     if not (value > 0 and math.isfinite(se)):
         return float("nan"), float("nan")
-    half = t_quantile_975(df) * se / value
+    half = min(t_quantile_975(df) * se / value, 700.0)  # exp overflows past ~709
     return value * math.exp(-half), value * math.exp(half)
 
 

@@ -4,6 +4,7 @@ control's rows for the report (``control_checks``), the provenance and the log's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -11,10 +12,11 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probes.replay.estimate import FitPricing, strategy_table
+from probes.batching import plans as pl
+from probes.replay.estimate import FitPricing, is_open, strategy_table
 from probes.replay.prepare import CPU_NOTE, ReplayPlan
 from probes.replay.step_changes import StepChanges
-from probes.replay.timing import OPTIMIZER_STEP
+from probes.replay.timing import MICRO_BATCH, OPTIMIZER_STEP
 from probes.settings import ReplayConfig, WorkflowConfig
 
 # the log's summary: each strategy's estimate, saving and rank
@@ -95,6 +97,9 @@ def completed_control(
         coverage=coverage, instrument=instrument, stopping=sequential.record,
         combined=combined.record,
     )  # fmt: skip
+    control["stopping"]["power"] = decision_power(
+        sequential, plan.settings, "replay.cpu.budget_s" if plan.cpu_only else "replay.budget_s"
+    )
     control["checks"] = control_checks(control, coverage)
     control["observed"]["cpu_only"] = plan.cpu_only
     # the report shows and applies the threshold the replay used (its one home: the config)
@@ -188,4 +193,37 @@ def replay_summary(
         "load_average": provenance["load_average"],
         "control_passed": control["passed"],
         "strategies": table[list(SUMMARY_COLUMNS)].to_dict("records"),
+    }
+
+
+def decision_power(sequential: Any, settings: Any, key: str) -> dict[str, Any]:
+    """For each change left undecided, from its measured spread: the units that would bring its
+    95% saving interval to ±decide_within (n·(half-width / target)², the interval's width
+    shrinking as 1/√n) and the seconds they cost at its own and the baseline's measured unit
+    times; the sum, and the config key that buys them."""
+    steps = sequential.steps
+    ok = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == "OK")]
+    unit_s = ok.groupby("strategy")["time_s"].mean().to_dict()
+    counts = ok.groupby("strategy").size().to_dict()
+    target = max(float(settings.decide_within), 1e-3)
+    per_change = {}
+    for name, est in sequential.estimates.items():
+        if name == pl.BASELINE or not is_open(est, settings.decide_within, settings.max_width):
+            continue
+        half = 0.5 * (est.saving_high - est.saving_low)
+        n = int(counts.get(name, 0))
+        if not (n and math.isfinite(half)):
+            continue
+        more = max(math.ceil(n * (half / target) ** 2) - n, 0)
+        cost = unit_s.get(name, 0.0) + unit_s.get(pl.BASELINE, 0.0)
+        per_change[name] = {"units": more, "seconds": more * cost, "half_width": half}
+    total = float(sum(v["seconds"] for v in per_change.values()))
+    return {
+        "undecided": sorted(per_change),
+        "seconds_to_decide": total,
+        "per_change": per_change,
+        "target_half_width": target,
+        "key": key,
+        "rule": "units to bring each undecided change's interval to +-decide_within: "
+        "n x (half-width / target)^2, at its own and the baseline's measured unit times",
     }

@@ -233,3 +233,33 @@ def test_a_unit_that_fails_when_timed_again_ends_the_retiming_with_its_status(pl
     result, spiked, _ = run_with_one_spiked_unit(plans, FailsOnRetimeRunner, 60.0)
     unit = result.steps.set_index(["strategy", "micro_batch_index"]).loc[spiked]
     assert unit["status"] == "OOM" and np.isnan(unit["time_s"])
+
+
+def test_the_power_record_prices_what_would_decide_each_undecided_change():
+    """An undecided change at ±20 pp on 4 units needs 4·(20/5)² = 64 units for ±5 pp: 60 more,
+    at its own and the baseline's unit times; a decided change and the baseline need none."""
+    from types import SimpleNamespace
+
+    from probes.replay.estimate import GregEstimate
+    from probes.replay.outputs import decision_power
+
+    def est(low, high):
+        return GregEstimate(1.0, 0.9, 1.1, 0.5 * (low + high), low, high, 5.0, 1, 0, 0, {})
+
+    steps = pd.DataFrame(
+        {
+            "kind": "micro_batch",
+            "status": "OK",
+            "strategy": [pl.BASELINE] * 4 + ["open"] * 4 + ["decided"] * 4,
+            "time_s": [1.0] * 4 + [2.0] * 4 + [1.0] * 4,
+        }
+    )
+    estimates = {pl.BASELINE: est(0, 0), "open": est(-0.1, 0.3), "decided": est(0.2, 0.3)}
+    settings = ReplaySettings(3, 2, 100, ACCUM, decide_within=0.05, max_width=0.2)
+    power = decision_power(
+        SimpleNamespace(steps=steps, estimates=estimates), settings, "replay.cpu.budget_s"
+    )
+    assert power["undecided"] == ["open"]
+    assert power["per_change"]["open"]["units"] == 60
+    assert power["seconds_to_decide"] == pytest.approx(60 * 3.0)
+    assert power["key"] == "replay.cpu.budget_s"

@@ -935,6 +935,32 @@ def test_the_report_says_when_the_sizing_model_and_the_first_round_disagree(tmp_
     assert "predicted the first round at 2.37 min" in text and "it took 98.2 s" in text
 
 
+def test_the_first_screen_states_the_power_line_once(tmp_path):
+    """Undecided changes: one line on the first screen with the timing that would decide them
+    at the target width and the key that buys it; none when everything was decided."""
+    paths = write_results(tmp_path / "results")
+    control = read_json(paths["replay_control"])
+    power = {
+        "undecided": ["attention_eager", "packing"],
+        "seconds_to_decide": 540.0,
+        "target_half_width": 0.05,
+        "key": "replay.cpu.budget_s",
+    }
+    write_json({**control, "stopping": {**FIRST_ROUND, "power": power}}, paths["replay_control"])
+    out = tmp_path / "report.md"
+    run_report(paths, out)
+    summary = " ".join(section(out.read_text(), "Summary").split())
+    assert summary.count("**Power:**") == 1
+    assert "2 changes undecided at this budget; timing them to ±5 pp would take about 9 min" in (
+        summary
+    )
+    assert "more on this device (raise `replay.cpu.budget_s`, now 90 s)" in summary
+    write_json({**control, "stopping": {**FIRST_ROUND, "power": {**power, "undecided": []}}},
+               paths["replay_control"])  # fmt: skip
+    run_report(paths, out)
+    assert "**Power:**" not in out.read_text()
+
+
 def test_more_budget_is_named_only_when_the_budget_stopped_the_timing():
     from probes.report.sections.replay import more_budget_key
 

@@ -216,6 +216,7 @@ def measured_changes(
         ],
         **replay_measurement_notes((jsons or {}).get("replay_control")),
         "more_budget": more_budget_key((jsons or {}).get("replay_control"), cpu_only),
+        "power": power_view((jsons or {}).get("replay_control")),
     }
 
 
@@ -296,6 +297,22 @@ def more_budget_key(control: Any, cpu_only: bool) -> str | None:
     if not isinstance(stopping, Mapping) or stopping.get("stopped_by") != "budget":
         return None
     return "replay.cpu.budget_s" if cpu_only else "replay.budget_s"
+
+
+def power_view(control: Any) -> dict[str, Any] | None:
+    """The first screen's one power line (replay_control.json's stopping.power): how many
+    changes are undecided, the timing that would decide them at ±decide_within, and the key."""
+    stopping = control.get("stopping") if isinstance(control, Mapping) else None
+    power = stopping.get("power") if isinstance(stopping, Mapping) else None
+    if not isinstance(power, Mapping) or not power.get("undecided"):
+        return None
+    return {
+        "undecided": len(power["undecided"]),
+        "seconds": finite(power.get("seconds_to_decide")),
+        "target_pp": 100 * float(power.get("target_half_width") or 0.05),
+        "key": power.get("key"),
+        "budget_s": finite(stopping.get("budget_s")),
+    }
 
 
 def replay_measurement_notes(control: Any) -> dict[str, Any]:
