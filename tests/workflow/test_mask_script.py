@@ -45,6 +45,15 @@ def test_main_writes_layers_gate_and_control(tiny_config: Path, tmp_path: Path):
         "1 of 4 decoder layers keep SDPA's is_causal fast path at the training shape 2x24"
     )
     assert len(layers) == 8 and set(layers["scenario"]) == {"train", "packed"}
+    # which shape each verdict was checked at (at 2 x 24 the semantic shape is the training one)
+    assert gate["shapes"]["training"] == gate["shapes"]["semantic"] == "2x24"
+    assert [(s["dispatch_shape"], s["band_shape"]) for s in gate["scenarios"]] == [
+        ("2x24", "2x24"),
+        ("1x24", "1x24"),
+    ]
+    assert set(layers["band_shape"]) == {"2x24", "1x24"}
+    flex = gate["implementations"]["flex_attention"]["per_scenario"]
+    assert [(s["scenario"], s["checked_at"]) for s in flex] == [("packed", "1x24")]
     assert "provenance" in gate and gate["provenance"]["config_hash"]
 
 

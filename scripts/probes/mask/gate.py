@@ -2,13 +2,16 @@
 
 For each scenario (the training shape, sequence lengths around the sliding window, padded and
 packed batches) the model's own forward is traced (see probes.mask.trace): every decoder layer's
-call into scaled_dot_product_attention is recorded with the real mask tensor transformers built.
-Each distinct mask is measured row by row (probes.mask.band) and compared with what the config
-asks for: sliding layers see exactly their window, full layers are causal, padding and packed
-documents stay apart. The SDPA backend each call gets on the target GPU is predicted from the
-recorded arguments (probes.mask.backend) and, on a CUDA machine, confirmed by torch itself.
-Then every attention implementation a step-level change proposes is traced the same way
-(probes.mask.implementations): its verdict decides whether padding-free may use it.
+call into scaled_dot_product_attention is recorded with the mask transformers built. Each
+distinct mask is measured row by row (probes.mask.band) and compared with what the config asks
+for: sliding layers see exactly their window, full layers are causal, padding and packed
+documents stay apart. Each check runs at the shape its answer depends on (probes.mask.shapes):
+the mask skip and backend at the training shape, the padded and packed bands at the shortest
+shape that relates to the window as the training shape does. The SDPA backend each call gets on
+the target GPU is predicted from the recorded arguments (probes.mask.backend) and, on a CUDA
+machine, confirmed by torch itself. Then every attention implementation a step-level change
+proposes is traced the same way (probes.mask.implementations): its verdict decides whether
+padding-free may use it.
 """
 
 from __future__ import annotations

@@ -213,7 +213,7 @@ def run_scenario(
     by_layer: dict[int, list[AttentionRecord]] = {}
     for record in records:
         by_layer.setdefault(record.layer_idx, []).append(record)
-    measured: dict[Any, Any] = {}  # intervals per distinct mask (storage and view), summaries
+    measured = _Measured()
     rows = []
     for layer_idx, spec in enumerate(specs):
         layer_records = by_layer.get(layer_idx, [])
@@ -341,12 +341,21 @@ def _call_columns(
     }
 
 
+@dataclass
+class _Measured:
+    """One scenario's measurements: intervals per distinct mask (storage and view; "is_causal"
+    and "none" for layers without one) and band summaries per (mask, expected window)."""
+
+    intervals: dict[tuple, mask_band.RowIntervals] = field(default_factory=dict)
+    summaries: dict[tuple, mask_band.BandSummary] = field(default_factory=dict)
+
+
 def _band_columns(
     scenario: Scenario,
     layer_idx: int,
     spec: LayerSpec,
     record: AttentionRecord,
-    measured: dict[Any, Any],
+    measured: _Measured,
     masks: SdpaMasks | None = None,
     settings: GateSettings | None = None,
 ) -> dict[str, Any]:
@@ -360,8 +369,8 @@ def _band_columns(
     else:
         band_source = "is_causal" if call is not None and call.is_causal else "none"
         key = (band_source,)
-    if key not in measured:
-        measured[key] = (
+    if key not in measured.intervals:
+        measured.intervals[key] = (
             _intervals(mask, scenario, masks, settings.row_chunk if settings else None)
             if mask is not None
             else mask_band.implied_intervals(
@@ -369,13 +378,12 @@ def _band_columns(
             )
         )
     # layers of one type share their mask and their expectation: summarised once
-    summaries = measured.setdefault("summaries", {})
     expectation = (key, spec.window, spec.checkable)
-    if expectation not in summaries:
-        summaries[expectation] = mask_band.summarise(
-            measured[key], scenario.doc_ids, spec.window, check=spec.checkable
+    if expectation not in measured.summaries:
+        measured.summaries[expectation] = mask_band.summarise(
+            measured.intervals[key], scenario.doc_ids, spec.window, check=spec.checkable
         )
-    summary = summaries[expectation]
+    summary = measured.summaries[expectation]
     band_ok = (
         None
         if not spec.checkable
