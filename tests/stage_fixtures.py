@@ -527,7 +527,16 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     all_steps["times_s"] = all_steps["times_s"].map(lambda v: v if isinstance(v, list) else [])
     fit_row = fitted.as_row() | {"rows": BATCH, "loss_share": 0.5, "cpu_only": cpu_only}
     fit_row |= {"max_seq_len": REPLAY_MAX_LEN, "lengths_source": "configured"}
-    return {"estimates": table, "steps": all_steps, "fit": pd.DataFrame([fit_row])}
+    timed_plans = plans.assign(stratum=0, paired=False)
+    for column in ("example_ids", "example_lengths", "example_loss_tokens", "documents_per_row"):
+        if column in timed_plans:
+            timed_plans[column] = timed_plans[column].map(list)
+    return {
+        "estimates": table,
+        "steps": all_steps,
+        "fit": pd.DataFrame([fit_row]),
+        "plans": timed_plans,
+    }
 
 
 def realize_tables(
@@ -673,7 +682,7 @@ def write_bucket(paths: dict[str, Path], meta: dict) -> None:
 
 def write_replay(paths: dict[str, Path], meta: dict, profile: str, failed: tuple[str, ...]) -> None:
     if profile == "not_run":
-        for name in ("estimates", "steps", "fit"):
+        for name in ("estimates", "steps", "fit", "plans"):
             write_parquet(pd.DataFrame(), paths[f"replay_{name}"], meta)
         write_json({"status": "not_run", "reason": NOT_RUN_REASON}, paths["replay_control"])
         return

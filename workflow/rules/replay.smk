@@ -12,6 +12,7 @@ rule replay:
         steps=out("replay", "steps"),
         fit=out("replay", "fit"),
         control=out("replay", "control"),
+        plans=out("replay", "plans"),
     log:
         "logs/replay.log",
     benchmark:

@@ -51,6 +51,8 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
         "steps": "profile/replay_steps.parquet",
         "fit": "profile/replay_fit.parquet",
         "control": "profile/replay_control.json",
+        # every configuration's full plan as timed (a CPU rehearsal's lengths), with its strata
+        "plans": "profile/replay_plans.parquet",
     },
     # real training steps of the baseline and the top changes (probes.realize.stage); gpu resource
     "realize": {

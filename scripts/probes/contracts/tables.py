@@ -296,6 +296,27 @@ TABLES: dict[str, TableSpec] = {
         ),
         ("strategy", "gpu_busy_share"),
     ),
+    # every configuration's full plan as the replay timed it (CPU: the rehearsal's lengths), each
+    # micro-batch's stratum: with replay_steps (plan_row, stratum) a saving can be recomputed
+    "replay_plans": TableSpec(
+        "replay",
+        "Measured savings",
+        (
+            "strategy",
+            "micro_batch_index",
+            "optimizer_step_index",
+            "layout",
+            "rows",
+            "padded_length",
+            "computed_tokens",
+            "real_tokens",
+            "loss_tokens",
+            "n_examples",
+            "stratum",
+            "paired",
+        ),
+        ("example_ids", "example_lengths", "example_loss_tokens", "documents_per_row"),
+    ),
     # the scaling fit over the data's own lengths, with bootstrap intervals and its range
     "replay_fit": TableSpec(
         "replay",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
@@ -20,7 +20,7 @@ import pandas as pd
 from probes.batching import plans as pl
 from probes.io import read_json, read_provenance
 from probes.replay.estimate import FitPricing, ranked, strategy_table
-from probes.replay.sequential import run_sequential, sized_design
+from probes.replay.sequential import plans_table, run_sequential, sized_design
 from probes.settings import TrainingConfig, WorkflowConfig
 from probes.step import combined as cb
 
@@ -32,6 +32,7 @@ class CombinedResult:
     row: pd.DataFrame  # the combination's estimate (REPLAY_COLUMNS), empty when not run
     steps: pd.DataFrame  # its timed micro-batches
     record: dict[str, Any]
+    plans: pd.DataFrame = field(default_factory=pd.DataFrame)  # its full plan, with strata
 
 
 def not_run(why: str) -> CombinedResult:
@@ -135,7 +136,7 @@ def time_combined(
         "baseline_retimed": priced.loc[priced["strategy"] == pl.BASELINE].to_dict("records"),
         "stopping": result.record,
     }
-    return CombinedResult(row, steps, record)
+    return CombinedResult(row, steps, record, plans_table(design, [combination.name]))
 
 
 def with_combined(table: pd.DataFrame, combined: CombinedResult) -> pd.DataFrame:

@@ -107,6 +107,16 @@ def build_design(plans: pd.DataFrame, n_strata: int, seed: int, pair: bool = Tru
     return Design(frames, strata, bounds, orders, sizes, frozenset(paired))
 
 
+def plans_table(design: Design, names: Sequence[str] | None = None) -> pd.DataFrame:
+    """The design's full plans (of `names`, else all) as timed: every micro-batch with its
+    stratum and whether its strategy was paired with the baseline (replay_plans.parquet)."""
+    frames = [
+        design.plans[n].assign(stratum=design.stratum[n], paired=n in design.paired)
+        for n in (names if names is not None else design.strategies)
+    ]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
 def with_twins(design: Design, takes: Mapping[Key, int]) -> dict[Key, int]:
     """`takes` with the baseline's grown to cover every paired change's units in each stratum
     (they share one order, so a change's units are a prefix of the baseline's)."""

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -47,7 +48,7 @@ from probes.replay.prepare import (
     prepare,
     replay_dtype,
 )
-from probes.replay.sequential import run_sequential, sized_design
+from probes.replay.sequential import plans_table, run_sequential, sized_design
 from probes.replay.step_changes import StepChanges, add_step_changes
 from probes.replay.timing import (
     ReplayRunner,
@@ -213,8 +214,21 @@ def run_replay(
         out.parquet("estimates", table, provenance)
         out.parquet("steps", steps, provenance)
         out.parquet("fit", pd.DataFrame([fit_row]), provenance)
+        out.parquet("plans", timed_plans(design, combined), provenance)
         out.json("control", control)
     return replay_summary(plan, provenance, control, table)
+
+
+def timed_plans(design: Any, combined: Any) -> pd.DataFrame:
+    """Every configuration's full plan as timed, the combined configuration's after, list
+    columns as plain lists (Parquet)."""
+    table = pd.concat([plans_table(design), combined.plans], ignore_index=True)
+    for column in ("example_ids", "example_lengths", "example_loss_tokens", "documents_per_row"):
+        if column in table:
+            table[column] = table[column].map(
+                lambda v: list(v) if isinstance(v, (list, tuple, np.ndarray)) else []
+            )
+    return table
 
 
 def synthetic_control_first(

@@ -421,6 +421,38 @@ def _stage_inputs(tmp_path, gate_violations=0):
     return inputs, outputs
 
 
+def assert_savings_recomputed_from_the_outputs(outputs, table):
+    """Everything timed is written: replay_plans (every configuration's full plan as timed,
+    with strata) and replay_steps (each timed unit's plan row) give back the table's savings,
+    for a batching change, a paired step-level change and an unpaired one."""
+    from probes.replay.estimate import StrategyDesign, auxiliaries, greg_estimate_all
+
+    plans = pd.read_parquet(outputs["plans"])
+    steps = pd.read_parquet(outputs["steps"])
+    control = read_json(outputs["control"])
+    timed = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == "OK")]
+    designs = {}
+    for name, plan in plans.groupby("strategy", sort=False):
+        mine = timed[timed["strategy"] == name]
+        if mine.empty or name not in set(table["strategy"]):
+            continue
+        plan = plan.sort_values("micro_batch_index").reset_index(drop=True)
+        designs[name] = StrategyDesign(
+            auxiliaries(plan), plan["stratum"].to_numpy(), plan["optimizer_step_index"].nunique(),
+            mine["stratum"].to_numpy(np.int64), auxiliaries(mine), mine["time_s"].to_numpy(),
+            mine["timings"].to_numpy(np.float64), units=mine["plan_row"].to_numpy(np.int64),
+            paired=bool(plan["paired"].iloc[0]),
+        )  # fmt: skip
+    assert {d.paired for d in designs.values()} == {True, False}
+    optimizer = steps.loc[steps["kind"] == OPTIMIZER_STEP, "time_s"].to_numpy()
+    cv = control["instrument"]["cv"]
+    recomputed, _ = greg_estimate_all(designs, optimizer, cv, control["instrument"]["repeats"] - 1)
+    by_name = table.set_index("strategy")
+    for name in (pl.GLOBAL_SORT, "attention_eager", "micro_batch_size_4"):
+        assert recomputed[name].saving == pytest.approx(by_name.loc[name, "saving_vs_random"])
+        assert recomputed[name].saving_low == pytest.approx(by_name.loc[name, "saving_ci_low"])
+
+
 def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
     inputs, outputs = _stage_inputs(tmp_path, gate_violations=2)
     summary = rs.run_replay(
@@ -453,6 +485,7 @@ def test_stage_writes_every_output_labelled_cpu_only(tmp_path, tiny_model_dir):
     fit_row = pd.read_parquet(outputs["fit"]).iloc[0]
     assert fit_row["range_high"] == 32 and fit_row["cpu_only"]
     assert read_json(outputs["control"])["passed"]
+    assert_savings_recomputed_from_the_outputs(outputs, table)
     # the report's two figures draw from these outputs
     from probes.report import figures_replay
 
