@@ -101,7 +101,11 @@ def scenario_rows(table: pd.DataFrame) -> list[dict[str, Any]]:
                 "layers_checked": int(part["band_ok"].notna().sum()),
                 "violations": len(violations),
                 "first_violation": violations[0] if violations else None,
-                "checked_at": str(part["band_shape"].iloc[0]),
+                "checked_at": str(
+                    part["band_shape"].dropna().iloc[0]
+                    if part["band_shape"].notna().any()
+                    else f"{part['batch'].iloc[0]}x{part['seq_len'].iloc[0]}"
+                ),
             }
         )
     return rows
