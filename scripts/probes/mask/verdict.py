@@ -5,6 +5,7 @@ confirmation against torch's own choice on a CUDA machine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -197,9 +198,12 @@ def trace_scenario(
     reader = "rows" if sdpa else "dense"
     if semantic.seq_len == scenario.seq_len or scenario.name not in REDUCIBLE:
         return run_scenario(probe, scenario, specs, settings, reader)
-    band = run_scenario(probe, semantic, specs, settings, reader)
-    if not sdpa:
-        return band  # eager and flex: a mask on every layer and no backend, at any T
+    if not sdpa:  # eager and flex: a mask on every layer and no backend, at any T
+        return run_scenario(probe, semantic, specs, settings, reader)
+    # the backend (and torch's confirmation on CUDA) comes from the training shape's trace
+    band = run_scenario(
+        probe, semantic, specs, dataclasses.replace(settings, confirm=False), reader
+    )
     dispatch = run_scenario(probe, scenario, specs, settings, band=None)
     merged = merge_dispatch(dispatch, band)
     if merged is None:

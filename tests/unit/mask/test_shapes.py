@@ -218,3 +218,30 @@ def test_a_mask_that_comes_and_goes_with_t_is_measured_at_the_training_shape():
     (merged,) = merge_dispatch(dispatch, band)
     assert merged["band_lower"] == 7  # the band from the semantic shape
     assert merged["seq_len"] == 512 and merged["backend"] == "efficient"  # dispatch from T
+
+
+def test_torch_confirms_the_calls_of_the_training_shape(monkeypatch):
+    # on CUDA each SDPA call is put to torch: those of the training shape, not the band's
+    from probes.mask import backend as sdpa_backend
+    from probes.mask import confirm as sdpa_confirm
+
+    asked = []
+    monkeypatch.setattr(sdpa_confirm, "cuda_available", lambda: True)
+    monkeypatch.setattr(
+        sdpa_confirm,
+        "local_target",
+        lambda requires_grad=True: sdpa_backend.resolve_target((9, 0), "2.10.0"),
+    )
+
+    def confirm(call, device="cuda", requires_grad=True):
+        asked.append(call.q_shape[2])
+        return {"ran": True, "backend": "efficient" if call.mask_present else "flash"}
+
+    monkeypatch.setattr(sdpa_confirm, "confirm_with_torch", confirm)
+    cfg = mask_gate.merged_mask_config(
+        {**PINNED, "confirm_on_cuda": True, "scenarios": ["train", "right_padded", "packed"]}
+    )
+    _, gate = mask_gate.evaluate(dict(TINY_GEMMA3_CONFIG), cfg, SPLIT, progress=False)
+    assert gate["confirm"]["status"] == "agreed"
+    assert gate["confirm"]["per_scenario"]["right_padded"] == {"agreed": 4, "total": 4}
+    assert set(asked) == {512}  # 2 x 512, never the semantic 2 x 256
