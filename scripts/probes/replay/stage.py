@@ -48,8 +48,14 @@ from probes.replay.prepare import (
     prepare,
     replay_dtype,
 )
-from probes.replay.sequential import plans_table, run_sequential, sized_design
+from probes.replay.sequential import (
+    MIN_SIZED_STRATA,
+    plans_table,
+    run_sequential,
+    sized_design,
+)
 from probes.replay.step_changes import StepChanges, add_step_changes
+from probes.replay.strata import affordable_changes
 from probes.replay.timing import (
     ReplayRunner,
     instrument_unit,
@@ -124,21 +130,48 @@ def measure_model(
     return fit, fit_points, loss_share, instrument
 
 
+def plans_to_time(
+    plan: ReplayPlan,
+    invalid: dict[str, str],
+    unit: tuple[float, float],
+    cv: float,
+    budget_s: float,
+    enabled: bool,
+) -> pd.DataFrame:
+    """The plans of the changes the budget can decide (strata.affordable_changes), the invalid
+    ones beside them as before; each change left out is added to `invalid` with its reason."""
+    names = list(dict.fromkeys(plan.plans["strategy"]))
+    if not enabled:
+        return plan.plans
+    settings = plan.settings
+    timed, not_timed = affordable_changes(
+        plan.plans[~plan.plans["strategy"].isin(list(invalid))], unit, cv, settings.max_width,
+        budget_s, MIN_SIZED_STRATA * settings.samples_per_stratum, pl.BASELINE,
+    )  # fmt: skip
+    for name, why in not_timed.items():
+        LOG.info("%s %s", name, why)
+    invalid.update(not_timed)
+    keep = set(timed) | {n for n in names if n in invalid and n not in not_timed}
+    return plan.plans[plan.plans["strategy"].isin(keep)]
+
+
 def time_plans(
     runner: ReplayRunner,
     plan: ReplayPlan,
     replay_cfg: ReplayConfig,
-    invalid: Mapping[str, str],
+    invalid: dict[str, str],
     cv: tuple[float, float],
     unit: tuple[float, float],
     progress: bool,
 ) -> tuple[Any, Any]:
-    """The sequential design over every valid strategy within the budget: (design, result);
-    its strata as many as the budget affords the first round (sized_design)."""
+    """The sequential design over the valid strategies the budget can decide (the others are
+    added to `invalid`, each with what deciding it would take: strata.affordable_changes):
+    (design, result); its strata as many as the budget affords the first round."""
     settings = plan.settings
     section = replay_cfg.cpu if plan.cpu_only else replay_cfg
     budget_s = float(section.budget_s)
-    design, sizing = sized_design(plan.plans, settings, unit, budget_s, settings.seed)
+    plans = plans_to_time(plan, invalid, unit, cv[0], budget_s, replay_cfg.plan_to_budget)
+    design, sizing = sized_design(plans, settings, unit, budget_s, settings.seed)
     if sizing["strata"] < sizing["strata_configured"]:
         LOG.info("first round: %d of %d strata per strategy (predicted %.0f s; budget_s %.0f s)",
                  sizing["strata"], sizing["strata_configured"],
@@ -188,6 +221,7 @@ def run_replay(
     cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
     cv_df = max(instrument["repeats"] - 1.0, 1.0)
     unit = instrument_unit(instrument)
+    invalid = dict(invalid)  # time_plans adds the changes the budget cannot decide
     design, sequential = time_plans(runner, plan, replay_cfg, invalid, (cv, cv_df), unit, progress)
     table = price(plan, sequential, invalid, fit, cv, changes, cfg.training.max_seq_len)
     pricing = FitPricing(fit.fit, plan.micro, fit.low, fit.high)

@@ -166,3 +166,65 @@ def proxy_spread(plan: pd.DataFrame, stratum: np.ndarray, cv: float = 0.1) -> di
         part = cost[stratum == h]
         out[int(h)] = math.sqrt(float(np.var(part)) + (cv * float(part.mean())) ** 2)
     return out
+
+
+# the t quantile a change's first intervals carry (few units: df ~ 3-5)
+PLANNING_T = 2.8
+# a unit's first timing of a new shape is warmed once: what a unit costs before repeats
+WARMED_UNIT = 1.5
+
+
+def units_to_resolve(cv: float, width: float, floor: int) -> int:
+    """Units a change needs for a 95% saving interval `width` wide when each unit's relative
+    noise is `cv` and the baseline's twin adds its own (√2): (2·t·√2·cv / width)², at least
+    `floor` (the first round's)."""
+    return max(int(floor), math.ceil((2 * PLANNING_T * math.sqrt(2) * cv / width) ** 2))
+
+
+def affordable_changes(
+    plans: pd.DataFrame,
+    unit: tuple[float, float],
+    cv: float,
+    width: float,
+    budget_s: float,
+    floor: int,
+    baseline: str,
+) -> tuple[list[str], dict[str, str]]:
+    """Before timing, from exact counts and the measured instrument: the changes the budget
+    can decide, in order of their exact computed-token saving (step-level changes, which keep
+    the tokens, after the batching changes that save most), each at the units its interval
+    needs (units_to_resolve) priced by its tokens from a measured unit; the rest, each with
+    what deciding it would take. A change whose exact token saving is below `width` / 2 and
+    which keeps the baseline's micro-batch count is never a batching win worth timing."""
+    unit_s, unit_tokens = unit
+    groups = dict(tuple(plans.groupby("strategy", sort=False)))
+    base = groups[baseline]
+    per_token = unit_s / max(float(unit_tokens) + proxy_fixed(base), 1e-9)
+    need = units_to_resolve(cv, width, floor)
+    base_tokens = float(base["computed_tokens"].sum())
+
+    def seconds(name: str) -> float:
+        cost = proxy_cost(groups[name], np.zeros(len(groups[name]), dtype=np.int64))[0]
+        return need * WARMED_UNIT * per_token * cost
+
+    saving = {n: 1 - float(g["computed_tokens"].sum()) / base_tokens for n, g in groups.items()}
+    order = sorted((n for n in groups if n != baseline), key=lambda n: -abs(saving[n]))
+    spent, kept, dropped = seconds(baseline), [baseline], {}
+    for name in order:
+        cost = seconds(name)
+        same_count = len(groups[name]) == len(base)
+        if 0 < abs(saving[name]) < width / 2 and same_count:
+            dropped[name] = (
+                f"not timed: its exact computed-token saving {saving[name]:.1%} is below what "
+                f"timing resolves on this device (±{width / 2:.0%})"
+            )
+        elif spent + cost > budget_s:
+            dropped[name] = (
+                f"not timed: deciding it at ±{width / 2:.0%} would take about {cost:.2g} s of "
+                f"timing on this device ({need} units at a CV of {cv:.1%}); the budget "
+                f"({budget_s:.3g} s) went to the changes with larger exact token savings"
+            )
+        else:
+            spent += cost
+            kept.append(name)
+    return kept, dropped

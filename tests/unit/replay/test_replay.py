@@ -309,6 +309,7 @@ def _config(model_dir) -> dict:
             {
                 "bootstrap_resamples": 200,
                 "warmup": 0,
+                "plan_to_budget": False,  # the wiring: every change timed whatever the budget
                 "cpu": {
                     "max_seq_len": 32,
                     "n_strata": 2,

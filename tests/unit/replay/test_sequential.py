@@ -263,3 +263,33 @@ def test_the_power_record_prices_what_would_decide_each_undecided_change():
     assert power["per_change"]["open"]["units"] == 60
     assert power["seconds_to_decide"] == pytest.approx(60 * 3.0)
     assert power["key"] == "replay.cpu.budget_s"
+
+
+def test_the_budget_goes_to_the_changes_it_can_decide(plans):
+    """Before timing: at a measured CV each change needs units_to_resolve units; the budget is
+    spent by exact token saving, a batching change whose exact saving is below what timing
+    resolves is never timed, and the rest say what deciding them would take."""
+    from probes.replay.strata import affordable_changes, units_to_resolve
+
+    assert units_to_resolve(0.03, 0.2, 4) == 4  # a quiet CPU: the first round decides
+    assert units_to_resolve(0.2, 0.2, 4) == 63  # a loaded one: (2 * 2.8 * sqrt2 * 0.2 / 0.2)^2
+    tokens = float(plans["computed_tokens"].mean())
+    everything = affordable_changes(plans, (0.01, tokens), 0.03, 0.2, 1e6, 4, pl.BASELINE)
+    saving = {
+        n: 1
+        - g["computed_tokens"].sum()
+        / plans[plans["strategy"] == pl.BASELINE]["computed_tokens"].sum()
+        for n, g in plans.groupby("strategy")
+    }
+    small = {n for n, v in saving.items() if 0 < abs(v) < 0.1 and n != pl.BASELINE}
+    assert set(everything[1]) == {
+        n
+        for n in small
+        if (plans["strategy"] == n).sum() == (plans["strategy"] == pl.BASELINE).sum()
+    }
+    assert all("below what timing resolves" in why for why in everything[1].values())
+    kept, dropped = affordable_changes(plans, (1.0, tokens), 0.2, 0.2, 400.0, 4, pl.BASELINE)
+    assert kept[0] == pl.BASELINE and 1 <= len(kept) < len(everything[0])
+    timed_savings = [abs(saving[n]) for n in kept[1:]]
+    assert all(abs(saving[n]) <= min(timed_savings) for n in dropped if n not in small)
+    assert any("would take about" in why and "63 units" in why for why in dropped.values())
