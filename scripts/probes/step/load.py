@@ -15,9 +15,12 @@ from probes.settings import TrainerConfig, WorkflowConfig
 
 def factory_of(trainer: TrainerConfig) -> str | None:
     """What the trainer section names (its factory spec or its command), None: the harness."""
+    from probes.step.command import command_argv, shown
     from probes.step.source import given
 
-    return (trainer.factory or str(trainer.command)) if given(trainer) else None
+    if not given(trainer):
+        return None
+    return trainer.factory or shown(command_argv(trainer.command))
 
 
 def load_step(
