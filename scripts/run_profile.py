@@ -6,7 +6,11 @@ Run by `snakemake profile`, or standalone (no Snakemake needed), e.g. on a GPU n
         --set profile.cuda.lengths=[2048,4096,8192]
 """
 
-from probes.profile import stage as profile_stage
-from probes.stage import main
+from probes.step.threads import steady_allocator
+
+steady_allocator()  # before torch: glibc reads its settings at start
+
+from probes.profile import stage as profile_stage  # noqa: E402
+from probes.stage import main  # noqa: E402
 
 main("profile", profile_stage.run, __doc__, globals())

@@ -6,7 +6,11 @@ Run by `snakemake realize`, or standalone (no Snakemake needed), e.g. on a GPU n
     python scripts/run_realize.py --results results --set profile.device=cuda
 """
 
-from probes.realize import stage as realize_stage
-from probes.stage import main
+from probes.step.threads import steady_allocator
+
+steady_allocator()  # before torch: glibc reads its settings at start
+
+from probes.realize import stage as realize_stage  # noqa: E402
+from probes.stage import main  # noqa: E402
 
 main("realize", realize_stage.run, __doc__, globals())

@@ -6,7 +6,11 @@ Run by `snakemake replay`, or standalone (no Snakemake needed), e.g. on a GPU no
     python scripts/run_replay.py --results results --set profile.device=cuda
 """
 
-from probes.replay import stage as replay_stage
-from probes.stage import main
+from probes.step.threads import steady_allocator
+
+steady_allocator()  # before torch: glibc reads its settings at start
+
+from probes.replay import stage as replay_stage  # noqa: E402
+from probes.stage import main  # noqa: E402
 
 main("replay", replay_stage.run, __doc__, globals())

@@ -408,7 +408,7 @@ def run_sequential(
         )
         undecided = open_strategies(estimates, valid, settings.decide_within, settings.max_width)
         if not undecided:
-            stopped_by = "decision"
+            stopped_by = "decision" if len(valid) > 1 else "nothing to decide"
             break
         elapsed = clock() - started
         per_unit = elapsed / max(len(timed.steps), 1)

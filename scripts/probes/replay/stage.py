@@ -30,7 +30,7 @@ from probes.contracts import STAGE_OUTPUTS
 from probes.errors import ControlFailedError
 from probes.replay.combined import all_steps, time_combined, with_combined
 from probes.replay.control import run_coverage_control, run_synthetic_control
-from probes.replay.estimate import FitPricing
+from probes.replay.estimate import FitPricing, fit_priced_time
 from probes.replay.outputs import (
     completed_control,
     fit_table_row,
@@ -133,26 +133,54 @@ def measure_model(
 def plans_to_time(
     plan: ReplayPlan,
     invalid: dict[str, str],
-    unit: tuple[float, float],
-    cv: float,
-    budget_s: float,
+    measured: tuple[tuple[float, float], float, float],
+    pricing: FitPricing,
     enabled: bool,
 ) -> pd.DataFrame:
-    """The plans of the changes the budget can decide (strata.affordable_changes), the invalid
-    ones beside them as before; each change left out is added to `invalid` with its reason."""
+    """The plans of the changes the budget can decide (strata.affordable_changes; `measured`:
+    the instrument's unit, its CV and the budget), the most promising by the scaling fit over
+    their exact shapes first; the invalid ones beside them as before; each change left out is
+    added to `invalid` with its reason."""
     names = list(dict.fromkeys(plan.plans["strategy"]))
     if not enabled:
         return plan.plans
+    unit, cv, budget_s = measured
     settings = plan.settings
+    candidates = plan.plans[~plan.plans["strategy"].isin(list(invalid))]
     timed, not_timed = affordable_changes(
-        plan.plans[~plan.plans["strategy"].isin(list(invalid))], unit, cv, settings.max_width,
-        budget_s, MIN_SIZED_STRATA * settings.samples_per_stratum, pl.BASELINE,
+        candidates, unit, cv, settings.max_width, budget_s,
+        MIN_SIZED_STRATA * settings.samples_per_stratum, pl.BASELINE,
+        fit_savings(candidates, pricing), fit_unit_seconds(candidates, pricing),
     )  # fmt: skip
     for name, why in not_timed.items():
         LOG.info("%s %s", name, why)
     invalid.update(not_timed)
     keep = set(timed) | {n for n in names if n in invalid and n not in not_timed}
     return plan.plans[plan.plans["strategy"].isin(keep)]
+
+
+def fit_savings(plans: pd.DataFrame, pricing: FitPricing) -> dict[str, float]:
+    """Each strategy's saving the scaling fit predicts from its plan's exact shapes (NaN where
+    the fit cannot price it: a shape outside its measured range, more rows than it timed)."""
+    steps = {n: int(g["optimizer_step_index"].nunique()) for n, g in plans.groupby("strategy")}
+    times = {
+        n: fit_priced_time(g, pricing, 0.0, steps[n])[0]
+        for n, g in plans.groupby("strategy", sort=False)
+    }
+    base = times.get(pl.BASELINE, math.nan)
+    return {n: 1.0 - t / base if base > 0 else math.nan for n, t in times.items()}
+
+
+def fit_unit_seconds(plans: pd.DataFrame, pricing: FitPricing) -> dict[str, float]:
+    """Each strategy's mean micro-batch seconds by the scaling fit's fixed and per-token terms
+    (c + b·tokens/rows over its plan): what planning prices a unit at."""
+    fit = pricing.fit
+    if not (fit.c > 0 and fit.b > 0):
+        return {}
+    return {
+        n: float(fit.c + fit.b * g["computed_tokens"].mean() / max(pricing.rows, 1))
+        for n, g in plans.groupby("strategy", sort=False)
+    }
 
 
 def time_plans(
@@ -162,15 +190,22 @@ def time_plans(
     invalid: dict[str, str],
     cv: tuple[float, float],
     unit: tuple[float, float],
+    pricing: FitPricing,
     progress: bool,
+    spent_s: float = 0.0,
 ) -> tuple[Any, Any]:
     """The sequential design over the valid strategies the budget can decide (the others are
     added to `invalid`, each with what deciding it would take: strata.affordable_changes):
     (design, result); its strata as many as the budget affords the first round."""
     settings = plan.settings
     section = replay_cfg.cpu if plan.cpu_only else replay_cfg
-    budget_s = float(section.budget_s)
-    plans = plans_to_time(plan, invalid, unit, cv[0], budget_s, replay_cfg.plan_to_budget)
+    # the budget is the stage's: what loading, the controls and the fit spent is gone, and the
+    # combined configuration's own budget comes out of it
+    combined_s = float(section.combined_budget_s) if replay_cfg.combined else 0.0
+    budget_s = max(float(section.budget_s) - spent_s - combined_s, 0.0)
+    plans = plans_to_time(
+        plan, invalid, (unit, cv[0], budget_s), pricing, replay_cfg.plan_to_budget
+    )
     design, sizing = sized_design(plans, settings, unit, budget_s, settings.seed)
     if sizing["strata"] < sizing["strata_configured"]:
         LOG.info("first round: %d of %d strata per strategy (predicted %.0f s; budget_s %.0f s)",
@@ -222,9 +257,12 @@ def run_replay(
     cv_df = max(instrument["repeats"] - 1.0, 1.0)
     unit = instrument_unit(instrument)
     invalid = dict(invalid)  # time_plans adds the changes the budget cannot decide
-    design, sequential = time_plans(runner, plan, replay_cfg, invalid, (cv, cv_df), unit, progress)
-    table = price(plan, sequential, invalid, fit, cv, changes, cfg.training.max_seq_len)
     pricing = FitPricing(fit.fit, plan.micro, fit.low, fit.high)
+    design, sequential = time_plans(
+        runner, plan, replay_cfg, invalid, (cv, cv_df), unit, pricing, progress,
+        time.perf_counter() - started,
+    )  # fmt: skip
+    table = price(plan, sequential, invalid, fit, cv, changes, cfg.training.max_seq_len)
     combined = time_combined(
         runner, plan, table, changes.changes, inputs, cfg, pricing, (cv, cv_df), unit, progress,
         CPU_NOTE.format(cap=plan.max_len, max_seq_len=cfg.training.max_seq_len)
@@ -321,6 +359,7 @@ def coverage_control(
         float(coverage_cfg.threshold),
         max_width=float(replay_cfg.max_width),
         factors=paired_factors(sequential.estimates, design.paired),
+        unit_noise=unexplained_spread(design, sequential.steps, cv),
     )
     verdict = coverage.get("verdict", "passed" if coverage["passed"] else "failed")
     LOG.info("coverage control %s: min coverage %.3f, widest mean interval %s pp", verdict,
@@ -333,6 +372,24 @@ def coverage_control(
             f"{coverage['observed']['coverage']}, no output written"
         )
     return coverage
+
+
+def unexplained_spread(design: Any, steps: pd.DataFrame, cv: float) -> dict[str, float]:
+    """Per strategy, the relative spread of its timed units the working model leaves beyond
+    the instrument's CV (robust: 1.4826 × MAD of the centred residuals, in quadrature)."""
+    from probes.replay.estimate import unit_residuals
+    from probes.replay.sequential import strategy_designs
+
+    designs = strategy_designs(design, steps)
+    if not designs:
+        return {}
+    out = {}
+    for name, residual in unit_residuals(designs).items():
+        if residual.size < 3:
+            continue
+        spread = 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
+        out[name] = math.sqrt(max(spread**2 - cv**2, 0.0))
+    return out
 
 
 def paired_factors(estimates: Mapping[str, Any], paired: Any) -> dict[str, float]:

@@ -6,6 +6,7 @@ probes.replay.estimate, by how many there really are); within a stratum the samp
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 import pandas as pd
@@ -170,8 +171,9 @@ def proxy_spread(plan: pd.DataFrame, stratum: np.ndarray, cv: float = 0.1) -> di
 
 # the t quantile a change's first intervals carry (few units: df ~ 3-5)
 PLANNING_T = 2.8
-# a unit's first timing of a new shape is warmed once: what a unit costs before repeats
-WARMED_UNIT = 1.5
+# a unit's first timing of a new shape is warmed once: what a unit costs (on the default run
+# on CPU nearly every unit of a round is a new shape: 48 units took 90 s at 0.9 s a timing)
+WARMED_UNIT = 2.0
 
 
 def units_to_resolve(cv: float, width: float, floor: int) -> int:
@@ -189,11 +191,15 @@ def affordable_changes(
     budget_s: float,
     floor: int,
     baseline: str,
+    predicted: Mapping[str, float] | None = None,
+    unit_seconds: Mapping[str, float] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """Before timing, from exact counts and the measured instrument: the changes the budget
-    can decide, in order of their exact computed-token saving (step-level changes, which keep
-    the tokens, after the batching changes that save most), each at the units its interval
-    needs (units_to_resolve) priced by its tokens from a measured unit; the rest, each with
+    can decide, the most promising first (the scaling fit's saving from each plan's exact
+    shapes, `predicted`, else its exact computed-token saving; step-level changes on the same
+    shapes after the batching changes predicted to save), each at the units its interval
+    needs (units_to_resolve) at `unit_seconds` (the scaling fit's), else priced by its tokens
+    from a measured unit; the rest, each with
     what deciding it would take. A change whose exact token saving is below `width` / 2 and
     which keeps the baseline's micro-batch count is never a batching win worth timing."""
     unit_s, unit_tokens = unit
@@ -204,11 +210,17 @@ def affordable_changes(
     base_tokens = float(base["computed_tokens"].sum())
 
     def seconds(name: str) -> float:
-        cost = proxy_cost(groups[name], np.zeros(len(groups[name]), dtype=np.int64))[0]
-        return need * WARMED_UNIT * per_token * cost
+        known = (unit_seconds or {}).get(name, math.nan)
+        if not (math.isfinite(known) and known > 0):
+            known = per_token * proxy_cost(groups[name], np.zeros(len(groups[name]), np.int64))[0]
+        return need * WARMED_UNIT * known
 
     saving = {n: 1 - float(g["computed_tokens"].sum()) / base_tokens for n, g in groups.items()}
-    order = sorted((n for n in groups if n != baseline), key=lambda n: -abs(saving[n]))
+    promise = {
+        n: float(predicted[n]) if predicted and math.isfinite(predicted.get(n, math.nan)) else v
+        for n, v in saving.items()
+    }
+    order = sorted((n for n in groups if n != baseline), key=lambda n: -promise[n])
     spent, kept, dropped = seconds(baseline), [baseline], {}
     for name in order:
         cost = seconds(name)
@@ -222,7 +234,7 @@ def affordable_changes(
             dropped[name] = (
                 f"not timed: deciding it at ±{width / 2:.0%} would take about {cost:.2g} s of "
                 f"timing on this device ({need} units at a CV of {cv:.1%}); the budget "
-                f"({budget_s:.3g} s) went to the changes with larger exact token savings"
+                f"({budget_s:.3g} s) went to the changes its exact counts promise more"
             )
         else:
             spent += cost
