@@ -21,10 +21,13 @@ run the model's own dtype without autocast, as the replay does.
    ``drop_no_loss_examples``) or, for TRL packing, into ``trl.SFTTrainer`` (its ``sft_config``),
    one whole epoch per run, timed by the Trainer's own
    ``train_runtime``; ``--repeats`` rounds, the configurations in a new seeded order each round so
-   drift is shared. Realized saving = 1 − T_change / T_random, per round (the spread is the
-   standard deviation over rounds) and of the mean times.
+   drift is shared. Realized saving = 1 − T_change / T_random of the mean times, its 95% interval
+   from the rounds' paired log ratios; each change judged by the stage's three-way rule
+   (probes.realize.verdict: agrees / disagrees / undecided, the realized interval included), so a
+   run with too few rounds (``--quick``) says undecided rather than passing or failing.
 
-Prints the table (change | promised [95% CI] | realized mean ± sd | within ±5 pp | inside CI) and,
+Prints the table (change | promised [95% CI] | realized [95% CI] | verdict | within ±5 pp |
+inside CI) and,
 to say why they differ, each configuration's replayed and realized epoch seconds and the Trainer's
 extra seconds per optimizer step. ``--out`` also writes the table as markdown. No timing is
 asserted.
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import sys
 import tempfile
@@ -58,6 +62,7 @@ from trainer_harness import LEARNING_RATE  # noqa: E402
 from probes.apply.document import order_changes, recommendations_document  # noqa: E402
 from probes.batching import plans as pl  # noqa: E402
 from probes.contracts import STAGE_OUTPUTS, TRAINING_STATUSES  # noqa: E402
+from probes.realize import verdict as vd  # noqa: E402
 from probes.report.sections.replay import change_measurement  # noqa: E402
 
 IGNORE_INDEX = -100
@@ -583,6 +588,19 @@ def run_realized(
 # ---------------------------------------------------------------------------------------------
 
 
+def realized_interval(times: np.ndarray, base_times: np.ndarray) -> tuple[float, float]:
+    """The realized saving's 95% interval from the rounds, each change's epoch paired with the
+    baseline's of the same round (drift shared): the mean log time ratio ± t·se, as a saving
+    (NaN with fewer than two rounds)."""
+    from probes.replay.estimate import t_quantile_975
+
+    if len(times) < 2 or len(times) != len(base_times):
+        return float("nan"), float("nan")
+    logs = np.log(times / base_times)
+    half = t_quantile_975(len(logs) - 1) * float(logs.std(ddof=1)) / np.sqrt(len(logs))
+    return 1.0 - float(np.exp(logs.mean() + half)), 1.0 - float(np.exp(logs.mean() - half))
+
+
 def table_rows(
     document: dict[str, Any], estimates: pd.DataFrame, runs: dict[str, list[dict[str, float]]]
 ) -> list[dict[str, Any]]:
@@ -602,6 +620,7 @@ def table_rows(
         low = change.get("saving_ci_low") if name != pl.BASELINE else None
         high = change.get("saving_ci_high") if name != pl.BASELINE else None
         realized = 1.0 - times.mean() / base_times.mean()
+        r_low, r_high = realized_interval(times, base_times)
         steps = results[0]["optimizer_steps"]
         replayed = replay_s.get(strategy) if strategy else None
         rows.append(
@@ -616,6 +635,20 @@ def table_rows(
                 if promised is None or name == pl.BASELINE
                 else bool(abs(realized - promised) * 100 <= TOLERANCE_PP),
                 "inside_ci": None if low is None or high is None else bool(low <= realized <= high),
+                "realized_low": r_low,
+                "realized_high": r_high,
+                # the stage's three-way rule (probes.realize.verdict), realized interval included
+                "verdict": "baseline"
+                if name == pl.BASELINE
+                else vd.verdict(
+                    realized,
+                    promised if promised is not None else math.nan,
+                    low if low is not None else math.nan,
+                    high if high is not None else math.nan,
+                    TOLERANCE_PP / 100,
+                    r_low,
+                    r_high,
+                ),  # fmt: skip
                 "trainer_epoch_s": float(times.mean()),
                 "trainer_epoch_sd_s": float(times.std(ddof=1)) if len(times) > 1 else 0.0,
                 "replay_epoch_s": None if replayed is None else float(replayed),
@@ -627,7 +660,7 @@ def table_rows(
 
 
 def _pct(v: float | None) -> str:
-    return "—" if v is None else f"{100 * v:+.1f}%"
+    return "—" if v is None or not math.isfinite(v) else f"{100 * v:+.1f}%"
 
 
 def _yes(v: bool | None) -> str:
@@ -638,10 +671,10 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
     lines = [
         header,
         "",
-        "| change | promised saving [95% CI] | realized saving (mean ± sd over rounds) "
-        "| within ±5 pp? | inside CI? | replayed epoch [s] | Trainer epoch [s] "
+        "| change | promised saving [95% CI] | realized saving [95% CI over rounds] "
+        "| verdict | within ±5 pp? | inside CI? | replayed epoch [s] | Trainer epoch [s] "
         "| (Trainer − replay) per step [s] |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ci = (
@@ -661,8 +694,9 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
         )
         replayed = "—" if r["replay_epoch_s"] is None else f"{r['replay_epoch_s']:.2f}"
         lines.append(
-            f"| {r['change']} | {promised}{ci} | {_pct(r['realized'])} ± "
-            f"{100 * r['realized_sd']:.1f} pp | {_yes(r['within_5pp'])} | {_yes(r['inside_ci'])} "
+            f"| {r['change']} | {promised}{ci} | {_pct(r['realized'])} "
+            f"[{_pct(r['realized_low'])}, {_pct(r['realized_high'])}] | **{r['verdict']}** "
+            f"| {_yes(r['within_5pp'])} | {_yes(r['inside_ci'])} "
             f"| {replayed} | {r['trainer_epoch_s']:.2f} ± {r['trainer_epoch_sd_s']:.2f} "
             f"| {extra} |"
         )

@@ -54,3 +54,31 @@ def load_default_config():
     from probes.config import load_config
 
     return load_config()
+
+
+def test_a_timing_script_restarts_once_with_the_steady_allocator(monkeypatch):
+    """glibc reads its allocator settings at start: the script starts itself again with them
+    (the same interpreter and arguments), and not again once they are set or switched off."""
+    import sys
+
+    from probes.step import threads
+
+    calls = []
+    monkeypatch.setattr(threads.os, "execve", lambda *a: calls.append(a))
+    monkeypatch.setattr(sys, "platform", "linux")
+    for key in threads.STEADY_ALLOCATOR:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv(threads.STEADY_ALLOCATOR_OFF, raising=False)
+    threads.steady_allocator(["scripts/run_replay.py", "--results", "r"])
+    ((executable, argv, env),) = calls
+    assert executable == sys.executable and argv == [sys.executable, "scripts/run_replay.py",
+                                                     "--results", "r"]  # fmt: skip
+    assert all(env[k] == v for k, v in threads.STEADY_ALLOCATOR.items())
+    for key, value in threads.STEADY_ALLOCATOR.items():
+        monkeypatch.setenv(key, value)
+    threads.steady_allocator(["x"])
+    assert len(calls) == 1  # already set: it runs on
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    monkeypatch.setenv(threads.STEADY_ALLOCATOR_OFF, "0")
+    threads.steady_allocator(["x"])
+    assert len(calls) == 1  # switched off

@@ -1,0 +1,55 @@
+"""bench/realized_vs_promised.py judges each change by the stage's three-way rule, with a
+realized interval from its rounds; no epoch is run here."""
+
+import importlib.util
+import sys
+
+import numpy as np
+
+from conftest import REPO
+
+
+def bench_module():
+    sys.path.insert(0, str(REPO / "bench"))
+    path = REPO / "bench" / "realized_vs_promised.py"
+    spec = importlib.util.spec_from_file_location("realized_vs_promised", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_change_gets_the_three_way_verdict_with_its_realized_interval():
+    bench = bench_module()
+    base = np.array([10.0, 10.4, 10.1, 9.9])
+    document = {
+        "changes": [
+            {"id": "close", "measured_saving": 0.1, "saving_ci_low": 0.07, "saving_ci_high": 0.13},
+            {"id": "far", "measured_saving": 0.3, "saving_ci_low": 0.25, "saving_ci_high": 0.35},
+        ]
+    }
+    rounds = {
+        "random": base,
+        "close": base * np.array([0.9, 0.905, 0.895, 0.9]),
+        "far": base * np.array([0.9, 0.91, 0.89, 0.9]),
+    }
+    runs = {
+        name: [{"train_runtime": float(t), "optimizer_steps": 10} for t in times]
+        for name, times in rounds.items()
+    }
+    import pandas as pd
+
+    estimates = pd.DataFrame({"strategy": ["random"], "estimated_time_s": [10.0]})
+    rows = {r["change"]: r for r in bench.table_rows(document, estimates, runs)}
+    assert rows["close"]["verdict"] == "agrees"
+    assert rows["close"]["realized_low"] < 0.1 < rows["close"]["realized_high"]
+    assert rows["far"]["verdict"] == "disagrees"  # realized 10%, its interval excludes 30%
+    two = {n: r[:2] for n, r in runs.items()}
+    factors = (1.0, 1.3)
+    wide = {
+        n: [{**r, "train_runtime": r["train_runtime"] * f} for r, f in zip(v, factors, strict=True)]
+        for n, v in two.items()
+        if n != "random"
+    }
+    wide["random"] = two["random"]
+    rows = {r["change"]: r for r in bench.table_rows(document, estimates, wide)}
+    assert rows["close"]["verdict"] == "undecided"  # two rounds that disagree: too wide to tell
