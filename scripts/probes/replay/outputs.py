@@ -97,9 +97,15 @@ def completed_control(
         coverage=coverage, instrument=instrument, stopping=sequential.record,
         combined=combined.record,
     )  # fmt: skip
-    control["stopping"]["power"] = decision_power(
-        sequential, plan.settings, "replay.cpu.budget_s" if plan.cpu_only else "replay.budget_s"
-    )
+    section = replay_cfg.cpu if plan.cpu_only else replay_cfg
+    control["stopping"]["power"] = {
+        **decision_power(
+            sequential,
+            plan.settings,
+            "replay.cpu.budget_s" if plan.cpu_only else "replay.budget_s",
+        ),
+        "configured_budget_s": float(section.budget_s),
+    }
     control["checks"] = control_checks(control, coverage)
     control["observed"]["cpu_only"] = plan.cpu_only
     # the report shows and applies the threshold the replay used (its one home: the config)

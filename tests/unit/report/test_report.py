@@ -945,6 +945,7 @@ def test_the_first_screen_states_the_power_line_once(tmp_path):
         "seconds_to_decide": 540.0,
         "target_half_width": 0.05,
         "key": "replay.cpu.budget_s",
+        "configured_budget_s": 120.0,  # the stage's; the rounds had what the rest left
     }
     write_json({**control, "stopping": {**FIRST_ROUND, "power": power}}, paths["replay_control"])
     out = tmp_path / "report.md"
@@ -954,7 +955,7 @@ def test_the_first_screen_states_the_power_line_once(tmp_path):
     assert "2 changes undecided at this budget; timing them to ±5 pp would take about 9 min" in (
         summary
     )
-    assert "more on this device (raise `replay.cpu.budget_s`, now 90 s)" in summary
+    assert "more on this device (raise `replay.cpu.budget_s`, now 2 min)" in summary
     write_json({**control, "stopping": {**FIRST_ROUND, "power": {**power, "undecided": []}}},
                paths["replay_control"])  # fmt: skip
     run_report(paths, out)

@@ -10,6 +10,7 @@ and recommendations.json say the same word whatever two-way reading an older sta
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,6 +83,18 @@ def more_steps_setting(cpu_only: bool) -> str:
     return "realize.cpu_budget_s" if cpu_only else "realize.sample_steps"
 
 
+def steps_to_decide(row: Mapping[str, Any], agree_within: float = 0.05) -> int | None:
+    """Real steps per configuration that would narrow the realized interval to the rule's
+    2 × agree_within (its width shrinking as 1/√n), or None where the row cannot tell."""
+    low, high, n = (row.get(k) for k in ("realized_saving_ci_low", "realized_saving_ci_high",
+                                          "sampled_steps"))  # fmt: skip
+    values = [v for v in (low, high, n) if v is not None]
+    if len(values) < 3 or not all(math.isfinite(float(v)) for v in values) or not n:
+        return None
+    width = float(high) - float(low)
+    return max(math.ceil(float(n) * (width / (2 * agree_within)) ** 2), int(n) + 1)
+
+
 def realized_check(row: Mapping[str, Any], cpu_only: bool) -> dict[str, Any]:
     """One checked change as the first screen and recommendations.json carry it: the verdict, the
     realized saving with its interval, and what to do where the check could not decide."""
@@ -91,7 +104,12 @@ def realized_check(row: Mapping[str, Any], cpu_only: bool) -> dict[str, Any]:
     text = f"{fmt_pct(saving)} [{fmt_pct(low)}, {fmt_pct(high)}]"
     action = None
     if row["verdict"] == vd.UNDECIDED:
-        action = f"raise `{more_steps_setting(cpu_only)}` (more real steps)"
+        needed = steps_to_decide(row)
+        action = f"raise `{more_steps_setting(cpu_only)}` (more real steps" + (
+            f": about {needed} a configuration would decide it, {int(row['sampled_steps'])} now)"
+            if needed
+            else ")"
+        )
     elif row["verdict"] == vd.DISAGREES:
         action = "do not rely on the promise: see what differed"
     return {

@@ -311,7 +311,7 @@ def power_view(control: Any) -> dict[str, Any] | None:
         "seconds": finite(power.get("seconds_to_decide")),
         "target_pp": 100 * float(power.get("target_half_width") or 0.05),
         "key": power.get("key"),
-        "budget_s": finite(stopping.get("budget_s")),
+        "budget_s": finite(power.get("configured_budget_s", stopping.get("budget_s"))),
     }
 
 
