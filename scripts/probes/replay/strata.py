@@ -194,14 +194,14 @@ def affordable_changes(
     predicted: Mapping[str, float] | None = None,
     unit_seconds: Mapping[str, float] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """Before timing, from exact counts and the measured instrument: the changes the budget
-    can decide, the most promising first (the scaling fit's saving from each plan's exact
-    shapes, `predicted`, else its exact computed-token saving; step-level changes on the same
-    shapes after the batching changes predicted to save), each at the units its interval
-    needs (units_to_resolve) at `unit_seconds` (the scaling fit's), else priced by its tokens
-    from a measured unit; the rest, each with
-    what deciding it would take. A change whose exact token saving is below `width` / 2 and
-    which keeps the baseline's micro-batch count is never a batching win worth timing."""
+    """Before timing, from exact counts and the measured instrument: the changes whose first
+    round (`floor` units) the budget affords, the most promising first (the scaling fit's saving
+    from each plan's exact shapes, `predicted`, else its exact computed-token saving; step-level
+    changes on the same shapes after the batching changes predicted to save), a unit priced at
+    `unit_seconds` (the scaling fit's), else by its tokens from a measured unit; the rest, each
+    with what deciding it would take (units_to_resolve units). A change whose exact token saving
+    is below `width` / 2 and which keeps the baseline's micro-batch count is never a batching
+    win worth timing."""
     unit_s, unit_tokens = unit
     groups = dict(tuple(plans.groupby("strategy", sort=False)))
     base = groups[baseline]
@@ -209,11 +209,11 @@ def affordable_changes(
     need = units_to_resolve(cv, width, floor)
     base_tokens = float(base["computed_tokens"].sum())
 
-    def seconds(name: str) -> float:
+    def seconds(name: str, units: int) -> float:
         known = (unit_seconds or {}).get(name, math.nan)
         if not (math.isfinite(known) and known > 0):
             known = per_token * proxy_cost(groups[name], np.zeros(len(groups[name]), np.int64))[0]
-        return need * WARMED_UNIT * known
+        return units * WARMED_UNIT * known
 
     saving = {n: 1 - float(g["computed_tokens"].sum()) / base_tokens for n, g in groups.items()}
     promise = {
@@ -221,22 +221,26 @@ def affordable_changes(
         for n, v in saving.items()
     }
     order = sorted((n for n in groups if n != baseline), key=lambda n: -promise[n])
-    spent, kept, dropped = seconds(baseline), [baseline], {}
+    # a change is timed where its first round fits: the race then decides what it can, and the
+    # instrument's few repeats make `need` a rough guide (on the default run 3.6% in one run,
+    # 10.9% in the next: 4 units or 19)
+    spent, kept, dropped = seconds(baseline, floor), [baseline], {}
     for name in order:
-        cost = seconds(name)
+        cost = seconds(name, need)
+        first = seconds(name, floor)
         same_count = len(groups[name]) == len(base)
         if 0 < abs(saving[name]) < width / 2 and same_count:
             dropped[name] = (
                 f"not timed: its exact computed-token saving {saving[name]:.1%} is below what "
                 f"timing resolves on this device (±{width / 2:.0%})"
             )
-        elif spent + cost > budget_s:
+        elif spent + first > budget_s:
             dropped[name] = (
                 f"not timed: deciding it at ±{width / 2:.0%} would take about {cost:.2g} s of "
                 f"timing on this device ({need} units at a CV of {cv:.1%}); the budget "
                 f"({budget_s:.3g} s) went to the changes its exact counts promise more"
             )
         else:
-            spent += cost
+            spent += first
             kept.append(name)
     return kept, dropped

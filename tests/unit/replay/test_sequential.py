@@ -288,7 +288,7 @@ def test_the_budget_goes_to_the_changes_it_can_decide(plans):
         if (plans["strategy"] == n).sum() == (plans["strategy"] == pl.BASELINE).sum()
     }
     assert all("below what timing resolves" in why for why in everything[1].values())
-    kept, dropped = affordable_changes(plans, (1.0, tokens), 0.2, 0.2, 400.0, 4, pl.BASELINE)
+    kept, dropped = affordable_changes(plans, (1.0, tokens), 0.2, 0.2, 25.0, 4, pl.BASELINE)
     assert kept[0] == pl.BASELINE and 1 <= len(kept) < len(everything[0])
     timed_savings = [abs(saving[n]) for n in kept[1:]]
     assert all(abs(saving[n]) <= min(timed_savings) for n in dropped if n not in small)
