@@ -140,4 +140,4 @@ def test_an_example_config_is_merged_over_the_default_as_snakemake_does():
     assert example["model"]["config_path"].endswith("gemma-3-27b-it/config.json")
     assert example["data"] == default["data"]  # not in the example: the default's
     assert example["training"]["grad_accum"] == default["training"]["grad_accum"]
-    assert example["training"]["max_seq_len"] == 4096
+    assert example["training"]["max_seq_len"] == 16384  # the training shape the gate checks
