@@ -270,6 +270,24 @@ def test_invalid_packing_is_never_recommended(tmp_path):
     assert "**invalid here, do not apply**" in packing.split("###")[0]
 
 
+def test_a_change_the_budget_did_not_time_says_so_not_invalid(tmp_path):
+    reason = (
+        "not timed: deciding it at ±10% would take about 18 s of timing on this device (19 units "
+        "at a CV of 10.9%)"
+    )
+    nan = float("nan")
+    markdown = render_planted(
+        tmp_path,
+        packing={
+            "valid": False, "invalid_reason": reason, "rank": None, "tie_group": None,
+            "saving_vs_random": nan, "saving_ci_low": nan, "saving_ci_high": nan,
+        },
+    )  # fmt: skip
+    packing = section(markdown, "Apply it").split("Pack whole examples into 4096-token rows")[1]
+    first = packing.split("###")[0]
+    assert f"**{reason}**" in first and "invalid here" not in first
+
+
 def test_changed_optimizer_steps_are_said_next_to_the_saving(rendered):
     packing = next(r for r in summary_rows(rendered[0]) if "Pack whole" in r[1])
     # packing is planned at its pasted shape (tokens per update kept): 18 steps of ~0.8×
