@@ -156,20 +156,9 @@ def test_eager_only_model_is_reported_not_crashed():
 
 
 def test_multimodal_wrapper_with_token_type_ids_loses_the_full_layer_fast_path():
-    config = {
-        "model_type": "gemma3",
-        "text_config": {**GEMMA3},
-        "vision_config": {
-            "model_type": "siglip_vision_model",
-            "hidden_size": 32,
-            "intermediate_size": 32,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-            "image_size": 28,
-            "patch_size": 14,
-        },
-        "mm_tokens_per_image": 4,
-    }
+    from probes.mask.control import CONTROL_MULTIMODAL
+
+    config = {**CONTROL_MULTIMODAL, "text_config": {**GEMMA3}}  # the control's vision tower
     table, gate = run(config, scenarios=["train", "token_type_ids"])
     assert gate["passed"], gate["violations"]
     assert gate["model"]["traced_class"] == "Gemma3Model"
