@@ -81,8 +81,8 @@ def same_micro_batches(plan: pd.DataFrame, base: pd.DataFrame) -> bool:
     return ids == ([tuple(v) for v in base["example_ids"]] if "example_ids" in base else [])
 
 
-def build_design(plans: pd.DataFrame, n_strata: int, seed: int, pair: bool = True) -> Design:
-    """Strata and random orders per strategy; with `pair`, the strategies on the baseline's own
+def build_design(plans: pd.DataFrame, n_strata: int, seed: int) -> Design:
+    """Strata and random orders per strategy; the strategies on the baseline's own
     micro-batches share its strata and orders (paired)."""
     rng = np.random.default_rng(seed)
     frames, strata, bounds, orders, sizes, paired = {}, {}, {}, {}, {}, set()
@@ -91,7 +91,7 @@ def build_design(plans: pd.DataFrame, n_strata: int, seed: int, pair: bool = Tru
     base = base.reset_index(drop=True) if base is not None else None
     for name, group in groups.items():
         plan = group.reset_index(drop=True)
-        if pair and base is not None and name != pl.BASELINE and same_micro_batches(plan, base):
+        if base is not None and name != pl.BASELINE and same_micro_batches(plan, base):
             paired.add(name)
             continue
         stratum, bound, order = stratum_orders(plan, n_strata, rng)
