@@ -74,7 +74,7 @@ def build_trainer(settings: dict[str, Any]):
         # the loss on assistant turns comes from the dataset's assistant_masks column (TRL
         # builds labels from it; its assistant_only_loss flag is for untokenized conversations)
         assistant_only_loss=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,  # the current name (gradient_checkpointing deprecated)
         bf16=False,
         learning_rate=2e-4,
         report_to="none",

@@ -14,7 +14,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from probes.apply.libraries import HF_BATCH_REBALANCE, HF_GROUP_BY_LENGTH, sampling_kwargs
+from probes.apply.libraries import (
+    HF_BATCH_REBALANCE,
+    HF_GROUP_BY_LENGTH,
+    sampling_kwargs,
+    sft_current_names,
+)
 from probes.apply.snippets import call_text, config_snippets, snippet
 from probes.batching import orders
 from probes.contracts import BATCH_REBALANCE
@@ -56,8 +61,9 @@ class Baseline:
         }
 
     def sft_config(self) -> dict[str, Any]:
-        # SFTConfig's max_length defaults to 1024: state the run's own, or TRL truncates.
-        return {**self.training_arguments(), "max_length": self.max_seq_len}
+        # SFTConfig's max_length defaults to 1024: state the run's own, or TRL truncates; its
+        # checkpointing default under the current name (sft_current_names: no FutureWarning)
+        return {**self.training_arguments(), "max_length": self.max_seq_len, **sft_current_names()}
 
 
 def baseline_from(recommendation: Mapping[str, Any], training: Mapping[str, Any]) -> Baseline:

@@ -11,11 +11,15 @@ the constructed ``TrainingArguments``/``SFTConfig``.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 SAMPLING_FIELD = "train_sampling_strategy"  # transformers ≥ 5
 LEGACY_GROUP_FLAG = "group_by_length"  # transformers 4.x boolean
+CHECKPOINTING = "activation_checkpointing"  # transformers >= 5.25
+LEGACY_CHECKPOINTING = "gradient_checkpointing"  # its deprecated alias
+DEPRECATIONS = (FutureWarning, DeprecationWarning)  # what a pasted setting must not raise
 # Values of TrainingArguments.train_sampling_strategy (transformers' names, not the sweep's).
 HF_GROUP_BY_LENGTH = "group_by_length"
 HF_BATCH_REBALANCE = "batch_rebalance"
@@ -77,6 +81,25 @@ def installed_libraries() -> dict[str, Any]:
     return libraries
 
 
+def sft_current_names() -> dict[str, Any]:
+    """SFTConfig kwargs that keep a pasted SFTConfig off deprecated names: TRL (1.16) sets its
+    own ``gradient_checkpointing=True`` default, which transformers 5.25 resolves as the
+    deprecated alias with a FutureWarning on every construction; stating the current name
+    (``activation_checkpointing``) at TRL's own default changes nothing and warns nothing.
+    {} where the installed TrainingArguments has no new name or TRL sets no such default."""
+    try:
+        from transformers import TrainingArguments
+        from trl import SFTConfig
+    except ImportError:
+        return {}
+    ta = {f.name for f in dataclasses.fields(TrainingArguments)}
+    sft = {f.name: f for f in dataclasses.fields(SFTConfig)}
+    old = sft.get(LEGACY_CHECKPOINTING)
+    if CHECKPOINTING not in ta or old is None or old.default in (None, dataclasses.MISSING):
+        return {}
+    return {CHECKPOINTING: bool(old.default)}
+
+
 def sampling_kwargs(strategy: str, transformers_info: Mapping[str, Any]) -> dict[str, Any] | None:
     """TrainingArguments kwargs selecting a sampling strategy; None where the version lacks it."""
     field = transformers_info.get("sampling_field")
@@ -105,10 +128,12 @@ def _cuda_bf16() -> bool:
 def verify_snippet(snippet: Mapping[str, Any], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """Execute the snippet's imports and its ``args = ...`` line; read every kwarg back.
 
-    Checks what construction alone does not: a value outside a field's declared ``choices``
-    (TrainingArguments accepts ``train_sampling_strategy="bogus"`` silently). Without a CUDA
-    bf16 device, SFTConfig's default ``bf16=True`` refuses to construct, so the classes get
-    ``use_cpu=True`` added (said in the reason).
+    A FutureWarning/DeprecationWarning raised while constructing fails the check (the pasted
+    names must be the installed libraries' current ones). Checks what construction alone does
+    not: a value outside a field's declared ``choices`` (TrainingArguments accepts
+    ``train_sampling_strategy="bogus"`` silently). Without a CUDA bf16 device, SFTConfig's
+    default ``bf16=True`` refuses to construct, so the classes get ``use_cpu=True`` added (said
+    in the reason).
     """
     namespace: dict[str, Any] = {}
     note = ""
@@ -119,7 +144,11 @@ def verify_snippet(snippet: Mapping[str, Any], kwargs: Mapping[str, Any]) -> dic
             for name in ("TrainingArguments", "SFTConfig"):
                 if name in namespace:
                     namespace[name] = _with_use_cpu(namespace[name])
-        exec(snippet["args"], namespace)
+        with warnings.catch_warnings():
+            # a setting the installed library deprecates is not a current name: refused
+            for category in DEPRECATIONS:
+                warnings.simplefilter("error", category)
+            exec(snippet["args"], namespace)
     except Exception as error:  # any failure is the answer: report it, never crash the stage
         return {"verified": False, "reason": f"{type(error).__name__}: {error}"}
     args = namespace["args"]

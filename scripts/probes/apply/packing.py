@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from probes.apply.changes import Baseline, sweep_estimate, tokens_per_update_entry
+from probes.apply.libraries import sft_current_names
 from probes.apply.snippets import config_snippets
 from probes.batching.packing import packed_batch_shape
 
@@ -36,10 +37,11 @@ def packing_plan(base: Baseline, n_bins: int) -> dict[str, Any]:
 # bench/realized_vs_promised.py on CPU (float32), packing realized -29.5% with the checkpointing
 # default against +12.7% promised.
 SFT_DEFAULTS_CAVEAT = (
-    "SFTConfig defaults to gradient_checkpointing=True and bf16=True (TRL 1.16), unlike "
-    "TrainingArguments: set both to your run's values, or the step pays activation recomputation "
-    "(bench/realized_vs_promised.py, a small Llama on CPU: -29.5% realized against +12.7% "
-    "promised) besides the packing"
+    "SFTConfig defaults to checkpointing on (pasted as activation_checkpointing=True, the "
+    "current name of gradient_checkpointing) and bf16=True (TRL 1.16), unlike "
+    "TrainingArguments: set both to your run's values, or the step pays activation "
+    "recomputation (bench/realized_vs_promised.py, a small Llama on CPU: -29.5% realized against "
+    "+12.7% promised) besides the packing"
 )
 # TRL 1.16's SFTTrainer computes per-token entropy and top-1 accuracy in its loss and logs them
 # with a .item() each micro-batch, a cost no setting turns off and the replay (the user's
@@ -109,6 +111,7 @@ def packing_change(
         "max_length": base.max_seq_len,
         "per_device_train_batch_size": plan["per_device_train_batch_size"],
         "gradient_accumulation_steps": plan["gradient_accumulation_steps"],
+        **sft_current_names(),  # TRL's checkpointing default under its current name
     }
     random = recommendation.get("random") or {}
     return {

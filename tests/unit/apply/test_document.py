@@ -229,7 +229,7 @@ def test_no_loss_filter_keeps_examples_with_a_loss_token(document):
 
 def test_packing_says_sftconfig_defaults_are_not_the_trainers(document):
     caveat = changes_by_id(document)["packing"]["caveat"]
-    assert "gradient_checkpointing=True" in caveat and "bf16=True" in caveat
+    assert "activation_checkpointing=True" in caveat and "bf16=True" in caveat
     assert "entropy and token accuracy" in caveat  # TRL's own step cost, not promised
 
 
