@@ -283,7 +283,11 @@ def test_a_cpu_rehearsal_scales_lengths_and_keeps_the_datas_shape(examples):
     assert small.lengths.max() <= 64 and small.lengths.min() >= 1
     assert (small.loss_tokens <= small.lengths).all()
     assert ((small.loss_tokens > 0) == (examples.loss_tokens > 0)).all()
-    assert np.array_equal(small.lengths, np.ceil(examples.lengths / 4).astype(int))
+    expected = np.maximum(np.ceil(examples.lengths / 4), np.minimum(examples.lengths, 2))
+    assert np.array_equal(small.lengths, expected.astype(int))
+    # a row of one token predicts nothing: every example of two tokens or more keeps two
+    assert (small.lengths[examples.lengths >= 2] >= 2).all()
+    assert (pl.rehearsal_length([1, 2, 3, 64, 65, 4096], 64, 4096) == [1, 2, 2, 2, 2, 64]).all()
     real = pl.plan_summary(pl.build_plans(examples, MICRO, ACCUM, MAX_LEN, 8, seed=0))
     rehearsed = pl.plan_summary(pl.build_plans(small, MICRO, ACCUM, 64, 8, seed=0))
     real, rehearsed = real.set_index("strategy"), rehearsed.set_index("strategy")
