@@ -5,6 +5,7 @@ strategy, baseline first: ``REALIZED_COLUMNS``) with each change's verdict (prob
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from probes.realize import verdict as vd
 from probes.step.timing import OK
 
 REALIZED_COLUMNS = table_columns("realize_realized")
+LOG = logging.getLogger("probes.realize")
 
 
 def step_sizes(plan: pd.DataFrame) -> pd.Series:
@@ -27,10 +29,23 @@ def step_sizes(plan: pd.DataFrame) -> pd.Series:
 
 def step_auxiliaries(plans: pd.DataFrame, promises: pd.Series | None) -> dict[str, pd.Series]:
     """Per strategy, every optimizer step's auxiliary, indexed by step: the replay's promise for
-    its micro-batches (probes.realize.promise), or without one the step's size."""
+    its micro-batches (probes.realize.promise), or without one the step's size. A ratio
+    estimator divides by its auxiliary, so a strategy whose promise is not positive at every
+    step (the working model extrapolated below zero) takes its step sizes instead."""
     if promises is None:
         return {name: step_sizes(plan) for name, plan in plans.groupby("strategy")}
-    return {name: promises.xs(name, level="strategy") for name in plans["strategy"].unique()}
+    aux = {}
+    for name, plan in plans.groupby("strategy", sort=False):
+        promised = promises.xs(name, level="strategy")
+        if not (promised > 0).all():
+            LOG.warning(
+                "realize: %s: %d of %d steps promised no positive time; its step sizes are "
+                "the estimator's auxiliary instead", name, int((~(promised > 0)).sum()),
+                len(promised),
+            )  # fmt: skip
+            promised = step_sizes(plan)
+        aux[name] = promised
+    return aux
 
 
 def rest_of_step(ok: pd.DataFrame) -> pd.Series:

@@ -29,6 +29,14 @@ def step_promises(plans: pd.DataFrame, units: pd.DataFrame) -> pd.Series | None:
     micro = units[(units["status"] == OK) & (units["kind"] == MICRO_BATCH)]
     if micro.empty:
         return None
-    model, _ = fit_working_model(auxiliaries(micro), micro["time_s"].to_numpy(float))
-    per_micro_batch = pd.Series(model.predict(auxiliaries(plans)), index=plans.index)
+    timed = auxiliaries(micro)
+    model, _ = fit_working_model(timed, micro["time_s"].to_numpy(float))
+    every = auxiliaries(plans)
+    # a column the timed micro-batches never vary (each of them trains: has_loss is 1 like the
+    # intercept) is not identified: the minimum-norm fit splits the intercept over the two, so a
+    # micro-batch without a loss token would be promised half of it. Such a column is read at
+    # the one value the timings saw.
+    fixed = timed.min(axis=0) == timed.max(axis=0)
+    every[:, fixed] = timed[0, fixed]
+    per_micro_batch = pd.Series(model.predict(every), index=plans.index)
     return per_micro_batch.groupby([plans[k] for k in STEP_KEY]).sum()

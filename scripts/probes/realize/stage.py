@@ -31,7 +31,7 @@ from probes.errors import ControlFailedError, ProbeError
 from probes.io import read_parquet, run_metadata
 from probes.realize import verdict as vd
 from probes.realize.control import CONTROL_NAME, run_control
-from probes.realize.estimate import REALIZED_COLUMNS, realized_table, step_auxiliaries
+from probes.realize.estimate import REALIZED_COLUMNS, realized_table
 from probes.realize.promise import step_promises
 from probes.realize.steps import StepTimer
 from probes.realize.timing import STEP_COLUMNS, measure
@@ -194,9 +194,10 @@ def control_first(
     strategies: Sequence[str],
     settings: RealizeConfig,
     grad_accum: int,
-    promises: Any,
+    units: pd.DataFrame | None,
 ) -> dict[str, Any]:
-    """The positive control: no wall time, and a broken estimator must not cost a GPU run."""
+    """The positive control: no wall time, and a broken estimator must not cost a GPU run
+    (`units`: the replay's timed micro-batches, whose shapes its promise is refitted on)."""
     control = run_control(
         plans,
         strategies,
@@ -204,7 +205,7 @@ def control_first(
         settings.seed,
         int(grad_accum),
         settings.control_tolerance,
-        promises,
+        units,
     )
     LOG.info("control %s", "passed" if control["passed"] else "FAILED")
     if not control["passed"]:
@@ -251,6 +252,7 @@ class RealizeWork:
     plans: pd.DataFrame
     max_len: int
     promises: pd.Series | None
+    units: pd.DataFrame  # the replay's timed units, the promise's fit (the control refits it)
     sample_size: int
     budget_s: float
 
@@ -272,13 +274,15 @@ def plan_work(
         estimates, settings.cpu_max_changes if cpu_only else settings.max_changes
     )
     plans, max_len = device_plans(inputs, cfg, changes, cpu_only)
+    units = read_units(inputs["units"])
     work = RealizeWork(
         device=device,
         cpu_only=cpu_only,
         changes=changes,
         plans=plans,
         max_len=max_len,
-        promises=step_promises(plans, read_units(inputs["units"])),
+        promises=step_promises(plans, units),
+        units=units,
         sample_size=settings.cpu_sample_steps if cpu_only else settings.sample_steps,
         budget_s=settings.cpu_budget_s if cpu_only else 0.0,
     )
@@ -318,9 +322,9 @@ def time_steps(timer: StepTimer, work: RealizeWork, settings: RealizeConfig) -> 
         timer, work.plans, strategies, work.sample_size, settings.warmup, settings.seed,
         work.budget_s,
     )  # fmt: skip
-    aux = step_auxiliaries(work.plans[work.plans["strategy"].isin(strategies)], work.promises)
+    promised = work.promises if work.promises is not None else pd.Series(dtype=float)
     steps["promised_micro_batch_s"] = [
-        float(aux[s].loc[i]) if work.promises is not None else math.nan
+        float(promised.get((s, i), math.nan))
         for s, i in zip(steps["strategy"], steps["optimizer_step_index"], strict=True)
     ]
     return steps
@@ -373,7 +377,7 @@ def run_realize(
     work = plan_work(inputs, cfg, estimates)
     # the positive control first: no wall time, and a broken estimator must not cost a GPU run
     control = control_first(
-        work.plans, work.strategies, settings, cfg.training.grad_accum, work.promises
+        work.plans, work.strategies, settings, cfg.training.grad_accum, work.units
     )
     idle = check_idle_card(cfg.profile.idle, work.device, card_probe, sleep)
     timer, harness, dtype = load_timer(load, model_path, cfg, work)
