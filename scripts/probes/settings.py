@@ -199,6 +199,7 @@ class ReplayConfig:
     budget_s: float
     round_size: int
     instrument_repeats: int
+    reference_every: int
     plan_to_budget: bool
     decide_within: float
     max_width: float

@@ -294,7 +294,7 @@ TABLES: dict[str, TableSpec] = {
             "computed_tokens",
             "loss_tokens",
         ),
-        ("strategy", "gpu_busy_share"),
+        ("strategy", "gpu_busy_share", "raw_times_s"),
     ),
     # every configuration's full plan as the replay timed it (CPU: the rehearsal's lengths), each
     # micro-batch's stratum: with replay_steps (plan_row, stratum) a saving can be recomputed

@@ -153,8 +153,11 @@ def steps_table(
         {"kind": OPTIMIZER_STEP, "time_s": optimizer_times, "status": "OK"}
     )
     all_steps = pd.concat([steps, optimizer_rows, fit_points], ignore_index=True)
+    if "raw_times_s" not in all_steps:
+        all_steps["raw_times_s"] = all_steps["times_s"]
     for column in (
         "example_ids", "example_lengths", "example_loss_tokens", "documents_per_row", "times_s",
+        "raw_times_s",
     ):  # fmt: skip
         all_steps[column] = all_steps[column].map(
             lambda v: list(v) if isinstance(v, (list, np.ndarray)) else []

@@ -346,9 +346,11 @@ def retime(
         again, opt = run_sample(runner, steps.loc[labels], quiet)
         optimizer.extend(opt.tolist())
         for label in labels:
-            steps.at[label, "times_s"] = list(steps.at[label, "times_s"]) + list(
-                again.at[label, "times_s"]
-            )
+            for column in ("times_s", "raw_times_s"):
+                if column in again:
+                    steps.at[label, column] = list(steps.at[label, column]) + list(
+                        again.at[label, column]
+                    )
             if again.at[label, "status"] != OK:
                 steps.at[label, "status"] = again.at[label, "status"]
         counts = steps.loc[labels, "times_s"].map(len)

@@ -57,6 +57,8 @@ from probes.replay.sequential import (
 from probes.replay.step_changes import StepChanges, add_step_changes
 from probes.replay.strata import affordable_changes
 from probes.replay.timing import (
+    REFERENCE_RULE,
+    Reference,
     ReplayRunner,
     instrument_unit,
     measure_fit,
@@ -119,14 +121,17 @@ def measure_model(
         settings.bootstrap_resamples,
     )  # fmt: skip
     LOG.info("fit %s: a=%.3g b=%.3g c=%.3g", fit.fit.method, fit.fit.a, fit.fit.b, fit.fit.c)
+    reference = median_row(plan.plans, pl.BASELINE)
     instrument = measure_instrument(
-        runner,
-        median_row(plan.plans, pl.BASELINE),
-        int(replay_cfg.instrument_repeats),
-        max(settings.warmup, 1),
+        runner, reference, int(replay_cfg.instrument_repeats), max(settings.warmup, 1)
     )
     LOG.info("instrument CV %.3f over %d identical micro-batches", instrument["cv"],
              instrument["repeats"])  # fmt: skip
+    if int(replay_cfg.reference_every) > 0 and instrument["mean_s"] > 0:
+        runner.reference = Reference(
+            reference, float(instrument["mean_s"]), int(replay_cfg.reference_every)
+        )
+        instrument["reference"] = REFERENCE_RULE.format(every=int(replay_cfg.reference_every))
     return fit, fit_points, loss_share, instrument
 
 

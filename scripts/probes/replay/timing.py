@@ -98,6 +98,7 @@ class ReplayRunner:
         self.generator = torch.Generator().manual_seed(seed)
         self.shapes = ShapesRun()  # a shape's first run is warmed, never timed
         self.switch: Any = None  # probes.step.changes.StepSwitch, where changes are priced
+        self.reference: Reference | None = None  # timed beside the units (Reference)
 
     def configure(self, strategy: str | None) -> Any:
         """Set the step for `strategy` (its step-level change, else the base); returns it."""
@@ -191,6 +192,14 @@ class ReplayRunner:
     def time_optimizer_step(self) -> float:
         return wall_time(self._optimizer, self.device)
 
+    def time_reference(self) -> float:
+        """One timing of the reference micro-batch (the base step's; its shape ran already)."""
+        assert self.reference is not None
+        row = self.reference.row
+        self.configure(getattr(row, "strategy", None))
+        status, times = self.timed(self.micro_batch_call(row, self.device_batch(row)), 1)
+        return times[0] if status == OK and times else float("nan")
+
     def time_uniform(self, rows: int, length: int, loss_share: float) -> float:
         """One scaling-fit point: rows × length, the data's loss share; forward + backward only
         (its gradients are cleared by an untimed optimizer step); a new shape warmed first."""
@@ -205,6 +214,44 @@ class ReplayRunner:
         if self.device.type == "cuda":  # a gc pass costs ~0.4 s with the plans in memory
             release_memory(self.device)
         return times[-1] if status == OK else float("nan")
+
+
+REFERENCE_RULE = (
+    "the instrument's micro-batch timed again before every {every} units; each unit's time is "
+    "priced in the reference's seconds: x the instrument's mean / the mean of the reference "
+    "timings just before and after it (raw_times_s keeps the wall times)"
+)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The instrument's micro-batch, timed again before every `every` timed units: each unit is
+    priced in the reference's seconds (reference_factors), so what the machine does over a few
+    seconds (drift, another process's burst) cancels like a pair's noise. `mean_s`: the
+    instrument's mean of it."""
+
+    row: Any
+    mean_s: float
+    every: int
+
+
+def reference_factors(
+    positions: Sequence[int], marks: Sequence[tuple[int, float]], mean_s: float
+) -> np.ndarray:
+    """Per timing at `positions` (its place in the timed order), mean_s / the mean of the
+    reference timings just before and just after it (`marks`: (place, seconds), a reference at
+    place p timed before the unit at p); 1 where none could be timed."""
+    places = np.asarray([p for p, v in marks if math.isfinite(v) and v > 0], dtype=np.float64)
+    values = np.asarray([v for p, v in marks if math.isfinite(v) and v > 0], dtype=np.float64)
+    out = np.ones(len(positions), dtype=np.float64)
+    if not values.size or not (math.isfinite(mean_s) and mean_s > 0):
+        return out
+    for i, position in enumerate(positions):
+        before = np.flatnonzero(places <= position)
+        after = np.flatnonzero(places > position)
+        near = [values[j[k]] for j, k in ((before, -1), (after, 0)) if j.size]
+        out[i] = mean_s / float(np.mean(near))
+    return out
 
 
 @dataclass(frozen=True)
@@ -280,11 +327,15 @@ def _timed_rounds(
     from tqdm import tqdm
 
     times: list[list[float]] = [[] for _ in range(len(sample))]
+    places: list[list[int]] = [[] for _ in range(len(sample))]
+    marks: list[tuple[int, float]] = []  # (place, seconds) of each reference timing
     status = [OK] * len(sample)
     shares = [float("nan")] * len(sample)
     busy_done: dict[tuple[str, int], int] = {}
     optimizer_times = []
     rows = list(sample.itertuples())
+    reference = getattr(runner, "reference", None)
+    reference = reference if reference is not None and reference.every > 0 else None
     bar = tqdm(total=rounds * len(rows), desc="replay", disable=not progress)
     count = 0
     for round_ in range(rounds):
@@ -297,10 +348,13 @@ def _timed_rounds(
                 and runner.device.type == "cuda"
                 and busy_done.get(key, 0) < settings.busy_samples_per_stratum
             )
+            if reference is not None and count % reference.every == 0:
+                marks.append((count, runner.time_reference()))
             if status[i] == OK:
                 result = runner.time_micro_batch(row, busy=busy)
                 status[i] = result["status"]
                 times[i] += result["times_s"]
+                places[i] += [count] * len(result["times_s"])
                 if busy:
                     busy_done[key] = busy_done.get(key, 0) + 1
                     shares[i] = result["gpu_busy_share"]
@@ -309,14 +363,17 @@ def _timed_rounds(
             if count % settings.grad_accum == 0:
                 optimizer_times.append(runner.time_optimizer_step())
     bar.close()
+    if reference is not None:
+        marks.append((count, runner.time_reference()))
     if count % settings.grad_accum:
         optimizer_times.append(runner.time_optimizer_step())
     steps = sample.copy()
     steps["status"] = status
-    steps["times_s"] = times
+    steps["raw_times_s"] = times
+    steps["times_s"] = priced = in_reference_seconds(times, places, marks, reference)
     steps["time_s"] = [
         float(runner.reduce(t)) if s == OK and t else float("nan")
-        for t, s in zip(times, status, strict=True)
+        for t, s in zip(priced, status, strict=True)
     ]
     steps["timer"] = TIMER
     steps["gpu_busy_share"] = shares
@@ -324,6 +381,21 @@ def _timed_rounds(
     share = steps["gpu_busy_share"]
     steps["host_bound"] = (share < settings.host_bound_threshold).where(share.notna())
     return steps, np.asarray(optimizer_times, dtype=np.float64)
+
+
+def in_reference_seconds(
+    times: Sequence[Sequence[float]],
+    places: Sequence[Sequence[int]],
+    marks: Sequence[tuple[int, float]],
+    reference: Reference | None,
+) -> list[list[float]]:
+    """Each unit's timings in the reference's seconds (reference_factors); as timed where no
+    reference was."""
+    if reference is None:
+        return [list(t) for t in times]
+    flat = [p for unit in places for p in unit]
+    factors = iter(reference_factors(flat, marks, reference.mean_s).tolist())
+    return [[float(v) * next(factors) for v in unit] for unit in times]
 
 
 def measure_instrument(runner: ReplayRunner, row: Any, repeats: int, warmup: int) -> dict:
