@@ -167,12 +167,19 @@ def time_limit(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def last_frame(error: BaseException) -> str:
+def last_frame(error: BaseException, own_file: str = "") -> str:
+    """The traceback's last frame, and where it raised in the command's own file (`own_file`)
+    when that frame is in a library: the line the user can change."""
     frames = traceback.extract_tb(error.__traceback__)
     if not frames:
         return ""
     frame = frames[-1]
-    return f" (last frame: {frame.filename}:{frame.lineno} in {frame.name})"
+    said = f"last frame: {frame.filename}:{frame.lineno} in {frame.name}"
+    own = os.path.realpath(own_file) if own_file else None
+    mine = [f for f in frames if own and os.path.realpath(f.filename) == own]
+    if mine and mine[-1] is not frame:
+        said += f"; in the command's own {Path(own_file).name}: line {mine[-1].lineno}"
+    return f" ({said})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +291,7 @@ class Command:
             hint = "The probes run it offline: give local paths for the model and the data."
         elif re.search(r"cuda|gpu|device|nccl", str(error), re.IGNORECASE):
             hint = "It asked for a device the probes do not give it here; see docs/command.md."
-        return f"it raised {text}{last_frame(error)}. {hint}"
+        return f"it raised {text}{last_frame(error, self.source_file)}. {hint}"
 
     def run_entry(self) -> Any:
         from probes.step.intercept import run_entry_file, run_entry_module

@@ -210,9 +210,10 @@ def checked(trainer: Any, key: str, spec: str) -> Any:
             "the dataset you train on (the probes read its prepared rows)."
         )
     if tokenizer_of(trainer) is None:
+        collator = trainer.data_collator
         raise FactoryError(
             f"{key} '{spec}': the {type(trainer).__name__} has no processing_class and its "
-            f"collator {type(trainer.data_collator).__name__} no tokenizer; pass "
+            f"collator {getattr(collator, '__name__', type(collator).__name__)} no tokenizer; pass "
             "processing_class=tokenizer to the trainer (the probes read its vocabulary)."
         )
     return trainer

@@ -40,6 +40,9 @@ if cli.mode == "exit2":
     sys.exit(2)
 if cli.mode == "raise":
     raise ValueError("no such column 'prompt'")
+if cli.mode == "raise_in_library":
+    import json
+    json.loads("{not json")
 if cli.mode == "network":
     AutoModelForCausalLM.from_pretrained("some-org/a-model-not-here")
 if cli.mode == "device":
@@ -59,9 +62,11 @@ else:
     args = TrainingArguments(output_dir=cli.out, per_device_train_batch_size=2,
                              gradient_accumulation_steps=2, report_to="wandb", push_to_hub=True,
                              save_strategy="steps", save_steps=1, use_cpu=True)
-    trainer = Trainer(model=model, args=args, train_dataset=data,
-                      data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True),
-                      processing_class=None if cli.mode == "no_processing" else tokenizer)
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True)
+    if cli.mode == "no_tokenizer":
+        from transformers import default_data_collator as collator
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
+                      processing_class=None if cli.mode.startswith("no_") else tokenizer)
     if cli.mode == "twice":
         try:
             trainer.train()
@@ -158,6 +163,51 @@ def test_a_bad_command_is_one_error_naming_it(script, tmp_path, mode, said):
     assert not out.exists()
 
 
+def script_line(text: str) -> int:
+    """The line of SCRIPT (as written to train.py) that holds `text`."""
+    return next(i for i, line in enumerate(SCRIPT.split("\n"), 1) if text in line)
+
+
+def test_a_raising_command_names_its_last_frame_and_its_own_line(script, tmp_path):
+    argv, _ = command(script, "raise")
+    path = str(script[1])
+    with pytest.raises(CommandError) as caught:
+        Command.of(argv).build(settings(tmp_path))
+    line = script_line("raise ValueError")
+    assert f"(last frame: {path}:{line} in <module>)" in str(caught.value)
+    # raised inside a library: the library's frame, and the line of the command's own file
+    argv, _ = command(script, "raise_in_library")
+    with pytest.raises(CommandError) as caught:
+        Command.of(argv).build(settings(tmp_path))
+    message = str(caught.value)
+    assert "it raised JSONDecodeError" in message and "json" in message.split("last frame: ")[1]
+    assert f"in the command's own train.py: line {script_line('json.loads')}" in message
+
+
+def test_a_trainer_with_no_tokenizer_anywhere_is_named(script, tmp_path):
+    argv, _ = command(script, "no_tokenizer")
+    with pytest.raises(FactoryError) as caught:
+        Command.of(argv).build(settings(tmp_path))
+    message = str(caught.value)
+    assert message.startswith(f"trainer.command '{shown(argv)}': the Trainer has no ")
+    assert "collator default_data_collator no tokenizer" in message
+    assert "pass processing_class=tokenizer" in message
+
+
+def test_the_padding_stage_reads_the_vocabulary_through_the_collators_tokenizer(script):
+    from conftest import workflow_config
+    from probes.padding.stage import trainer_lengths
+
+    argv, _ = command(script, "no_processing")
+    cfg = workflow_config(
+        trainer={"command": argv, "factory": None},
+        training={"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 256},
+    )
+    lengths, tokenizer, _, provenance = trainer_lengths(cfg)
+    assert len(tokenizer) > 0 and len(lengths) == 12  # no len(None) on the way
+    assert provenance["trainer"]["collator"] == "DataCollatorForSeq2Seq"
+
+
 def test_accelerate_launch_runs_its_training_script_in_this_process(script, tmp_path):
     argv, out = command(script)
     launched = ["accelerate", "launch", "--num_processes", "1", *argv[1:]]
@@ -207,6 +257,21 @@ def test_the_shown_command_hides_secrets_and_shortens_paths():
     assert "hf_abcdefgh" not in text and "sk-live" not in text and "hf_secret" not in text
     assert "--api-key=***" in text and ".../gemma" in text and "/home/me" not in text
     assert "--lr 2e-4" in text
+
+
+def test_a_command_build_makes_one_trainer_folder_and_removes_it(script, tmp_path, monkeypatch):
+    import tempfile
+
+    cleanups = []
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(src.atexit, "register", lambda fn, *a, **k: cleanups.append((fn, a, k)))
+    argv, _ = command(script)
+    trainer = Command.of(argv).build(settings(tmp_path, output_dir=src.output_dir()))
+    folders = list(tmp_path.glob(f"{src.OUTPUT_PREFIX}*"))
+    assert [trainer.args.output_dir] == [str(f) for f in folders] and len(cleanups) == 1
+    for fn, args, kwargs in cleanups:  # what the process runs at its exit
+        fn(*args, **kwargs)
+    assert not list(tmp_path.glob(f"{src.OUTPUT_PREFIX}*"))
 
 
 def test_a_build_leaves_no_trainer_folder_behind(tmp_path):
