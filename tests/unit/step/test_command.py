@@ -17,7 +17,7 @@ from trainer_factories import write_factory
 from conftest import chat_rows, write_jsonl
 from probes.step import source as src
 from probes.step.command import Command, CommandError, shown
-from probes.step.factory import FactoryError, tokenizer_of
+from probes.step.factory import MODEL_KEYS, FactoryError, tokenizer_of
 from probes.step.trainer import load_trainer_step, probe_settings
 
 # a user's script: code at top level, argparse, a plain Trainer, train(), then what a run does
@@ -308,6 +308,41 @@ def test_the_shipped_top_level_script_is_probed_unmodified(script, tmp_path):
     assert max(len(r) for r in step.trainer.train_dataset["input_ids"]) <= 64
     assert torch.isfinite(step.forward_backward(step.collate(["0", "1", "2"], packed=False)))
     assert not user_out.exists()  # its save_model() after train() never ran
+
+
+def emitted_settings() -> dict[str, dict]:
+    """Each change recommendations.json can emit (probes.apply: batching, step-level, combined)
+    as the settings a plain Trainer's command is built with: its TrainingArguments fields and
+    the model's from_pretrained keys; one change per distinct set."""
+    from unit.apply.test_current_names import every_change
+
+    found: dict[str, dict] = {}
+    for change in every_change():
+        if change.get("training_arguments") is None:  # TRL's only (packing), or not applicable
+            assert change["id"] in ("packing", "drop_no_loss_examples"), change["id"]
+            continue
+        model = (change.get("sft_config") or {}).get("model_init_kwargs") or {}
+        wanted = {**change["training_arguments"], **model}
+        if wanted not in found.values():
+            found[change["id"]] = wanted
+    return found
+
+
+def test_every_emitted_changes_settings_reach_the_trainer_the_script_builds(script, tmp_path):
+    directory, _, model, data = script
+    example = Path(__file__).resolve().parents[3] / "examples" / "train_script.py"
+    argv = [sys.executable, str(example), "--model", str(model), "--data", str(data)]
+    argv += ["--output_dir", str(directory / "emitted-out"), "--max_length", "64"]
+    changes = emitted_settings()
+    assert {"micro_batch_size_4", "attention_eager", "gradient_checkpointing_on"} <= set(changes)
+    for name, wanted in changes.items():
+        trainer = Command.of(argv).build(settings(tmp_path / name, **wanted))
+        for key, value in wanted.items():
+            if key in MODEL_KEYS:
+                assert getattr(trainer.model.config, f"_{key}") == value, (name, key)
+            else:
+                assert getattr(trainer.args, key) == value, (name, key)
+    assert not (directory / "emitted-out").exists()
 
 
 def test_a_tokenizers_fingerprint_is_its_content_while_intercepted(tiny_model_dir):
