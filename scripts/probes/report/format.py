@@ -122,6 +122,15 @@ def label(value: Any, limit: int = 40) -> str:
     return cell(text if len(text) <= limit else text[: limit - 1] + "…")
 
 
+def listed(titles: Any, instead: str, limit: int = 3) -> str:
+    """Up to `limit` titles as "A, B and C"; more than that, `instead` (a sentence naming more
+    than three changes is one a reader cannot take in: probes.report.lint)."""
+    names = [cell(t) for t in titles or ()]
+    if len(names) > limit:
+        return instead
+    return " and ".join(filter(None, (", ".join(names[:-1]), names[-1]))) if names else ""
+
+
 FILTERS = {
     "seconds": fmt_seconds,
     "bytes": fmt_bytes,
@@ -134,4 +143,5 @@ FILTERS = {
     "value": fmt_value,
     "cell": cell,
     "label": label,
+    "listed": listed,
 }

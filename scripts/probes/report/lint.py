@@ -9,7 +9,10 @@
   whose cell count differs from its header's; a sub-row (a "↳" check, a "**total**" row, an
   italic "_N more_" row) may leave cells empty;
 - a heading not followed by its finding: the first thing under every heading is a sentence of
-  prose (not a table, list, figure, code block or "Source:" line).
+  prose (not a table, list, figure, code block or "Source:" line);
+- a sentence that lists more than MAX_CHANGES_IN_A_SENTENCE changes: a reader cannot take in a
+  run-on list; the first screen's table lists them, one a row. The changes are the titles in
+  the "change" column of the report's first table and the "### N. title" headings of Apply it.
 
 ``glued_by_block_tags(template)`` checks the template itself, on every branch at once: a line of
 text that ends in a block tag loses its newline (the report renders with ``trim_blocks``), so the
@@ -146,6 +149,57 @@ def glued_by_block_tags(template: str) -> list[str]:
     return out
 
 
+MAX_CHANGES_IN_A_SENTENCE = 3
+# a sentence ends at . ! or ? before a space and a capital (or a bold label), or at the line's end
+SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=\**[A-Z])")
+APPLY_HEADING = re.compile(r"^###\s+\d+\.\s+(.+?)\s*$")
+
+
+def change_titles(lines: list[str]) -> set[str]:
+    """The changes a report names: the "change" column of its first table with that column (the
+    first screen's) and the numbered "### N. title" headings (Apply it)."""
+    titles = {heading[1] for heading in map(APPLY_HEADING.match, lines) if heading}
+    for number, line in enumerate(lines):
+        if not line.startswith("|") or (number and lines[number - 1].startswith("|")):
+            continue  # not a table's header row
+        header = _cells(line)
+        if "change" not in header:
+            continue
+        column = header.index("change")
+        for row in lines[number + 2 :]:
+            if not row.startswith("|"):
+                break
+            cells = _cells(row)
+            if len(cells) == len(header):
+                titles.add(cells[column].strip("*").replace("\\|", "|"))
+        break  # the first screen's table names every change
+    return {title for title in titles if title}
+
+
+def crowded_sentences(lines: list[str]) -> list[str]:
+    """Sentences outside tables, headings and code that name more than
+    MAX_CHANGES_IN_A_SENTENCE distinct changes (a title inside a longer one counts once)."""
+    titles = sorted(change_titles(lines), key=len, reverse=True)
+    out, fenced = [], False
+    for number, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not titles or line.startswith(("|", "#", "```")):
+            continue
+        for sentence in SENTENCE_END.split(line):
+            named, rest = [], sentence
+            for title in titles:
+                if title in rest:
+                    named.append(title)
+                    rest = rest.replace(title, "\0")
+            if len(named) > MAX_CHANGES_IN_A_SENTENCE:
+                out.append(
+                    f"line {number}: a sentence lists {len(named)} changes (at most "
+                    f"{MAX_CHANGES_IN_A_SENTENCE}): put them in a table, one a row"
+                )
+    return out
+
+
 def problems(markdown: str) -> list[str]:
     """Everything a reader would trip over, with line numbers; [] for a clean report."""
     lines = markdown.splitlines()
@@ -154,4 +208,5 @@ def problems(markdown: str) -> list[str]:
         + glued_paragraphs(lines)
         + table_cells(lines)
         + headings_without_finding(lines)
+        + crowded_sentences(lines)
     )

@@ -72,10 +72,10 @@ def build_context(
     realize = realize_section(tables, jsons, not_run)
     memory = memory_table(inputs)
     return {
-        # the first screen: the device, one verdict row per recommended change
+        # the first screen: one row per change the replay's table holds, the device under it
         "device": device_line(scaling, summary["measured"], realize, timed_step(inputs)),
         "verdicts": {
-            **verdicts_section(summary["measured"], realize, memory, recommendations_document),
+            **verdicts_section(summary["measured"], realize, memory, summary["memory"]),
             "memory_target": memory_target(jsons, not_run),
         },
         "summary": summary,

@@ -11,35 +11,61 @@ import pytest
 
 from probes.contracts import table_columns
 from probes.report import lint
-from probes.report.sections.verdicts import memory_check, timed_step, verdicts_section
+from probes.report.sections.apply import caveat_clauses, share_caveats
+from probes.report.sections.verdicts import (
+    memory_check,
+    not_timed_word,
+    timed_step,
+    verdicts_section,
+)
 from probes.report.stage import DEFAULT_TEMPLATE
+
+from .renders import EXTRA_CHANGES
 
 # the fixture reports are rendered once (conftest.report_run, per process): every test that
 # reads them on one worker, test_report.py's too
 pytestmark = pytest.mark.xdist_group("report_renders")
 
-VERDICT_HEADER = "| # | change | settings | measured saving [95%] | realized | memory | next |"
+VERDICT_HEADER = "| # | change | measured saving [95%] | decision | realized | memory |"
+SEPARATOR = "|---|---|---|---|---|---|"
+RUNS = (
+    "default",
+    "profile not run",
+    "cpu",
+    "disagrees",
+    "undecided",
+    "none faster",
+    "many changes",
+)
 
 
 @pytest.fixture(scope="module")
 def reports(report_run) -> dict[str, tuple[str, dict]]:
     """Each kind of run's markdown and recommendations.json (conftest.report_run renders)."""
     out = {}
-    for name in ("default", "profile not run", "cpu", "disagrees", "undecided", "none faster"):
+    for name in RUNS:
         markdown, path = report_run(name)
         out[name] = (markdown, json.loads((path.parent / "recommendations.json").read_text()))
     return out
 
 
-def _first_screen(markdown: str, lines: int = 40) -> str:
-    return "\n".join(markdown.splitlines()[:lines])
+def _first_screen(markdown: str) -> str:
+    """From the top down to the first "## " heading after the Summary's."""
+    top, _, rest = markdown.partition("\n## Summary\n")
+    return top + "\n## Summary\n" + rest.split("\n## ")[0] + "\n"
 
 
 def _verdict_rows(markdown: str) -> list[list[str]]:
+    """The first screen's table rows (rank, change, saving, decision, realized, memory)."""
     screen = _first_screen(markdown)
     assert VERDICT_HEADER in screen
-    rows = [line for line in screen.splitlines() if re.match(r"^\| \d", line)]
+    rows = [line for line in screen.splitlines() if re.match(r"^\| (\d|—)", line)]
     return [[c.strip() for c in line.strip("|").split(" | ")] for line in rows]
+
+
+def _row(markdown: str, title: str) -> list[str]:
+    (row,) = [r for r in _verdict_rows(markdown) if r[1].startswith(f"**{title}")]
+    return row
 
 
 # ------------------------------------------------------------------------------------------
@@ -47,25 +73,65 @@ def _verdict_rows(markdown: str) -> list[list[str]]:
 # ------------------------------------------------------------------------------------------
 
 
-def test_the_first_40_lines_hold_every_recommended_change_with_its_verdicts(reports):
+def test_the_first_screen_is_one_table_of_every_change_in_40_lines(reports):
     markdown, document = reports["default"]
-    rows = _verdict_rows(markdown)
-    recommended = [c for c in document["changes"] if c["recommended"]]
-    assert len(rows) == len(recommended) == 1
-    rank, title, settings, saving, realized, memory, action = rows[0]
-    assert rank == "1" and title == "**Pack whole examples into 4,096-token rows**"
-    assert (
-        settings
-        == "`SFTConfig(packing=True, packing_strategy='bfd', gradient_accumulation_steps=1)`"
-    )
-    assert re.fullmatch(r"\d+\.\d% \[\d+\.\d%, \d+\.\d%\]", saving)
-    assert re.fullmatch(r"agrees: \d+\.\d% \[\d+\.\d%, \d+\.\d%\]", realized)
-    assert memory == "not predicted" and action == "apply it"
     screen = _first_screen(markdown)
-    assert "Measured on **NVIDIA H200**" in screen
+    assert len(screen.splitlines()) <= 40 and screen.count(VERDICT_HEADER) == 1
+    # one table: no other table, and at most five lines under it
+    assert [line for line in screen.splitlines() if line.startswith("|---")] == [SEPARATOR]
+    under = screen.split(VERDICT_HEADER)[1].split("\n\n", 2)[2]
+    assert len([line for line in under.splitlines() if line.strip()]) <= 5
+    rows = _verdict_rows(markdown)
+    # every strategy the replay's table holds, the baseline among them, then the CE chunking
+    assert len(rows) == 8 and rows[-1][1] == "**Chunk the cross-entropy: 819 tokens a chunk**"
+    rank, title, saving, decision, realized, memory = rows[0]
+    assert rank == "1" and title == "**Pack whole examples into 4,096-token rows**"
+    assert re.fullmatch(r"\d+\.\d% \[\d+\.\d%, \d+\.\d%\]", saving)
+    assert decision == "faster" and memory == "not predicted"
+    assert re.fullmatch(r"agrees: \d+\.\d% \[\d+\.\d%, \d+\.\d%\]", realized)
+    # the tie with the baseline shares one rank
+    tied = [r for r in rows if r[0] == "2"]
+    assert len(tied) == 5 and "**Random batches (the baseline)**" in [r[1] for r in tied]
+    assert {r[3] for r in tied} == {"tie", "baseline"}
+    assert _row(markdown, "Pad each batch")[3] == "faster than padding to max_seq_len"
+    assert rows[-1][3] == "not timed here (saves loss memory, 20.00 GiB, not time)"
+    recommended = [c["title"] for c in document["changes"] if c["recommended"]]
+    assert len(recommended) == 1
+    assert "Measured on **NVIDIA H200**" in screen and "- Mask gate: **passed**" in screen
     assert "(#how-these-numbers-were-measured)" in screen and "(#promised-vs-realized)" in screen
+    assert "not run: **data_parallel** (world_size 1)" in screen
     # nothing on it needs the method: the estimator is explained at the end
     assert "GREG" not in screen and "GREG" in markdown.split("## How these numbers were")[1]
+
+
+def test_the_table_lists_whatever_changes_the_replay_holds(reports):
+    """New rows of the replay's table (timed, slower, left out by the budget) each get a row
+    with their decision; the screen still fits in 40 lines and lints clean."""
+    markdown, _ = reports["many changes"]
+    screen = _first_screen(markdown)
+    assert len(screen.splitlines()) <= 40 and lint.problems(markdown) == []
+    decisions = {r[1].strip("*"): r[3] for r in _verdict_rows(markdown)}
+    assert len(decisions) == 8 + len(EXTRA_CHANGES)
+    assert decisions["knob_fast"] == "faster; check it: raise `realize.max_changes`"
+    assert decisions["knob_tie"] == "tie"
+    assert decisions["knob_slow"] == "slower"
+    assert decisions["knob_over_budget"] == (
+        "not timed here (the budget: about 3.83 min more would decide it)"
+    )
+    assert decisions["knob_below_resolution"] == (
+        "not timed here (exact token saving 0.4%, below the ±5% timing resolves)"
+    )
+    assert "2 of the 8 changes timed are measured faster than random batches" in screen
+
+
+def test_a_reason_the_replay_did_not_time_a_change_is_said_briefly():
+    assert not_timed_word(None) == "not timed here (no reason recorded)"
+    assert not_timed_word("not timed: the card was busy; more text") == (
+        "not timed here (the card was busy)"
+    )
+    long = "gate.json: the mask gate's packed scenario has 3 violation(s)"
+    assert not_timed_word(long) == "not valid here (gate.json)"
+    assert len(not_timed_word("not timed: " + "x" * 200)) < 80
 
 
 def test_cpu_only_says_so_in_one_line(reports):
@@ -77,13 +143,13 @@ def test_cpu_only_says_so_in_one_line(reports):
 
 def test_undecided_names_the_next_action(reports):
     markdown, _ = reports["undecided"]
-    (row,) = _verdict_rows(markdown)
+    row = _row(markdown, "Pack whole examples")
     assert row[4].startswith("**undecided**: ")
     assert re.fullmatch(
-        r"raise `realize.sample_steps` \(more real steps: about \d+ a configuration would "
-        r"decide it, \d+ now\)",
-        row[6],
-    ), row[6]
+        r"faster; raise `realize.sample_steps` \(more real steps: about \d+ a configuration "
+        r"would decide it, \d+ now\)",
+        row[3],
+    ), row[3]
 
 
 def test_without_a_replay_the_first_screen_says_why(reports):
@@ -114,7 +180,9 @@ def test_when_nothing_is_faster_the_first_screen_says_so(reports):
     # it stopped on its budget: the screen names the key that buys narrower intervals
     assert "stopped on its budget after 44 micro-batches (59.5 s of 60 s)" in screen
     assert "raise `replay.budget_s` for narrower intervals" in screen
-    assert VERDICT_HEADER not in screen and "- Measured, not recommended: " in screen
+    # the table still lists every change, each a tie
+    assert VERDICT_HEADER in screen and "Measured, not recommended" not in screen
+    assert {r[3] for r in _verdict_rows(markdown) if r[0] == "1"} == {"tie"}
     assert not any(c["recommended"] for c in document["changes"])
 
 
@@ -150,7 +218,8 @@ def test_a_change_that_does_not_fit_is_not_to_be_applied():
                 "saving_low": 0.2,
                 "saving_high": 0.4,
             }
-        ]
+        ],
+        "not_recommended": [],
     }
     memory = pd.DataFrame(
         {
@@ -162,11 +231,10 @@ def test_a_change_that_does_not_fit_is_not_to_be_applied():
         }
     )
     realize = {"status": "ok", "by_strategy": {}}
-    (row,) = verdicts_section(measured, realize, memory, None)["rows"]
+    (row,) = verdicts_section(measured, realize, memory)["rows"]
     assert row["memory"] == "**does not fit** (peak 150.0 GiB)"
-    assert row["next"].startswith("do not apply") and row["realized"] == "not checked"
-    assert row["saving"] == "30.0% [20.0%, 40.0%]"
-    assert row["settings"] == "no trainer setting in Apply it"
+    assert row["decision"] == "faster; do not apply as it is: it does not fit the target GPU"
+    assert row["realized"] == "not checked" and row["saving"] == "30.0% [20.0%, 40.0%]"
 
 
 # ------------------------------------------------------------------------------------------
@@ -180,7 +248,7 @@ def test_the_same_word_in_the_summary_the_evidence_and_the_json(reports, run, wo
     packing = next(c for c in document["changes"] if c["id"] == "packing")
     assert packing["realized"]["verdict"] == word
     assert set(document["realized_rule"].split()) >= {"agrees:", "disagrees:", "undecided:"}
-    (row,) = _verdict_rows(markdown)
+    row = _row(markdown, "Pack whole examples")
     assert row[4].strip("*").startswith(word)
     realized = markdown.split("## Promised vs realized")[1].split("\n## ")[0]
     assert f"| {word} |" in realized or f"| **{word}** |" in realized
@@ -290,31 +358,69 @@ def test_fixture_columns_cover_the_memory_table_when_the_contract_has_it():
 
 
 def test_a_step_level_or_combined_change_shows_its_settings():
-    from probes.report.sections.verdicts import NO_SETTING, change_settings
+    from probes.apply.document import settings_line
 
     baseline = {"training_arguments": {"per_device_train_batch_size": 2}}
-    document = {
-        "baseline": baseline,
-        "changes": [
-            {
-                "id": "micro_batch_size_4",
-                "step_level": True,
-                "applies": True,
-                "training_arguments": {"per_device_train_batch_size": 4},
-            },
-            {
-                "id": "length_grouped+micro_batch_size_4",
-                "step_level": True,
-                "combined_of": ["length_grouped", "micro_batch_size_4"],
-                "applies": True,
-                "training_arguments": {"per_device_train_batch_size": 4, "group_by_length": True},
-            },
-        ],
+    single = {
+        "id": "micro_batch_size_4",
+        "step_level": True,
+        "applies": True,
+        "training_arguments": {"per_device_train_batch_size": 4},
     }
-    settings = change_settings(document)
-    assert "per_device_train_batch_size=4" in settings["micro_batch_size_4"]
-    assert "group_by_length=True" in settings["length_grouped+micro_batch_size_4"]
-    assert NO_SETTING not in settings.values()
+    combined = {
+        "id": "length_grouped+micro_batch_size_4",
+        "step_level": True,
+        "combined_of": ["length_grouped", "micro_batch_size_4"],
+        "applies": True,
+        "training_arguments": {"per_device_train_batch_size": 4, "group_by_length": True},
+    }
+    assert "per_device_train_batch_size=4" in settings_line(single, baseline)
+    assert "group_by_length=True" in settings_line(combined, baseline)
+
+
+def test_a_sentence_listing_more_than_three_changes_fails_the_lint(reports):
+    markdown, _ = reports["default"]
+    assert lint.problems(markdown) == []
+    titles = [
+        "Sort the whole dataset by length (one bucket)",
+        "transformers' built-in group_by_length",
+        "Group batches by length: buckets of 4 micro-batches",
+        "Pack whole examples into 4,096-token rows",
+    ]
+    planted = f"- Measured, not recommended: {'; '.join(titles)}.\n"
+    crowded = markdown.replace("\n## Apply it\n", f"\n{planted}\n## Apply it\n")
+    assert [p for p in lint.problems(crowded) if "lists 4 changes" in p]
+    # three are allowed; a title inside a longer one counts once
+    three = markdown.replace("\n## Apply it\n", f"\nOnly {', '.join(titles[:3])}.\n\n## Apply it\n")
+    assert lint.problems(three) == []
+
+
+def test_a_caveat_several_changes_share_is_written_once():
+    step = "a step-level change: measured on the baseline's micro-batches"
+    free = "TRL refuses padding_free=True beside a max_length (unless packing; see TRL)"
+    changes = [
+        {"caveat": "needs varlen attention (dense cost; see the mask gate); examples vary"},
+        {"caveat": f"{step}; {free}"},
+        {"caveat": step},
+        {"caveat": f"{step}; {free}; drops no example"},
+    ]
+    assert caveat_clauses(changes[0]["caveat"]) == [
+        "needs varlen attention (dense cost; see the mask gate)",
+        "examples vary",
+    ]
+    share_caveats(changes)
+    assert changes[0]["caveats"] == caveat_clauses(changes[0]["caveat"])
+    assert changes[0]["shared_caveats"] == []
+    first = changes[1]["shared_caveats"]
+    assert [(c["label"], c["here"], c["others"]) for c in first] == [
+        ("A", True, [3, 4]),
+        ("B", True, [4]),
+    ]
+    assert changes[3]["caveats"] == ["drops no example"]
+    assert [(c["label"], c["here"], c["first"]) for c in changes[3]["shared_caveats"]] == [
+        ("A", False, 2),
+        ("B", False, 2),
+    ]
 
 
 def test_the_provenance_names_the_timed_trainer_or_harness():

@@ -38,6 +38,7 @@ def apply_section(
             skipped.append({"id": change.get("id"), "reason": stage_text(change.get("reason"))})
             continue
         changes.append(change_entry(change, tables, not_run))
+    share_caveats(changes)
     baseline = document.get("baseline") or {}
     return {
         "status": "ok",
@@ -116,3 +117,42 @@ def memory_text(memory: Mapping[str, Any] | None) -> str:
     if verdict == "does not fit" and peak is not None:
         return f"**does not fit** (peak {peak:.1f} GiB): do not apply it as it is"
     return verdict
+
+
+def caveat_clauses(caveat: Any) -> list[str]:
+    """A change's caveat (recommendations.json: clauses joined by "; ") as its clauses; a "; "
+    inside parentheses stays in its clause."""
+    clauses, depth, start, text = [], 0, 0, str(caveat or "")
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0 and text.startswith("; ", i):
+            clauses.append(text[start:i])
+            start = i + 2
+    clauses.append(text[start:])
+    return [c.strip() for c in clauses if c.strip()]
+
+
+def share_caveats(changes: list[dict[str, Any]]) -> None:
+    """Each caveat once: a clause several changes carry is written in full under the first of
+    them, labelled A, B, ..., and the others refer to it by label and change number (1-based, as
+    Apply it numbers them). Sets `caveats` (own clauses) and `shared_caveats` on each entry."""
+    holders: dict[str, list[int]] = {}
+    clauses = [caveat_clauses(entry.get("caveat")) for entry in changes]
+    for number, own in enumerate(clauses, 1):
+        for clause in dict.fromkeys(own):
+            holders.setdefault(clause, []).append(number)
+    shared = [clause for clause, numbers in holders.items() if len(numbers) > 1]
+    labels = {clause: chr(ord("A") + i % 26) * (1 + i // 26) for i, clause in enumerate(shared)}
+    for number, (entry, own) in enumerate(zip(changes, clauses, strict=True), 1):
+        entry["caveats"] = [c for c in own if c not in labels]
+        entry["shared_caveats"] = [
+            {
+                "label": labels[clause],
+                "text": clause,
+                "here": holders[clause][0] == number,
+                "first": holders[clause][0],
+                "others": [n for n in holders[clause] if n != number],
+            }
+            for clause in dict.fromkeys(own)
+            if clause in labels
+        ]

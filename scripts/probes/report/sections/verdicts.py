@@ -1,27 +1,26 @@
-"""The report's first screen: one verdict table that answers on its own.
+"""The report's first screen: one table that answers on its own.
 
-One row per recommended change (measured faster than random batches), in the Summary's order
-(``probes.report.sections.replay.measured_changes``): the change in words, its settings in one line
-(``probes.apply.document.settings_line``, from recommendations.json), the measured saving with its
-95% interval, the realize check's three-way verdict with the realized saving
-(``probes.report.sections.realize``), the memory verdict (``results/memory/changes.parquet``
-when the memory stage ran, else "not predicted") and the next action where the answer is not
-settled. Then
-the device line (and whether the figures transfer), ties and disagreements, a sentence each.
-Nothing here needs the method to be understood.
+One row per change the replay's table holds (``results/profile/replay.parquet``, read through
+``probes.report.sections.replay.measured_changes``), in its order: rank (a tie shares it), then
+measured saving. Each row: the change in words, the measured saving with its 95% interval, the
+decision (faster / slower / tie / not timed here, and why briefly), the realize check's three-way
+verdict (``probes.report.sections.realize``) and the memory verdict
+(``results/memory/changes.parquet`` when the memory stage ran, else "not predicted"). A change
+that saves memory rather than time (the CE chunking) closes the table. Under it the template
+writes at most five lines: the device and what was timed, the power line, the mask gate and the
+controls. Settings and caveats are in "Apply it"; nothing here needs the method.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import pandas as pd
 
-from probes.apply.document import settings_line
 from probes.realize import verdict as vd
-from probes.report.format import finite, fmt_pct
-from probes.report.sections.replay import CHANGE_STRATEGY
+from probes.report.format import finite, fmt_bytes, fmt_count, fmt_pct, fmt_seconds
 from probes.report.sections.shared import timed_parts
 
 # the memory stage's table (probes.memory): key in the report's inputs, and its verdict words
@@ -29,8 +28,6 @@ MEMORY_TABLE = "memory_changes"
 FITS, DOES_NOT_FIT, UNKNOWN = "fits", "does not fit", "unknown"
 NOT_PREDICTED = "not predicted"
 NOT_CHECKED = "not checked"
-# a measured strategy that no recommendations.json change expresses (a global sort)
-NO_SETTING = "no trainer setting in Apply it"
 
 
 def memory_table(inputs: Mapping[str, Any]) -> pd.DataFrame | None:
@@ -89,60 +86,128 @@ def next_action(
     return "apply it"
 
 
-def change_settings(document: Mapping[str, Any] | None) -> dict[str, str]:
-    """Replayed strategy -> the settings of the recommendations.json change that measured it."""
-    if not document:
-        return {}
-    baseline = document.get("baseline") or {}
-    out = {}
-    for change in document.get("changes") or []:
-        strategy = CHANGE_STRATEGY.get(str(change.get("id")))
-        if strategy is None and change.get("step_level"):
-            strategy = str(change.get("id"))  # a step-level (or combined) change is its strategy
-        if strategy and change.get("applies"):
-            out[strategy] = settings_line(change, baseline)
-    return out
-
-
 def verdicts_section(
     measured: Mapping[str, Any] | None,
     realize: Mapping[str, Any],
     memory: pd.DataFrame | None,
-    document: Mapping[str, Any] | None,
+    memory_only: list[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The first screen's rows: every change the measurement recommends (faster than random),
-    in the Summary's order; the measured changes it does not recommend, in words."""
+    """The first screen's table: every change the replay's table holds, in its order (rank, then
+    measured saving; a tie shares its rank), the baseline among them; then the changes it did not
+    time; then the changes that save memory rather than time (`memory_only`, the CE chunking)."""
+    memory_predicted = memory is not None
     if not measured:
-        return {"rows": [], "not_recommended": [], "memory_predicted": memory is not None}
-    settings = change_settings(document)
+        return {
+            "rows": [],
+            "memory_predicted": memory_predicted,
+            "faster": 0,
+            "timed": 0,
+            "best": None,
+        }
     realize_ok = realize.get("status") == "ok"
     checked = realize.get("by_strategy") or {}
-    more_changes = "realize.cpu_max_changes" if realize.get("cpu_only") else "realize.max_changes"
-    rows, others = [], []
+    more = "realize.cpu_max_changes" if realize.get("cpu_only") else "realize.max_changes"
+    rows = []
     for entry in measured["rows"]:
-        strategy = entry["strategy"]
-        if entry["baseline"] or entry["versus"] != "random batches":
-            continue
-        if entry["verdict"] != "faster":
-            others.append({"title": entry["title"], "why": entry["verdict"]})
-            continue
-        realized = checked.get(strategy)
-        mem = memory_check(memory, strategy)
+        baseline = bool(entry["baseline"])
+        realized, mem = checked.get(entry["strategy"]), memory_check(memory, entry["strategy"])
+        decision = decision_word(entry)
+        action = next_action(realized, mem, realize_ok, more) if decision == "faster" else None
         rows.append(
             {
-                "strategy": strategy,
-                "rank": entry["rank"],
-                "tied": entry["tied"],
+                "strategy": entry["strategy"],
+                "rank": "—" if entry["rank"] is None else fmt_count(entry["rank"]),
                 "title": entry["title"],
-                "settings": settings.get(strategy) or NO_SETTING,
-                "saving": f"{fmt_pct(entry['saving'])} "
-                f"[{fmt_pct(entry['saving_low'])}, {fmt_pct(entry['saving_high'])}]",
-                "realized": realized_text(realized, realize),
+                "saving": "0% (baseline)" if baseline else saving_text(entry),
+                # a settled faster change needs no next step; an unsettled one says which
+                "decision": decision if action in (None, "apply it") else f"{decision}; {action}",
+                "realized": "—" if baseline else realized_text(realized, realize),
                 "memory": mem["text"],
-                "next": next_action(realized, mem, realize_ok, more_changes) or "—",
             }
         )
-    return {"rows": rows, "not_recommended": others, "memory_predicted": memory is not None}
+    for entry in measured["not_recommended"]:
+        rows.append(
+            {
+                "strategy": entry["strategy"],
+                "rank": "—",
+                "title": entry["title"],
+                "saving": "—",
+                "decision": not_timed_word(entry.get("reason")),
+                "realized": NOT_CHECKED if realize_ok else "not run",
+                "memory": memory_check(memory, entry["strategy"])["text"],
+            }
+        )
+    rows += [memory_only_row(rec) for rec in memory_only or []]
+    timed = [r for r in measured["rows"] if not r["baseline"] and r["versus"] == "random batches"]
+    return {
+        "rows": rows,
+        "memory_predicted": memory_predicted,
+        "faster": sum(r["verdict"] == "faster" for r in timed),
+        "best": next((r["title"] for r in timed if r["verdict"] == "faster"), None),
+        "timed": len(timed),
+    }
+
+
+def memory_only_row(rec: Mapping[str, Any]) -> dict[str, Any]:
+    """A change that saves memory rather than time (probes.report.findings.ce_chunk_finding):
+    the replay does not time it, so its row says what it saves instead."""
+    saved = fmt_bytes(rec.get("memory_before"))
+    if rec.get("memory_after") is not None:
+        saved += f" → {fmt_bytes(rec['memory_after'])}"
+    return {
+        "strategy": None,
+        "rank": "—",
+        "title": rec["title"],
+        "saving": "—",
+        "decision": f"not timed here (saves loss memory, {saved}, not time)",
+        "realized": "—",
+        "memory": "—",
+    }
+
+
+def saving_text(entry: Mapping[str, Any]) -> str:
+    """The measured saving with its 95% interval, or "not measured"."""
+    if entry.get("saving") is None:
+        return "not measured"
+    low, high = fmt_pct(entry["saving_low"]), fmt_pct(entry["saving_high"])
+    return f"{fmt_pct(entry['saving'])} [{low}, {high}]"
+
+
+def decision_word(entry: Mapping[str, Any]) -> str:
+    """faster / slower / tie (its interval includes 0) for a change measured against random
+    batches; a saving against another baseline (padding to max_seq_len) says which."""
+    verdict = str(entry["verdict"])
+    if entry["baseline"]:
+        return "baseline"
+    if verdict == "not measured":
+        return "not timed here (no interval)"
+    word = "faster" if verdict == "faster" else "slower" if verdict.startswith("slower") else "tie"
+    if entry.get("versus") != "random batches":
+        return f"{word} than {entry['versus']}"
+    return word
+
+
+# the replay's reasons for a change it left out (probes.replay.strata.affordable_changes), briefly
+_BELOW_RESOLUTION = re.compile(r"saving (-?[\d.]+%) is below what timing resolves.*\(±([\d.]+%)\)")
+_BUDGET = re.compile(r"would take about ([\d.e+]+) s")
+
+
+def not_timed_word(reason: Any) -> str:
+    """The decision of a change the replay left out, "not timed here (why, briefly)", from its
+    invalid_reason: a change its budget
+    left out, one whose exact saving is below what timing resolves, or another reason cut to
+    its first clause (the full text is under the change in Apply it)."""
+    text = str(reason or "").strip()
+    below, budget = _BELOW_RESOLUTION.search(text), _BUDGET.search(text)
+    if below:
+        why = f"exact token saving {below[1]}, below the ±{below[2]} timing resolves"
+    elif budget:
+        why = f"the budget: about {fmt_seconds(float(budget[1]))} more would decide it"
+    else:
+        why = re.split(r"[;:(]", text.removeprefix("not timed:").strip(), maxsplit=1)[0].strip()
+        why = (why[:57] + "…" if len(why) > 58 else why) or "no reason recorded"
+    timed = text.startswith("not timed") or not text
+    return f"{'not timed' if timed else 'not valid'} here ({why})"
 
 
 def realized_text(realized: Mapping[str, Any] | None, realize: Mapping[str, Any]) -> str:
