@@ -412,7 +412,9 @@ def drop_no_loss_change(no_loss_examples: int | None, base: Baseline) -> dict[st
 
 
 # SFTConfig fields a step-level change may set that TrainingArguments lacks
-SFT_ONLY_SETTINGS = ("max_length",)
+SFT_ONLY_SETTINGS = ("max_length", "loss_type")
+# ...of which these have no TrainingArguments counterpart at all (no Trainer snippet)
+SFT_ONLY_CHANGES = ("loss_type",)
 STEP_LEVEL_CAVEAT = (
     "a step-level change: measured on the baseline's micro-batches with the step set as the "
     "trainer sets it"
@@ -446,7 +448,11 @@ def step_level_changes(
         drop = settings.pop("drop_no_loss_examples", False)  # a data step, not a field
         sft_flat, trainer_lines, flat_imports = padding_free.pasted(flat, PLAIN_TRAINER_LINES)
         sft_only = {k: settings.pop(k) for k in SFT_ONLY_SETTINGS if k in settings}
-        ta = {**base.training_arguments(), **settings}
+        ta = (
+            None
+            if set(sft_only) & set(SFT_ONLY_CHANGES)
+            else {**base.training_arguments(), **settings}
+        )
         sft = {**base.sft_config(), **settings, **sft_only, **sft_flat}
         model_line = [f"# profile.harness_options: {harness!r}"] if harness else []
         if attention:
@@ -461,7 +467,8 @@ def step_level_changes(
                 "applies": True,
                 "step_level": True,
                 "title": str(change.get("title") or change["strategy"]),
-                "expressible_in_training_arguments": not (attention or harness or flat),
+                "expressible_in_training_arguments": bool(ta)
+                and not (attention or harness or flat),
                 "how": str(change.get("title") or change["strategy"]),
                 "training_arguments": ta,
                 "sft_config": sft,

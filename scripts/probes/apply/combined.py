@@ -78,6 +78,12 @@ def combined_change(
     for library, key in KWARG_KEYS.items():
         if batching.get(key) is None:
             continue
+        if any(s.get(key) is None for s in steps):  # a part this library cannot express
+            entry[key] = None
+            entry["snippets"] = {
+                k: v for k, v in (entry.get("snippets") or {}).items() if k != library
+            }
+            continue
         kwargs = dict(batching[key])
         for step in steps:
             kwargs.update(own_settings(step, key, baseline.get(key) or {}))

@@ -94,14 +94,17 @@ def step_collator_leak(step: Any, rows: pd.DataFrame) -> str | None:
 
 
 def not_measured(step: Any, cpu_only: bool) -> dict[str, str]:
-    """What the replay does not price, with why: what this device cannot run, and the loss
-    kernels the loaded step cannot be set to (probes.step.loss_changes)."""
+    """What the replay does not price, with why: what this device cannot run, the loss
+    kernels the loaded step cannot be set to (probes.step.loss_changes), and a trainer's
+    installed ``optim`` alternatives (probes.step.optim)."""
     from probes.step import changes as sc
     from probes.step.loss_changes import unpriced_losses
+    from probes.step.optim import unpriced_optims
 
     device_type = "cpu" if cpu_only else "cuda"
     return {
         **unpriced_losses(step, device_type),
+        **unpriced_optims(getattr(step, "trainer", None)),
         **{name: GPU_ONLY for name in sc.gpu_only(device_type)},
     }
 

@@ -18,7 +18,9 @@ GPU_ONLY_ATTENTION = ("flash_attention_2", "flex_attention")
 class StepConfig:
     gradient_checkpointing: bool
     attn_implementation: str
-    loss: str | None = None  # the harness's loss kernel (None: not a setting of this step)
+    loss: str | None = None  # the harness's loss kernel or TRL's loss_type (None: not a setting)
+    # the trainer's dataloader workers (None: not a setting of this step, the harness path)
+    dataloader_num_workers: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

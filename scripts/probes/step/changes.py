@@ -16,7 +16,11 @@ step with one setting changed, applied the way the trainer applies it:
 - the loss kernel (stock vs chunked) where the harness's ``configure`` sets it
   (probes.step.loss_changes, which also says why a trainer's is not priced);
 - padding-free per attention implementation, only where the mask gate keeps documents apart
-  (probes.step.padding_free).
+  (probes.step.padding_free);
+- a trainer's dataloader workers (``dataloader_num_workers`` 0 -> ``DATALOADER_WORKERS``): its
+  loop then fetches and collates in worker processes, so a timed micro-batch leaves the
+  collation out (probes.replay.timing: ``collates_in_loop``); what it does not price is the
+  workers' contention for the cores the step runs on (a CPU run) and their start-up.
 
 Each carries the settings it pastes (TrainingArguments / SFTConfig fields, model kwargs).
 """
@@ -41,6 +45,10 @@ from probes.step.change_types import (
 GC_ON, GC_OFF = "gradient_checkpointing_on", "gradient_checkpointing_off"
 ATTENTION_PREFIX = "attention_"
 MICRO_BATCH_PREFIX = "micro_batch_size_"
+WORKERS_PREFIX = "dataloader_workers_"
+# workers priced against none: collation off the step needs one; a second keeps up with a step
+# shorter than two collations (cruijff_kit#514 measured 0 -> 2 workers, -6% an epoch)
+DATALOADER_WORKERS = 2
 # the key a trainer's recorded step (config_record) goes under in a stage's provenance
 RECORD_KEY = "step_config"
 
@@ -66,12 +74,18 @@ def is_checkpointing(base: Any) -> bool:
 
 
 def current_config(model: Any, args: Any = None) -> StepConfig:
-    """The step as the model (and the trainer's args) are set now."""
+    """The step as the model (and the trainer's args: its loss_type, its dataloader workers)
+    are set now."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     gc = is_checkpointing(base)
     if args is not None and getattr(args, checkpointing_field(), False):
         gc = True
-    return StepConfig(gc, str(getattr(base.config, "_attn_implementation", None) or "eager"))
+    from probes.step.loss_changes import args_loss
+
+    workers = getattr(args, "dataloader_num_workers", None)  # None: no trainer loop to set
+    loss = None if args is None else args_loss(args)  # a TRL SFTConfig's loss_type
+    attention = str(getattr(base.config, "_attn_implementation", None) or "eager")
+    return StepConfig(gc, attention, loss, None if workers is None else int(workers))
 
 
 def config_record(model: Any, args: Any = None) -> dict[str, Any]:
@@ -128,7 +142,24 @@ def step_changes(base: StepConfig, micro: int, grad_accum: int) -> list[StepChan
         changes
         + loss_changes.loss_step_changes(base)
         + padding_free.padding_free_changes(base, PORTABLE_ATTENTION)
+        + workers_changes(base)
     )
+
+
+def workers_changes(base: StepConfig) -> list[StepChange]:
+    """Dataloader workers where the trainer's loop collates in its own process (0 workers);
+    none on the harness path (its step builds its micro-batches: not a setting)."""
+    if base.dataloader_num_workers != 0:
+        return []
+    n = DATALOADER_WORKERS
+    return [
+        StepChange(
+            f"{WORKERS_PREFIX}{n}",
+            f"dataloader_num_workers {n} (fetch and collate beside the step)",
+            dataclasses.replace(base, dataloader_num_workers=n),
+            {"dataloader_num_workers": n},
+        )
+    ]
 
 
 def gpu_only(device_type: str) -> list[str]:
@@ -186,6 +217,8 @@ def apply_config(model: Any, config: StepConfig, args: Any = None) -> None:
             base.gradient_checkpointing_disable()
     if args is not None:  # the trainer's own loop (realize) keeps the setting
         setattr(args, checkpointing_field(), config.gradient_checkpointing)
+        if config.dataloader_num_workers is not None:  # TrainerStep.collates_in_loop reads it
+            args.dataloader_num_workers = config.dataloader_num_workers
     current = getattr(base.config, "_attn_implementation", None)
     if current != config.attn_implementation:
         base.set_attn_implementation(config.attn_implementation)
@@ -219,6 +252,8 @@ def title_of(name: str) -> str | None:
     if name.startswith(MICRO_BATCH_PREFIX):
         size = name[len(MICRO_BATCH_PREFIX) :]
         return f"Micro-batch size {size} at the same tokens per update"
+    if name.startswith(WORKERS_PREFIX):
+        return f"Fetch and collate in {name[len(WORKERS_PREFIX) :]} dataloader workers"
     from probes.step import loss_changes, padding_free
 
     return loss_changes.title_of(name) or padding_free.title_of(name)
@@ -229,7 +264,7 @@ def is_step_change(name: str) -> bool:
     from probes.step.padding_free import PADDING_FREE_PREFIX
 
     return name in (GC_ON, GC_OFF) or name.startswith(
-        (ATTENTION_PREFIX, MICRO_BATCH_PREFIX, LOSS_PREFIX, PADDING_FREE_PREFIX)
+        (ATTENTION_PREFIX, MICRO_BATCH_PREFIX, LOSS_PREFIX, PADDING_FREE_PREFIX, WORKERS_PREFIX)
     )
 
 

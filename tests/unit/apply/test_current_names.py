@@ -29,10 +29,9 @@ def every_change() -> list[dict[str, Any]]:
     document = apply.recommendations_document(recommendation, TRAINING, verify=False)
     base = baseline_from(recommendation, TRAINING)
     changes = list(document["changes"])
-    for checkpointing in (False, True):
-        priced = step_changes(
-            StepConfig(checkpointing, "sdpa"), base.micro_batch_size, base.grad_accum
-        )
+    # a harness's step, and a trainer's (TRL's loss_type, its dataloader workers)
+    for config in (StepConfig(False, "sdpa"), StepConfig(True, "sdpa", "nll", 0)):
+        priced = step_changes(config, base.micro_batch_size, base.grad_accum)
         provenance = [
             {"strategy": c.strategy, "title": c.title, "settings": c.settings} for c in priced
         ]
@@ -45,6 +44,8 @@ def every_change() -> list[dict[str, Any]]:
         document["baseline"],
     )
     assert combined is not None
+    ids = {c["id"] for c in changes}
+    assert {"loss_dft", "dataloader_workers_2", "gradient_checkpointing_off"} <= ids
     return [*changes, combined]
 
 

@@ -180,3 +180,30 @@ def test_the_harness_option_pastes_as_the_harness_option():
     stock = next(c for c in priced if c.strategy == "loss_stock")
     rh.configure(stock.settings["harness_options"])  # what it names, the harness takes
     assert rh.OPTIONS[rh.LOSS_OPTION] == rh.STOCK
+
+
+def test_trls_loss_types_are_the_ones_its_step_computes():
+    types = lc.trl_loss_types()
+    assert types[0] == "nll" and "dft" in types  # the default first
+    assert "chunked_nll" not in types  # listed by SFTConfig, refused by SFTTrainer (TRL 1.16)
+    changes = lc.loss_step_changes(sc.StepConfig(False, "sdpa", "nll", 0))
+    assert [c.strategy for c in changes] == ["loss_dft"]
+    assert changes[0].settings == {"loss_type": "dft"} and changes[0].config.loss == "dft"
+    assert sc.is_step_change("loss_dft") and "Dynamic Fine-Tuning" in sc.title_of("loss_dft")
+    # an SFTConfig's loss_type is the step's loss; a plain TrainingArguments has none
+    assert lc.args_loss(trl.SFTConfig(output_dir="x", use_cpu=True, loss_type="dft")) == "dft"
+    assert lc.args_loss(SimpleNamespace()) is None
+
+
+def test_trls_loss_type_pastes_as_an_sftconfig_field_only():
+    from probes.apply.changes import Baseline, step_level_changes
+
+    base = Baseline(2, 8, 4096, 100, 40_000, 900)
+    priced = lc.loss_step_changes(sc.StepConfig(False, "sdpa", "nll", 0))
+    provenance = [
+        {"strategy": c.strategy, "title": c.title, "settings": c.settings} for c in priced
+    ]
+    (change,) = step_level_changes(provenance, base)
+    assert change["training_arguments"] is None and "transformers" not in change["snippets"]
+    assert not change["expressible_in_training_arguments"]
+    assert trl.SFTConfig(output_dir="x", use_cpu=True, **change["sft_config"]).loss_type == "dft"

@@ -220,7 +220,8 @@ def test_a_step_level_change_is_set_the_way_the_trainer_sets_it_and_kept_by_its_
     step = _step(factory_dir, "sft")
     training = workflow_config(training={"micro_batch_size": MICRO, "grad_accum": 2}).training
     switch = step_switch(step, [sc.GC_ON, "attention_eager", pl.LENGTH_GROUPED], training)
-    assert switch.base == sc.StepConfig(False, "sdpa")
+    # TRL's loss_type and the loop's dataloader workers are settings of a trainer's step
+    assert switch.base == sc.StepConfig(False, "sdpa", "nll", dataloader_num_workers=0)
     timer = StepTimer(step, 0, 0, 0)
     timer.switch = switch
     base = step.model.get_base_model()
@@ -285,7 +286,9 @@ def test_the_builtin_group_by_length_plan_is_that_trainers_sampler(factory_dir):
     assert ours == [int(i) for i in theirs]
 
 
-@pytest.mark.parametrize("strategy", ["gradient_checkpointing_on", "attention_eager"])
+@pytest.mark.parametrize(
+    "strategy", ["gradient_checkpointing_on", "attention_eager", "dataloader_workers_2"]
+)
 def test_a_switched_step_is_the_trainer_its_change_pastes(factory_dir, strategy):
     """replay and realize switch a step-level change on the loaded trainer (StepSwitch) rather
     than building a second one: the switched trainer must be the one the factory builds from the
@@ -336,3 +339,51 @@ def test_the_padding_stage_records_the_step_the_replay_switches_from(factory_dir
     recorded = from_record(source["trainer"][RECORD_KEY])
     base = StepSwitch(_step(factory_dir, "sft")).base
     assert recorded == dataclasses.replace(base, loss=recorded.loss)
+
+
+def test_trls_loss_type_is_switched_on_the_trainers_args_as_its_setting_builds_it(factory_dir):
+    """loss_dft is priced by setting the loaded SFTTrainer's args.loss_type (its compute_loss
+    reads it every call): the same loss as the trainer built with loss_type='dft', and not the
+    nll loss it had."""
+    from probes.step.changes import StepSwitch, step_changes
+
+    switched = _step(factory_dir, "sft")
+    switch = StepSwitch(switched)
+    assert switch.base.loss == "nll"
+    change = next(c for c in step_changes(switch.base, MICRO, 2) if c.strategy == "loss_dft")
+    assert change.settings == {"loss_type": "dft"}
+    batch = switched.collate(["0", "1"], False)
+    nll = switched.forward_backward(dict(batch))
+    switch.configs = {change.strategy: change.config}
+    switch.set(change.strategy)
+    assert switched.trainer.args.loss_type == "dft"
+    directory, model_dir, data = factory_dir
+    spec = write_factory(directory, model_dir, data, "sft", micro=MICRO)
+    settings = probe_settings(
+        str(directory / "out"), torch.device("cpu"), torch.float32, None, 0, change.settings
+    )
+    rebuilt = load_trainer_step(spec, settings)
+    rebuilt.model.load_state_dict(switched.model.state_dict())
+    dft = [step.forward_backward(dict(batch)) for step in (switched, rebuilt)]
+    assert torch.allclose(dft[0], dft[1], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(dft[0], nll)  # a different objective: the switch took effect
+    switch.set(None)
+    assert switched.trainer.args.loss_type == "nll"
+
+
+def test_dataloader_workers_take_the_collation_off_the_timed_micro_batch(factory_dir):
+    """dataloader_workers_2 is priced by the trainer's args: its loop then collates in workers,
+    so the replay's timed micro-batch leaves the collation out (collates_in_loop)."""
+    from probes.step.changes import StepSwitch, step_changes
+
+    step = _step(factory_dir, "sft")
+    switch = StepSwitch(step)
+    assert switch.base.dataloader_num_workers == 0 and step.collates_in_loop
+    change = next(
+        c for c in step_changes(switch.base, MICRO, 2) if c.strategy == "dataloader_workers_2"
+    )
+    switch.configs = {change.strategy: change.config}
+    switch.set(change.strategy)
+    assert step.trainer.args.dataloader_num_workers == 2 and not step.collates_in_loop
+    switch.set(None)
+    assert step.trainer.args.dataloader_num_workers == 0 and step.collates_in_loop
