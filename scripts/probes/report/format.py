@@ -26,7 +26,8 @@ def finite(value: Any) -> float | None:
 
 
 def fmt_seconds(value: Any) -> str:
-    """Seconds with a unit that keeps 3 significant digits: 850 µs, 12.3 ms, 1.52 s, 3.4 min."""
+    """Seconds with a unit that keeps 3 significant digits: 850 µs, 12.3 ms, 1.52 s, 3.4 min,
+    44.7 h."""
     x = finite(value)
     if x is None:
         return MISSING
@@ -39,7 +40,9 @@ def fmt_seconds(value: Any) -> str:
         return f"{x * 1e3:.3g} ms"
     if size < 120:
         return f"{x:.3g} s"
-    return f"{x / 60:.3g} min"
+    if size < 2 * 3600:
+        return f"{x / 60:.3g} min"
+    return f"{x / 3600:.3g} h"  # a power line's timing to decide can run to days
 
 
 def fmt_bytes(value: Any) -> str:

@@ -500,6 +500,7 @@ def test_failed_render_leaves_no_output(tmp_path):
         (fmt.fmt_seconds, 4.2e-5, "42 µs"),
         (fmt.fmt_seconds, 1.5, "1.5 s"),
         (fmt.fmt_seconds, 600, "10 min"),
+        (fmt.fmt_seconds, 160_800, "44.7 h"),
         (fmt.fmt_seconds, float("nan"), "—"),
         (fmt.fmt_bytes, 1.5 * 2**30, "1.50 GiB"),
         (fmt.fmt_bytes, 512, "512 B"),
