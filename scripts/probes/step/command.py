@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import os
@@ -79,7 +80,10 @@ def python_entry(rest: Sequence[str]) -> Entry | None:
     return None
 
 
+@functools.cache
 def console_script(name: str) -> importlib.metadata.EntryPoint | None:
+    """The installed console script `name` (what a shell would run). Once per process: each
+    lookup scans every installed distribution's metadata, and a build asks three times."""
     found = importlib.metadata.entry_points(group="console_scripts", name=name)
     return next(iter(found), None)
 

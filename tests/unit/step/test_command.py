@@ -319,7 +319,7 @@ def emitted_settings() -> dict[str, dict]:
     found: dict[str, dict] = {}
     for change in every_change():
         if change.get("training_arguments") is None:  # TRL's only (packing), or not applicable
-            assert change["id"] in ("packing", "drop_no_loss_examples"), change["id"]
+            assert change.get("sft_config") or not change.get("applies"), change["id"]
             continue
         model = (change.get("sft_config") or {}).get("model_init_kwargs") or {}
         wanted = {**change["training_arguments"], **model}
