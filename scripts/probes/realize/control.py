@@ -7,11 +7,11 @@ Costs no wall time beyond building the sampled batches: it runs before the weigh
 
 The estimator's auxiliary is what the replay would have promised for this cost
 (``control_promises``): the stage's own promise (probes.realize.promise.step_promises) refitted
-on the micro-batches the replay timed, each at its known cost. The replay's real promise
-follows the real step, not this cost: on a change with other shapes per step (micro-batch size 4:
-twice the rows, half the micro-batches at equal tokens per update) the ratio of the synthetic
-cost to it varied so much from step to step that 16 to 64 sampled steps missed the exact epoch
-by 5 to 15%, a failure of the pairing, not of the stage.
+on the micro-batches the replay timed, each at its known cost. Paired with the replay's real
+promise, which follows the real step and not this cost, the ratio estimator's error measured how
+far the two costs differ in shape from step to step, not the stage: on a plain script's plans,
+micro_batch_size_4 (twice the rows, half the micro-batches per step at equal tokens per update)
+missed its exact epoch by 5 to 15% with 16 to 64 sampled steps.
 """
 
 from __future__ import annotations
@@ -91,12 +91,12 @@ def virtual_runner(
 
 
 def control_promises(
-    plans: pd.DataFrame, units: pd.DataFrame | None, cost: SyntheticCost | None
+    plans: pd.DataFrame, units: pd.DataFrame | None, cost: SyntheticCost
 ) -> pd.Series | None:
     """Every step's promise at `cost`: the replay's timed micro-batches (`units`, its steps
     table) each at its known cost, refitted and summed per step by the stage's own
     step_promises; None (the stage's step sizes) where the replay timed no micro-batch."""
-    if units is None or cost is None:
+    if units is None:
         return None
     micro = units[(units["kind"] == MICRO_BATCH) & (units["status"] == OK)]
     if micro.empty:

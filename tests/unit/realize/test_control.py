@@ -73,7 +73,8 @@ def test_control_promise_is_the_known_cost_of_every_step(plans):
 
 def test_without_replay_units_the_promise_is_the_step_size(plans):
     assert ct.control_promises(plans, None, ct.SyntheticCost.scaled_to(plans)) is None
-    assert ct.control_promises(plans, replay_units(plans).iloc[-2:], None) is None
+    optimizer_only = replay_units(plans).iloc[-2:]
+    assert ct.control_promises(plans, optimizer_only, ct.SyntheticCost.scaled_to(plans)) is None
 
 
 def test_a_broken_estimator_fails_the_control(plans, monkeypatch):
