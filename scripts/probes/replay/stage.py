@@ -261,6 +261,8 @@ def run_replay(
     cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
     cv_df = max(instrument["repeats"] - 1.0, 1.0)
     unit = instrument_unit(instrument)
+    if runner.reference is not None:  # each unit's share of the reference timings beside it
+        unit = (unit[0] + runner.reference.mean_s / runner.reference.every, unit[1])
     invalid = dict(invalid)  # time_plans adds the changes the budget cannot decide
     pricing = FitPricing(fit.fit, plan.micro, fit.low, fit.high)
     design, sequential = time_plans(
