@@ -13,6 +13,7 @@ from probes.contracts import table_columns
 from probes.report import lint
 from probes.report.sections.apply import caveat_clauses, share_caveats
 from probes.report.sections.verdicts import (
+    decision_word,
     memory_check,
     not_timed_word,
     timed_step,
@@ -89,10 +90,11 @@ def test_the_first_screen_is_one_table_of_every_change_in_40_lines(reports):
     assert re.fullmatch(r"\d+\.\d% \[\d+\.\d%, \d+\.\d%\]", saving)
     assert decision == "faster" and memory == "not predicted"
     assert re.fullmatch(r"agrees: \d+\.\d% \[\d+\.\d%, \d+\.\d%\]", realized)
-    # the tie with the baseline shares one rank
-    tied = [r for r in rows if r[0] == "2"]
-    assert len(tied) == 5 and "**Random batches (the baseline)**" in [r[1] for r in tied]
-    assert {r[3] for r in tied} == {"tie", "baseline"}
+    # a tie shares one rank, its rows side by side; the baseline is ranked among them
+    ranks = [r[0] for r in rows if r[0] != "—"]
+    assert ranks == sorted(ranks, key=int) and len(set(ranks)) < len(ranks)
+    baseline = _row(markdown, "Random batches (the baseline)")
+    assert baseline[3] == "baseline" and baseline[0] in ranks
     assert _row(markdown, "Pad each batch")[3] == "faster than padding to max_seq_len"
     assert rows[-1][3] == "not timed here (saves loss memory, 20.00 GiB, not time)"
     recommended = [c["title"] for c in document["changes"] if c["recommended"]]
@@ -121,7 +123,23 @@ def test_the_table_lists_whatever_changes_the_replay_holds(reports):
     assert decisions["knob_below_resolution"] == (
         "not timed here (exact token saving 0.4%, below the ±5% timing resolves)"
     )
-    assert "2 of the 8 changes timed are measured faster than random batches" in screen
+    faster = [
+        r for r in _verdict_rows(markdown) if r[3].startswith("faster") and "than" not in r[3]
+    ]
+    timed = [r for r in _verdict_rows(markdown) if r[0] != "—" and r[3] != "baseline"]
+    assert f"{len(faster)} of the {len(timed)} changes timed are measured faster" in screen
+
+
+def test_the_decision_words():
+    entry = {"baseline": False, "versus": "random batches"}
+    assert decision_word({**entry, "verdict": "faster"}) == "faster"
+    assert decision_word({**entry, "verdict": "slower: not recommended"}) == "slower"
+    tie = "not distinguishable from the baseline: its interval includes 0"
+    assert decision_word({**entry, "verdict": tie}) == "tie"
+    other = {**entry, "versus": "padding to max_seq_len"}
+    assert decision_word({**other, "verdict": tie}) == "tie with padding to max_seq_len"
+    assert decision_word({**other, "verdict": "faster"}) == "faster than padding to max_seq_len"
+    assert decision_word({"baseline": True, "verdict": "baseline"}) == "baseline"
 
 
 def test_a_reason_the_replay_did_not_time_a_change_is_said_briefly():

@@ -183,7 +183,7 @@ def decision_word(entry: Mapping[str, Any]) -> str:
         return "not timed here (no interval)"
     word = "faster" if verdict == "faster" else "slower" if verdict.startswith("slower") else "tie"
     if entry.get("versus") != "random batches":
-        return f"{word} than {entry['versus']}"
+        return f"{word} {'with' if word == 'tie' else 'than'} {entry['versus']}"
     return word
 
 
@@ -266,6 +266,7 @@ def device_line(
     return {
         "cpu_only": cpu_only,
         "device": str(device) if device else ("CPU" if cpu_only else "an unrecorded device"),
+        "recorded": bool(device),
         "dtype": scaling.get("dtype") if scaling.get("status") != "not_run" else None,
         "max_seq_len": (measured or {}).get("max_seq_len"),
         "timed": timed,
