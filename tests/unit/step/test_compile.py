@@ -1,0 +1,113 @@
+"""torch_compile priced over the run (probes.step.compile): a synthetic step with a known
+compile cost per shape and a known compiled speed-up recovers the amortized saving and the
+break-even step count inside their intervals; a failed compile is never recommended."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from probes.batching import plans as pl
+from probes.replay.synthetic import busy_wait
+from probes.step import compile as cp
+
+COMPILE_S, EAGER_S, COMPILED_S = 0.2, 0.02, 0.01  # known: per new shape, per micro-batch
+GRAD_ACCUM = 4
+
+
+class KnownCompile:
+    """A step whose compiled form waits COMPILE_S the first time it meets a shape (a graph
+    built, as torch's counter would count it) and COMPILED_S a call; eager waits EAGER_S."""
+
+    def __init__(self, fail_at: tuple[int, int] | None = None) -> None:
+        self.graphs: set[tuple[int, int]] = set()
+        self.fail_at = fail_at
+
+    def eager(self, shape: tuple[int, int]) -> None:
+        busy_wait(EAGER_S)
+
+    def compiled(self, shape: tuple[int, int]) -> None:
+        if shape == self.fail_at:
+            raise RuntimeError("synthetic graph break storm")
+        if shape not in self.graphs:
+            self.graphs.add(shape)
+            busy_wait(COMPILE_S)
+        busy_wait(COMPILED_S)
+
+    def count(self) -> int:
+        return len(self.graphs)
+
+
+def _plans(lengths: list[int], rows: int = 2) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "strategy": pl.BASELINE,
+            "micro_batch_index": range(len(lengths)),
+            "layout": pl.PADDED,
+            "rows": rows,
+            "padded_length": lengths,
+            "computed_tokens": [rows * n for n in lengths],
+        }
+    )
+
+
+PLAN = _plans([37, 50, 37, 64, 81, 50, 96, 113, 37, 64] * 4)  # 40 micro-batches, 6 shapes
+
+
+def _measured(step: KnownCompile, measured: int) -> tuple[cp.CompileRun, int]:
+    shapes = cp.plan_shapes(PLAN, pl.BASELINE)
+    first = [((r, n), (r, n)) for r, n in shapes[["rows", "length"]].itertuples(index=False)]
+    run = cp.measure(step.eager, step.compiled, first[:measured], repeats=5, graphs=step.count)
+    return run, len(shapes)
+
+
+def test_the_plans_shapes_are_counted_in_the_order_the_run_meets_them():
+    shapes = cp.plan_shapes(PLAN, pl.BASELINE)
+    assert list(shapes["length"]) == [37, 50, 64, 81, 96, 113]
+    assert list(shapes["count"]) == [12, 8, 8, 4, 4, 4] and set(shapes["rows"]) == {2}
+    padded = cp.padded_to_multiple(PLAN, 64)  # the companion change: fewer shapes
+    assert list(cp.plan_shapes(padded, pl.BASELINE)["length"]) == [64, 128]
+    assert (padded["computed_tokens"] >= PLAN["computed_tokens"]).all()
+    packed = PLAN.assign(layout=pl.PACKED)
+    assert cp.padded_to_multiple(packed, 64).equals(packed)  # a flattened row has no padding
+    with pytest.raises(KeyError, match="no micro-batch of strategy 'packing'"):
+        cp.plan_shapes(PLAN, "packing")
+
+
+def test_the_run_length_is_max_steps_where_set_else_the_epochs():
+    assert cp.run_micro_batches(40, GRAD_ACCUM, num_train_epochs=2.5) == 100
+    assert cp.run_micro_batches(40, GRAD_ACCUM, num_train_epochs=3, max_steps=7) == 28
+
+
+def test_a_known_compile_cost_and_speed_up_are_recovered_inside_the_intervals():
+    run, n_shapes = _measured(KnownCompile(), measured=4)  # 2 shapes charged from the others
+    micro_batches = cp.run_micro_batches(len(PLAN), GRAD_ACCUM, num_train_epochs=100)
+    priced = cp.price(run, n_shapes, micro_batches, GRAD_ACCUM)
+    exact_compile = n_shapes * COMPILE_S
+    exact_saving = micro_batches * (EAGER_S - COMPILED_S) - exact_compile
+    exact_steps = exact_compile / (EAGER_S - COMPILED_S) / GRAD_ACCUM  # 30 steps
+    assert priced["recompiles_measured"] == 3  # 4 graphs built, as the counter counts them
+    # each first call also pays a fraction of a millisecond of first-call overhead
+    assert priced["compile_s"] == pytest.approx(exact_compile, rel=0.1)
+    assert priced["saving_s_low"] <= exact_saving <= priced["saving_s_high"]
+    assert priced["break_even_steps_low"] <= exact_steps <= priced["break_even_steps_high"]
+    # the share is of the eager run as timed here (its own overhead included)
+    assert priced["saving_low"] < priced["saving"] < priced["saving_high"]
+    assert priced["recommended"] is True
+
+
+def test_a_run_too_short_to_pay_the_compile_is_not_recommended():
+    run, n_shapes = _measured(KnownCompile(), measured=6)
+    priced = cp.price(run, n_shapes, micro_batches=40, grad_accum=GRAD_ACCUM)  # one epoch
+    assert priced["saving_s_high"] < 0 and priced["recommended"] is False
+    assert priced["break_even_steps"] > 40 / GRAD_ACCUM
+
+
+def test_a_configuration_that_fails_to_compile_is_reported_by_class_and_never_recommended():
+    run, n_shapes = _measured(KnownCompile(fail_at=(2, 64)), measured=6)
+    assert run.error == "RuntimeError at shape (2, 64)" and len(run.shapes) == 2
+    priced = cp.price(run, n_shapes, micro_batches=10_000, grad_accum=GRAD_ACCUM)
+    assert priced["recommended"] is False and "RuntimeError" in priced["why"]
+    assert math.isinf(cp.break_even(1.0, -0.001, GRAD_ACCUM))
