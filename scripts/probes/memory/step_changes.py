@@ -62,8 +62,7 @@ def fake_attention(attn_implementation: str) -> tuple[str, list[str]]:
 
 def fake_steps(step: Any) -> list[FakeStep]:
     """Every fake model of a predictor's step: one, or the scaled step's reduced traces."""
-    extra = getattr(step, "extra", None)
-    return [step] if extra is None else [step.base, *extra.values()]
+    return step.steps() if hasattr(step, "steps") else [step]
 
 
 def base_config(

@@ -84,6 +84,8 @@ class StepTracker(TorchDispatchMode):
         self._bytes: dict[int, int] = {}
         self._events: list[tuple[int, int]] = []  # (+serial alloc | -serial free, live after)
         self._op_of: dict[int, str] = {}
+        self._shape_of: dict[int, tuple[tuple[int, ...], str]] = {}  # kept where keep_shapes
+        self.keep_shapes = False
         self._phase_at: list[tuple[int, str]] = [(0, SETUP)]
         self.live = 0
         self.ops = 0
@@ -110,6 +112,8 @@ class StepTracker(TorchDispatchMode):
         self._known[storage] = serial
         self._bytes[serial] = nbytes
         self._op_of[serial] = op
+        if self.keep_shapes:
+            self._shape_of[serial] = (tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
         self.live += nbytes
         self._events.append((serial, self.live))
         weakref.finalize(storage, self._free, serial)
@@ -184,18 +188,39 @@ class StepTracker(TorchDispatchMode):
 
     # -- the peak ------------------------------------------------------------------------------
 
-    def peak(self, categories: dict[int, str] | None = None) -> Peak:
-        """The highest live total over the events, split by `categories` (serial -> category)."""
-        categories = categories or {}
-        if not self._events:
-            return Peak(0, dict.fromkeys(CATEGORIES, 0), SETUP, "", 0, self.ops)
-        index = max(range(len(self._events)), key=lambda i: self._events[i][1])
+    def _peak_index(self) -> int:
+        return max(range(len(self._events)), key=lambda i: self._events[i][1])
+
+    def _live_after(self, index: int) -> set[int]:
         live: set[int] = set()
         for serial, _ in self._events[: index + 1]:
             if serial > 0:
                 live.add(serial)
             else:
                 live.discard(-serial)
+        return live
+
+    def live_at_peak(self) -> list[dict[str, Any]]:
+        """Every storage live at the peak: serial, bytes, the op that made it and (where
+        `keep_shapes` was set before the step) its shape and dtype. For dissecting a figure."""
+        if not self._events:
+            return []
+        out = []
+        for serial in sorted(self._live_after(self._peak_index())):
+            shape, dtype = self._shape_of.get(serial, ((), ""))
+            op = self._op_of.get(serial, "")
+            out.append(
+                dict(serial=serial, bytes=self._bytes[serial], op=op, shape=shape, dtype=dtype)
+            )
+        return out
+
+    def peak(self, categories: dict[int, str] | None = None) -> Peak:
+        """The highest live total over the events, split by `categories` (serial -> category)."""
+        categories = categories or {}
+        if not self._events:
+            return Peak(0, dict.fromkeys(CATEGORIES, 0), SETUP, "", 0, self.ops)
+        index = self._peak_index()
+        live = self._live_after(index)
         split = dict.fromkeys(CATEGORIES, 0)
         for serial in live:
             split[categories.get(serial, ACTIVATIONS)] += self._bytes[serial]
