@@ -186,6 +186,7 @@ class ReplayCoverageConfig:
 @dataclass(frozen=True)
 class ReplayConfig:
     step_changes: bool
+    compile: bool  # price torch_compile (probes.step.compile)
     combined: bool
     combined_budget_s: float
     seed: int
