@@ -4,7 +4,8 @@ step, their plan rows beside the device's plans, and what this device cannot mea
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +56,8 @@ def add_step_changes(
     added = change_plans_for(changes, plans, inputs, training, cpu_only, max_len)
     LOG.info("step-level changes: %s (base %s)", [c.strategy for c in changes], switch.base)
     refused = refused_changes(runner.runner, changes, added, inputs)
-    return StepChanges(changes, added, not_measured(runner.runner, cpu_only), refused)
+    unpriced = {**not_measured(runner.runner, cpu_only), **compile_off(replay_cfg, cpu_only)}
+    return StepChanges(changes, added, unpriced, refused)
 
 
 def refused_changes(
@@ -134,3 +136,87 @@ def change_plans_for(
     seed = int(read_provenance(inputs["plans"]).get("plan_seed", 0))
     micro = sc.micro_batch_plans(changes, examples, max_len, seed)
     return sc.change_plans(plans, changes, micro)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch_compile (probes.step.compile): priced beside the replay's table, on its own clock
+# ---------------------------------------------------------------------------------------------
+
+PAD_MULTIPLE = 64  # the companion: the collator's pad_to_multiple_of (tensor-core friendly)
+COMPILE_SHAPES = 4  # shapes compiled and timed per configuration; the rest charged (price)
+COMPILE_REPEATS = 3  # eager / compiled pairs per shape
+COMPILE_MEMORY = "not predicted: the memory stage's fake tensors do not run compiled graphs"
+
+
+def compile_off(replay_cfg: ReplayConfig, cpu_only: bool) -> dict[str, str]:
+    """torch_compile and its companion listed as not timed, naming the key, where it is off."""
+    from probes.step import compile as cp
+
+    if getattr(replay_cfg, "compile", False):
+        return {}
+    why = cp.OFF_ON_CPU if cpu_only else f"not timed: {cp.ENABLE_KEY} is false; set it to price it"
+    return {cp.COMPILE_STRATEGY: why, f"{cp.PAD_MULTIPLE_PREFIX}{PAD_MULTIPLE}": why}
+
+
+def compile_record(
+    runner: Any, plans: pd.DataFrame, training: TrainingConfig, replay_cfg: ReplayConfig
+) -> dict[str, Any]:
+    """torch_compile priced on the baseline's plan, and with the collator's pad_to_multiple_of
+    (fewer shapes, more padding), each compiled afresh (torch._dynamo.reset) and amortized over
+    the run's length (the trainer's num_train_epochs / max_steps; one epoch for a harness);
+    {} where replay.compile is off (compile_off lists it)."""
+    import torch
+
+    from probes.step import compile as cp
+
+    if not getattr(replay_cfg, "compile", False):
+        return {}
+    base = plans[plans["strategy"] == pl.BASELINE]
+    args = getattr(getattr(runner.runner, "trainer", None), "args", None)
+    grad_accum = int(training.grad_accum)
+    length = cp.run_micro_batches(
+        len(base),
+        grad_accum,
+        float(getattr(args, "num_train_epochs", 1.0)),
+        int(getattr(args, "max_steps", -1)),
+    )
+    out: dict[str, Any] = {}
+    padded = cp.padded_to_multiple(base, PAD_MULTIPLE)
+    name = f"{cp.PAD_MULTIPLE_PREFIX}{PAD_MULTIPLE}"
+    for strategy, plan, multiple in (
+        (cp.COMPILE_STRATEGY, base, None),
+        (name, padded, PAD_MULTIPLE),
+    ):
+        torch._dynamo.reset()  # each configuration pays its own compiles
+        with collator_padding(runner.runner, multiple) as why:
+            if why:
+                out[strategy] = {"recommended": False, "why": why}
+                continue
+            shapes = cp.first_rows(plan, pl.BASELINE)
+            batches = [(shape, runner.device_batch(row)) for shape, row in shapes[:COMPILE_SHAPES]]
+            eager, compiled = cp.step_functions(runner.runner)
+            run = cp.measure(eager, compiled, batches, COMPILE_REPEATS)
+        out[strategy] = {**cp.price(run, len(shapes), length, grad_accum), "memory": COMPILE_MEMORY}
+    LOG.info("torch_compile priced: %s", {k: v.get("saving") for k, v in out.items()})
+    return out
+
+
+@contextmanager
+def collator_padding(step: Any, multiple: int | None) -> Iterator[str | None]:
+    """The trainer's collator padding to `multiple` for the body (None: as it is); yields why
+    not where its collator has no pad_to_multiple_of (the harness path builds every
+    micro-batch at its plan row's own padded length, which padded_to_multiple rounded)."""
+    collator = getattr(step, "collator", None)
+    if multiple is None or collator is None:
+        yield None
+        return
+    if not hasattr(collator, "pad_to_multiple_of"):
+        name = type(collator).__name__
+        yield f"not timed: the trainer's collator ({name}) has no pad_to_multiple_of"
+        return
+    before = collator.pad_to_multiple_of
+    collator.pad_to_multiple_of = multiple
+    try:
+        yield None
+    finally:
+        collator.pad_to_multiple_of = before

@@ -67,6 +67,16 @@ def plan_shapes(plans: pd.DataFrame, strategy: str) -> pd.DataFrame:
     return counted.reset_index()
 
 
+def first_rows(plans: pd.DataFrame, strategy: str) -> list[tuple[tuple[int, int], Any]]:
+    """(shape, plan row) of each distinct shape of `strategy`'s plan at its first micro-batch,
+    in the order the run meets them (plan_shapes' order): the micro-batches ``measure`` runs."""
+    rows = plans[plans["strategy"] == strategy].sort_values("micro_batch_index")
+    out: dict[tuple[int, int], Any] = {}
+    for row in rows.itertuples():
+        out.setdefault(tensor_shape(row), row)
+    return list(out.items())
+
+
 def padded_to_multiple(plans: pd.DataFrame, multiple: int) -> pd.DataFrame:
     """`plans` as the collator's ``pad_to_multiple_of=multiple`` pads them: each padded
     micro-batch's length rounded up (computed tokens with it); packed rows are left as they are
@@ -164,6 +174,32 @@ def measure(
         run.eager_s += [e for e, _ in pairs]
         run.compiled_s += [c for _, c in pairs]
     return run
+
+
+def step_functions(
+    runner: Any, backend: str = "inductor"
+) -> tuple[Callable[[Any], None], Callable[[Any], None]]:
+    """(eager, compiled) micro-batch calls of a step runner (the harness's StepRunner or the
+    user's TrainerStep): its own ``forward_backward`` with its model, or with that model under
+    ``torch.compile`` (what ``TrainingArguments(torch_compile=True)`` wraps), synchronised and
+    its gradients dropped after each call (no accumulation across the pairs)."""
+    import torch
+
+    from probes.step.timing import synchronize
+
+    model = runner.model
+    compiled_model = torch.compile(model, backend=backend)
+
+    def call(module: Any, batch: Any) -> None:
+        runner.model = module
+        try:
+            runner.forward_backward(dict(batch))
+            synchronize(runner.device)
+        finally:
+            runner.model = model
+            runner.zero_grad()
+
+    return (lambda batch: call(model, batch)), (lambda batch: call(compiled_model, batch))
 
 
 # ---------------------------------------------------------------------------------------------

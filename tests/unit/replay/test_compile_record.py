@@ -1,0 +1,73 @@
+"""torch_compile in the replay (probes.replay.step_changes): listed with the key that turns it
+on where it is off; where on, each configuration (as it is, and the collator's
+pad_to_multiple_of) measured on its own plan's shapes and priced over the trainer's run."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pandas as pd
+
+from probes.batching import plans as pl
+from probes.replay import step_changes as rs
+from probes.step import compile as cp
+
+
+def test_off_it_is_listed_with_the_key_that_turns_it_on():
+    off = rs.compile_off(SimpleNamespace(compile=False), cpu_only=True)
+    assert set(off) == {cp.COMPILE_STRATEGY, f"{cp.PAD_MULTIPLE_PREFIX}{rs.PAD_MULTIPLE}"}
+    assert all(cp.ENABLE_KEY in why for why in off.values())
+    assert rs.compile_off(SimpleNamespace(compile=True), cpu_only=True) == {}
+    assert rs.compile_record(None, pd.DataFrame(), None, SimpleNamespace(compile=False)) == {}
+
+
+class Collator:
+    pad_to_multiple_of = None
+
+
+def _plans(lengths: list[int]) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "strategy": pl.BASELINE,
+            "micro_batch_index": range(len(lengths)),
+            "layout": pl.PADDED,
+            "rows": 2,
+            "padded_length": lengths,
+            "computed_tokens": [2 * n for n in lengths],
+        }
+    )
+
+
+def test_each_configuration_is_measured_on_its_own_shapes_over_the_trainers_run(monkeypatch):
+    collator = Collator()
+    seen: list[tuple[str, object]] = []  # (batch shape, the collator's multiple then)
+    trainer = SimpleNamespace(args=SimpleNamespace(num_train_epochs=3, max_steps=-1))
+    step = SimpleNamespace(trainer=trainer, collator=collator)
+    runner = SimpleNamespace(runner=step, device_batch=lambda row: (row.rows, row.padded_length))
+
+    def functions(s):
+        def call(batch):
+            seen.append((batch, collator.pad_to_multiple_of))
+
+        return call, call
+
+    monkeypatch.setattr(cp, "step_functions", functions)
+    plans = _plans([37, 50, 70, 37, 90, 100, 120, 130])  # 7 shapes; 3 padded to 64
+    training = SimpleNamespace(grad_accum=2)
+    record = rs.compile_record(runner, plans, training, SimpleNamespace(compile=True))
+    plain, padded = record[cp.COMPILE_STRATEGY], record[f"{cp.PAD_MULTIPLE_PREFIX}64"]
+    assert plain["shapes"] == 7 and plain["shapes_measured"] == rs.COMPILE_SHAPES
+    assert padded["shapes"] == 3 and padded["shapes_measured"] == 3
+    assert plain["run_micro_batches"] == 3 * len(plans)  # num_train_epochs of the trainer
+    assert plain["memory"] == rs.COMPILE_MEMORY
+    assert {m for b, m in seen if b[1] % 64} == {None} and {m for b, m in seen if b[1] == 128} == {
+        64
+    }
+    assert collator.pad_to_multiple_of is None  # set back
+
+
+def test_a_collator_without_pad_to_multiple_of_says_so():
+    with rs.collator_padding(SimpleNamespace(collator=object()), 64) as why:
+        assert "has no pad_to_multiple_of" in why
+    with rs.collator_padding(SimpleNamespace(collator=None), 64) as why:
+        assert why is None  # the harness path: its batches follow the rounded plan
