@@ -165,6 +165,7 @@ def measure(
         before = graphs()
         try:
             first = _timed(compiled, batch)
+            eager(batch)  # its first run at a shape warms too (the replay never times one)
             pairs = [(_timed(eager, batch), _timed(compiled, batch)) for _ in range(repeats)]
         except Exception as error:  # the answer for this configuration, not a crash
             run.error = f"{type(error).__name__} at shape {shape}"
@@ -216,13 +217,17 @@ def _t(n: int) -> float:
 
 def compile_total(run: CompileRun, n_shapes: int) -> tuple[float, float, float]:
     """Compile seconds over all `n_shapes` of the plan (estimate, low, high): the measured
-    shapes' own, and each unmeasured shape charged the mean of the measured ones after the
-    first (the cold compile is paid once), with a t-interval on that mean."""
+    shapes' own, and each unmeasured shape charged the mean of the measured ones after the last
+    that built a graph (torch's automatic dynamic shapes: once a dimension is dynamic, later
+    lengths reuse that graph; measured on the tiny bench model, shapes 3-5 built none), else of
+    those after the first (the cold compile is paid once), with a t-interval on that mean."""
     costs = np.array([s.compile_s for s in run.shapes])
     if costs.size == 0:
         raise ValueError("no shape was measured: nothing to price")
     rest = max(n_shapes - costs.size, 0)
-    tail = costs[1:] if costs.size > 1 else costs
+    built = [i for i, s in enumerate(run.shapes) if s.graphs > 0]
+    settled = costs[built[-1] + 1 :] if built else costs
+    tail = settled if settled.size > 1 else (costs[1:] if costs.size > 1 else costs)
     mean = float(tail.mean())
     half = _t(tail.size) * float(tail.std(ddof=1)) / math.sqrt(tail.size) if tail.size > 1 else 0.0
     measured = float(costs.sum())

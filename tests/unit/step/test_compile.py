@@ -21,9 +21,10 @@ class KnownCompile:
     """A step whose compiled form waits COMPILE_S the first time it meets a shape (a graph
     built, as torch's counter would count it) and COMPILED_S a call; eager waits EAGER_S."""
 
-    def __init__(self, fail_at: tuple[int, int] | None = None) -> None:
+    def __init__(self, fail_at: tuple[int, int] | None = None, dynamic_after: int = 0) -> None:
         self.graphs: set[tuple[int, int]] = set()
         self.fail_at = fail_at
+        self.dynamic_after = dynamic_after  # graphs after which one graph serves every shape
 
     def eager(self, shape: tuple[int, int]) -> None:
         busy_wait(EAGER_S)
@@ -31,7 +32,8 @@ class KnownCompile:
     def compiled(self, shape: tuple[int, int]) -> None:
         if shape == self.fail_at:
             raise RuntimeError("synthetic graph break storm")
-        if shape not in self.graphs:
+        dynamic = self.dynamic_after and len(self.graphs) >= self.dynamic_after
+        if shape not in self.graphs and not dynamic:
             self.graphs.add(shape)
             busy_wait(COMPILE_S)
         busy_wait(COMPILED_S)
@@ -111,3 +113,13 @@ def test_a_configuration_that_fails_to_compile_is_reported_by_class_and_never_re
     priced = cp.price(run, n_shapes, micro_batches=10_000, grad_accum=GRAD_ACCUM)
     assert priced["recommended"] is False and "RuntimeError" in priced["why"]
     assert math.isinf(cp.break_even(1.0, -0.001, GRAD_ACCUM))
+
+
+def test_once_a_graph_serves_every_shape_the_unmeasured_shapes_are_charged_no_compile():
+    """torch's automatic dynamic shapes: the first shape compiles, the second recompiles with
+    the length dynamic, later shapes reuse that graph; the shapes left unmeasured are charged
+    the settled shapes' cost (none), not the recompile's."""
+    run, n_shapes = _measured(KnownCompile(dynamic_after=2), measured=4)
+    assert [s.graphs for s in run.shapes] == [1, 1, 0, 0] and run.recompiles == 1
+    total, low, high = cp.compile_total(run, n_shapes)
+    assert total == pytest.approx(2 * COMPILE_S, rel=0.1) and low <= 2 * COMPILE_S + 0.01
