@@ -1,0 +1,203 @@
+"""Each rank's peak memory under FSDP2 at world size W, predicted without GPUs or weights.
+
+torch's own machinery, not a formula: a fake process group (`FakeStore` +
+`init_process_group("fake")`: collectives return at once, nothing is sent), the real
+`fully_shard` on a model built on the meta device and materialised as fake tensors
+(`FakeTensorMode`), and torch's `FSDPMemTracker` over one training step of rank 0 (it follows
+FSDP2's all-gather and reduce-scatter buffers and the storages FSDP frees by resizing them to 0,
+which no dispatch mode sees). The harness's own functions run the step, as in
+`probes.memory.predict`; the project's `StepTracker` is stacked inside only to answer the
+harness's boolean index with the shape's loss positions.
+
+How the model is sharded (what accelerate does for a transformers model with FSDP2): one
+`fully_shard` per decoder layer (the classes of `model._no_split_modules`, accelerate's default
+`transformer_layer_cls_to_wrap`), then the decoder (`get_decoder()`) as the root: the module the
+reference harness's loss calls. A tied LM head is the embedding's weight and so sharded with it;
+an untied head outside the decoder stays whole on every rank (said in the notes).
+
+Assumed where fake tensors cannot know: every rank holds rank 0's shard sizes (FSDP2 pads the
+last shard, so they differ by at most one row per parameter); tensors are not rounded to the CUDA
+allocator's blocks; communication buffers are FSDP2's own tensors (a NCCL kernel's internal
+workspace is not a tensor and is not counted).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from probes.memory.predict import (
+    DTYPES,
+    PredictError,
+    Shape,
+    StepFunctions,
+    fake_errors,
+    make_batch,
+    warm_optimizer,
+)
+from probes.memory.tracker import StepTracker
+
+TOTAL = "Total"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """FSDP2 at `world_size` ranks; `reshard_after_forward` as `fully_shard` takes it."""
+
+    world_size: int
+    reshard_after_forward: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"fsdp2_w{self.world_size}" + ("" if self.reshard_after_forward else "_no_reshard")
+
+
+@dataclass
+class ShardedPrediction:
+    sharding: Sharding
+    shape: Shape
+    peak_bytes: int
+    by_kind: dict[str, int]  # FSDPMemTracker's reference types at the peak
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[Any]:
+    """A fake process group of `world_size` ranks (this process is rank 0) and its CPU mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if world_size < 1:
+        raise PredictError(f"memory.world_sizes: {world_size} is not a number of ranks (>= 1)")
+    if dist.is_initialized():
+        raise PredictError(
+            "a process group is already initialised in this process: the sharded prediction "
+            "needs its own fake one; run the memory stage outside torchrun"
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def layer_classes(model: nn.Module) -> set[str]:
+    """The decoder layer classes FSDP2 wraps one by one: transformers' `_no_split_modules`."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    if not names:
+        raise PredictError(
+            f"{type(base).__name__} names no decoder layer class (_no_split_modules): there is "
+            "no per-layer FSDP2 unit to predict"
+        )
+    return names
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder() if hasattr(base, "get_decoder") else base
+
+
+def shard(model: nn.Module, mesh: Any, sharding: Sharding) -> list[str]:
+    """`fully_shard` each decoder layer, then the decoder as the root; returns notes."""
+    from torch.distributed.fsdp import fully_shard
+
+    classes = layer_classes(model)
+    decoder = decoder_of(model)
+    units = [m for m in decoder.modules() if type(m).__name__ in classes]
+    if not units:
+        raise PredictError(f"no module of {sorted(classes)} inside the decoder to shard")
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=sharding.reshard_after_forward)
+    fully_shard(decoder, mesh=mesh, reshard_after_forward=sharding.reshard_after_forward)
+    notes = [f"FSDP2 over {sharding.world_size} rank(s): {len(units)} layer units + the decoder"]
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    embed = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else None
+    if head is not None and embed is not None and head.weight is not embed.weight:
+        notes.append("an untied LM head outside the decoder: whole on every rank")
+    return notes
+
+
+def build_model(
+    config: Any, functions: StepFunctions, dtype: str, attn_implementation: str
+) -> nn.Module:
+    """The architecture on the meta device with the harness's adapters (no weights)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=DTYPES[dtype], attn_implementation=attn_implementation
+        )
+        if functions.apply_adapters is not None:
+            model = functions.apply_adapters(model, functions.discover_target_modules(model))
+    return model
+
+
+def predict_sharded(
+    config: Any,
+    functions: StepFunctions,
+    dtype: str,
+    shape: Shape,
+    sharding: Sharding,
+    attn_implementation: str = "sdpa",
+    grad_accum: int = 1,
+) -> ShardedPrediction:
+    """Rank 0's peak over one FSDP2 training step at `shape` (its micro-batch), fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    if dtype not in DTYPES:
+        raise PredictError(f"mask.dtype: {dtype!r} is not one of {sorted(DTYPES)}")
+    start = time.perf_counter()
+    with fake_process_group(sharding.world_size) as mesh:
+        model = build_model(config, functions, dtype, attn_implementation)
+        notes = shard(model, mesh, sharding)
+        with FakeTensorMode(allow_non_fake_inputs=True), fake_errors(shape):
+            model.to_empty(device="cpu")  # fully_shard's own _apply keeps the shards DTensors
+            model.train()
+            optimizer = (functions.build_optimizer or _adamw)(model)
+            warm_optimizer(model, optimizer)
+            by_kind = tracked_step(model, optimizer, functions, shape, grad_accum)
+    return ShardedPrediction(
+        sharding, shape, by_kind[TOTAL], by_kind, time.perf_counter() - start, notes
+    )
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+
+
+def tracked_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    functions: StepFunctions,
+    shape: Shape,
+    grad_accum: int,
+) -> dict[str, int]:
+    """One step (forward with the harness's loss, backward, optimizer) under FSDPMemTracker;
+    the peak's bytes by reference type (parameters sharded/unsharded, gradients, optimizer
+    state, activations, temporaries, all-gather and reduce-scatter buffers, inputs), Total."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    if grad_accum > 1:  # the earlier micro-batches' gradients, sharded, are live
+        for param in model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+    batch = make_batch(shape)
+    tracker = FSDPMemTracker(mod=decoder_of(model), optm=optimizer)
+    tracker.track_inputs((batch,))
+    with tracker, StepTracker(true_count=shape.loss_positions()):
+        loss = functions.compute_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    (snapshot,) = tracker.get_tracker_snapshot("peak").values()
+    return {str(kind).split(".")[-1]: int(nbytes) for kind, nbytes in snapshot.items()}
