@@ -477,7 +477,8 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     fit as its diagnostic, and the fit with bootstrap intervals
     (probes.step.fit.fit_with_intervals)."""
     from probes.replay.control import SyntheticCost
-    from probes.replay.estimate import FitPricing, strategy_table
+    from probes.replay.estimate import FitPricing, greg_estimate_all, strategy_table
+    from probes.replay.sequential import build_design, strategy_designs
     from probes.replay.timing import (
         FIT_POINT,
         MICRO_BATCH,
@@ -507,7 +508,15 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     fit_times = [cost.micro_batch_s(BATCH, int(t)) for t in fit_lengths]
     fitted = ft.fit_with_intervals(fit_lengths, fit_times * rng.uniform(0.99, 1.01, 15), 200)
     pricing = FitPricing(fitted.fit, BATCH, fitted.low, fitted.high)
-    table = strategy_table(plans, steps, optimizer, settings, {}, pricing, cpu_only, REPLAY_MAX_LEN)
+    greg, _ = greg_estimate_all(
+        strategy_designs(build_design(plans, settings.n_strata, settings.seed), steps),
+        optimizer,
+        0.03,
+        4.0,
+    )
+    table = strategy_table(
+        plans, steps, optimizer, settings, {}, pricing, cpu_only, REPLAY_MAX_LEN, greg=greg
+    )
     points = pd.DataFrame(
         {
             "kind": FIT_POINT,

@@ -1,25 +1,17 @@
-"""Replay's estimator: price each batching strategy from its timed stratified sample.
+"""Replay's per-strategy table: each strategy's epoch time and saving from the model-assisted
+(GREG) estimator (``probes.replay.greg``, whose names are importable from here too), its rank
+with ties, and the scaling fit's prediction beside it (a diagnostic, never outside its range).
 
-What is estimated: an epoch's time, Σ over strata (micro-batches in the stratum × mean measured
-time) + optimizer steps × mean optimizer-step time. Strata are log-spaced bands of the tokens a
-micro-batch computes over, so rare large micro-batches are sampled as often as common small ones
-and weighted by how many there really are.
-
-What the interval means: a 95% percentile bootstrap, resampling the measured times within each
-stratum (and the optimizer times): the spread an estimate from this many samples has. Savings
-against random use the same bootstrap replicate for both strategies (joint), so the shared
-optimizer measurement cancels instead of widening the interval. It does not cover a systematic
-error shared by every measurement (another process on the machine, a different card).
-
-The per-strategy table (REPLAY_COLUMNS) adds the rank with ties and the scaling fit's prediction.
-The model-assisted (GREG) estimator the stage uses is ``probes.replay.greg``; its names are
-importable from here too.
+What is estimated: an epoch's time, Σ over every micro-batch of the plan of the working model's
+prediction, corrected by the strategy's own residuals per stratum (strata are log-spaced bands of
+the tokens a micro-batch computes over), + optimizer steps × the mean optimizer-step time; the
+95% interval is formed on the log scale (greg.log_interval), so no time it implies is negative.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,131 +44,13 @@ from probes.replay.timing import MICRO_BATCH, ReplaySettings
 from probes.step import fit as ft
 from probes.step.timing import OK
 
-CONFIDENCE = 0.95
-
 # The per-strategy table's columns: the contract's (required first, then optional).
 REPLAY_COLUMNS = table_columns("replay_estimates")
 
 
 # ---------------------------------------------------------------------------------------------
-# The estimator and its bootstrap
+# Ranks with ties
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StrataTimes:
-    """One strategy's measurements: per stratum its size and the measured times."""
-
-    sizes: np.ndarray  # micro-batches per stratum in the whole plan
-    times: list[np.ndarray]  # measured seconds of the sampled micro-batches, per stratum
-    optimizer_steps: int
-
-
-def strata_times(steps: pd.DataFrame, optimizer_steps: int) -> StrataTimes:
-    """From one strategy's rows of the steps table (stratum, stratum_size, time_s)."""
-    groups = steps.groupby("stratum", sort=True)
-    return StrataTimes(
-        sizes=groups["stratum_size"].first().to_numpy(dtype=np.float64),
-        times=[g["time_s"].to_numpy(dtype=np.float64) for _, g in groups],
-        optimizer_steps=int(optimizer_steps),
-    )
-
-
-def stratified_total(data: StrataTimes, optimizer_mean_s: float) -> float:
-    """Σ_h N_h × mean(t_h) + optimizer steps × mean optimizer-step time."""
-    micro = sum(n * float(np.mean(t)) for n, t in zip(data.sizes, data.times, strict=True))
-    return micro + data.optimizer_steps * optimizer_mean_s
-
-
-def naive_total(data: StrataTimes, optimizer_mean_s: float) -> float:
-    """The estimator that ignores strata: every micro-batch priced at the plain sample mean.
-    Biased whenever sampling is not proportional to stratum size; kept for the tests."""
-    pooled = np.concatenate(data.times)
-    return float(np.sum(data.sizes)) * float(np.mean(pooled)) + (
-        data.optimizer_steps * optimizer_mean_s
-    )
-
-
-def bootstrap_means(times: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
-    """`resamples` bootstrap replicates of the mean of `times`."""
-    times = np.asarray(times, dtype=np.float64)
-    draws = rng.integers(0, times.size, size=(resamples, times.size))
-    return times[draws].mean(axis=1)
-
-
-def bootstrap_totals(
-    data: StrataTimes, optimizer_replicates: np.ndarray, rng: np.random.Generator
-) -> np.ndarray:
-    """Replicates of the stratified total, resampling within each stratum; the optimizer mean's
-    replicates are passed in so every strategy of one bootstrap shares them (joint bootstrap)."""
-    resamples = optimizer_replicates.size
-    total = data.optimizer_steps * optimizer_replicates
-    for n, times in zip(data.sizes, data.times, strict=True):
-        total = total + n * bootstrap_means(times, resamples, rng)
-    return total
-
-
-def percentile_interval(values: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float]:
-    tail = (1.0 - confidence) / 2.0
-    low, high = np.quantile(values, [tail, 1.0 - tail])
-    return float(low), float(high)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    time_s: float
-    ci_low_s: float
-    ci_high_s: float
-    replicates: np.ndarray
-
-
-def estimate_all(
-    per_strategy: Mapping[str, StrataTimes],
-    optimizer_times: np.ndarray,
-    resamples: int,
-    seed: int,
-    confidence: float = CONFIDENCE,
-    total_fn: Callable[[StrataTimes, float], float] = stratified_total,
-) -> dict[str, Estimate]:
-    """Point estimate and bootstrap interval of every strategy's epoch time (joint replicates)."""
-    rng = np.random.default_rng(seed)
-    optimizer_times = np.asarray(optimizer_times, dtype=np.float64)
-    optimizer_mean = float(np.mean(optimizer_times)) if optimizer_times.size else 0.0
-    optimizer_reps = (
-        bootstrap_means(optimizer_times, resamples, rng)
-        if optimizer_times.size
-        else np.zeros(resamples)
-    )
-    out = {}
-    for name, data in per_strategy.items():
-        if total_fn is stratified_total:
-            replicates = bootstrap_totals(data, optimizer_reps, rng)
-        else:  # any other estimator: the same resampling, its own formula on each replicate
-            replicates = np.array(
-                [
-                    total_fn(
-                        StrataTimes(
-                            data.sizes,
-                            [t[rng.integers(0, t.size, t.size)] for t in data.times],
-                            data.optimizer_steps,
-                        ),
-                        float(rep),
-                    )
-                    for rep in optimizer_reps
-                ]
-            )
-        low, high = percentile_interval(replicates, confidence)
-        out[name] = Estimate(total_fn(data, optimizer_mean), low, high, replicates)
-    return out
-
-
-def saving_interval(
-    estimate: Estimate, baseline: Estimate, confidence: float = CONFIDENCE
-) -> tuple[float, float, float]:
-    """Saving vs the baseline (1 − T/T_base) and its interval from the joint replicates."""
-    saving = 1.0 - estimate.time_s / baseline.time_s
-    low, high = percentile_interval(1.0 - estimate.replicates / baseline.replicates, confidence)
-    return saving, low, high
 
 
 def rank_with_ties(
@@ -249,27 +123,23 @@ def strategy_table(
     pricing: FitPricing | None = None,
     cpu_only: bool = False,
     max_seq_len: int | None = None,
-    greg: Mapping[str, GregEstimate] | None = None,
+    *,
+    greg: Mapping[str, GregEstimate],
     stopped_by: str | None = None,
     instrument_cv: float | None = None,
 ) -> pd.DataFrame:
-    """One row per strategy (REPLAY_COLUMNS): estimate, interval, saving, rank, fit prediction.
-    With `greg` (greg_estimate_all) its estimates and intervals are the table's; without, the
-    stratified bootstrap's (kept for comparison: bench/replay_width.py)."""
+    """One row per strategy (REPLAY_COLUMNS): estimate, interval, saving, rank, fit prediction;
+    the estimates and intervals are `greg`'s (greg_estimate_all), for the strategies whose
+    every sampled micro-batch timed."""
     summary = pl.plan_summary(plans).set_index("strategy")
     ok_steps = steps[steps["kind"] == MICRO_BATCH]
     invalid = _with_failed_samples(invalid, ok_steps)
-    per_strategy = {
-        name: strata_times(group, int(summary.loc[name, "optimizer_steps"]))
+    timed = {
+        name
         for name, group in ok_steps.groupby("strategy", sort=False)
         if (group["status"] == OK).all()
     }
-    if greg is None:
-        estimates = estimate_all(
-            per_strategy, optimizer_times, settings.bootstrap_resamples, settings.seed + 1
-        )
-    else:
-        estimates = {n: e for n, e in greg.items() if n in per_strategy}
+    estimates = {n: e for n, e in greg.items() if n in timed}
     optimizer_s = float(np.mean(optimizer_times)) if len(optimizer_times) else 0.0
     context = _TableContext(
         summary=summary,
@@ -284,7 +154,7 @@ def strategy_table(
         extra={
             "cpu_only": cpu_only,
             "max_seq_len": max_seq_len,
-            "estimator": "model-assisted (GREG)" if greg is not None else "stratified",
+            "estimator": "model-assisted (GREG)",
             "stopped_by": stopped_by,
             "instrument_cv": float("nan") if instrument_cv is None else float(instrument_cv),
         },
@@ -304,7 +174,7 @@ class _TableContext:
     pricing: FitPricing | None
     optimizer_s: float
     fit_base: float  # the baseline's epoch time from the fit (NaN where it cannot be priced)
-    base: Estimate | GregEstimate | None
+    base: GregEstimate | None
     invalid: Mapping[str, str]
     extra: Mapping[str, object]  # columns with one value for the whole table
 
@@ -360,17 +230,11 @@ def _fit_columns(name: str, info: pd.Series, context: _TableContext, saving: tup
     }
 
 
-def _strategy_row(
-    name: str, est: Estimate | GregEstimate | None, context: _TableContext
-) -> dict[str, object]:
+def _strategy_row(name: str, est: GregEstimate | None, context: _TableContext) -> dict[str, object]:
     summary, settings = context.summary, context.settings
     info = summary.loc[name]
     nan = float("nan")
-    saving = (nan, nan, nan)
-    if isinstance(est, GregEstimate):
-        saving = (est.saving, est.saving_low, est.saving_high)
-    elif est is not None and context.base is not None:
-        saving = saving_interval(est, context.base)
+    saving = (est.saving, est.saving_low, est.saving_high) if est is not None else (nan, nan, nan)
     part = context.ok_steps[context.ok_steps["strategy"] == name]
     busy = part["gpu_busy_share"].dropna() if "gpu_busy_share" in part else pd.Series([])
     host_bound = float((busy < settings.host_bound_threshold).mean()) if len(busy) else float("nan")
@@ -378,7 +242,7 @@ def _strategy_row(
         int(info["optimizer_steps"]),
         int(summary.loc[pl.BASELINE, "optimizer_steps"]),
     )
-    greg = est if isinstance(est, GregEstimate) else None
+    greg = est
     fit = _fit_columns(name, info, context, saving)
     return {
         "strategy": name,

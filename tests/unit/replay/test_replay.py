@@ -22,16 +22,12 @@ from probes.replay import stage as rs
 from probes.replay.control import SyntheticCost, exact_epoch_s, run_synthetic_control
 from probes.replay.estimate import (
     REPLAY_COLUMNS,
-    Estimate,
     FitPricing,
-    estimate_all,
-    naive_total,
+    greg_estimate_all,
     rank_with_ties,
-    saving_interval,
-    strata_times,
     strategy_table,
-    stratified_total,
 )
+from probes.replay.sequential import build_design, strategy_designs
 from probes.replay.strata import allocate, assign_strata, systematic_sample
 from probes.replay.timing import (
     FIT_POINT,
@@ -69,33 +65,6 @@ def _deterministic_steps(plans, settings, cost: SyntheticCost) -> pd.DataFrame:
     sample["kind"] = MICRO_BATCH
     sample["gpu_busy_share"] = np.nan
     return sample
-
-
-def _estimate(plans, seed, total_fn=stratified_total, n_strata=6, per_stratum=4):
-    cost = SyntheticCost.scaled_to(plans)
-    settings = ReplaySettings(n_strata, per_stratum, 1000, ACCUM, seed=seed)
-    steps = _deterministic_steps(plans, settings, cost)
-    summary = pl.plan_summary(plans).set_index("strategy")
-    per = {
-        name: strata_times(group, int(summary.loc[name, "optimizer_steps"]))
-        for name, group in steps.groupby("strategy")
-    }
-    optimizer = np.full(8, cost.optimizer_s)
-    estimates = estimate_all(per, optimizer, 1000, seed, total_fn=total_fn)
-    return estimates, exact_epoch_s(plans, cost, ACCUM)
-
-
-def _covers(estimates, exact) -> dict[str, bool]:
-    slack = 1e-9  # a stratum of identical shapes has a zero-width interval
-    return {
-        name: est.ci_low_s * (1 - slack) <= exact[name] <= est.ci_high_s * (1 + slack)
-        for name, est in estimates.items()
-    }
-
-
-def _coverage(plans, total_fn=stratified_total, seeds=range(12)) -> float:
-    hits = [hit for seed in seeds for hit in _covers(*_estimate(plans, seed, total_fn)).values()]
-    return sum(hits) / len(hits)
 
 
 # --- strata and the sample --------------------------------------------------------------------
@@ -145,33 +114,6 @@ def test_sample_is_stratified_without_replacement(plans):
 # --- the estimator ----------------------------------------------------------------------------
 
 
-def test_stratified_interval_covers_the_exact_total(plans):
-    """Nominal 95%; a percentile bootstrap of 4 samples per stratum runs a little narrow."""
-    assert _coverage(plans) >= 0.8
-
-
-def test_the_test_catches_an_estimator_that_ignores_strata(plans):
-    """The sample is not proportional to stratum size (every stratum gets its minimum): pricing
-    every micro-batch at the plain sample mean is biased, and the same check must say so."""
-    assert _coverage(plans, naive_total, seeds=range(4)) < 0.5
-    estimates, exact = _estimate(plans, 0, total_fn=naive_total)
-    assert abs(estimates[pl.RANDOM].time_s / exact[pl.RANDOM] - 1) > 0.1
-
-
-def test_census_of_a_small_plan_is_exact(plans):
-    estimates, exact = _estimate(plans, 0, n_strata=2, per_stratum=10_000)
-    for name, est in estimates.items():
-        assert est.time_s == pytest.approx(exact[name], rel=1e-9)
-
-
-def test_saving_uses_joint_replicates():
-    base = Estimate(10.0, 9.0, 11.0, np.array([9.0, 10.0, 11.0]))
-    same = Estimate(5.0, 4.5, 5.5, np.array([4.5, 5.0, 5.5]))
-    saving, low, high = saving_interval(same, base)
-    assert saving == pytest.approx(0.5) and low == pytest.approx(0.5) and high == pytest.approx(0.5)
-    assert saving_interval(base, base)[1:] == (0.0, 0.0)
-
-
 def test_ranking_reports_overlapping_intervals_as_ties():
     ranks = rank_with_ties(
         ["a", "b", "c", "d"], [0.5, 0.45, 0.2, 0.0], [0.4, 0.35, 0.1, 0.0], [0.6, 0.55, 0.3, 0.0]
@@ -187,8 +129,11 @@ def _table(plans, invalid=None, pricing=None):
     cost = SyntheticCost.scaled_to(plans)
     settings = ReplaySettings(6, 4, 500, ACCUM, seed=0)
     steps = _deterministic_steps(plans, settings, cost)
+    optimizer = np.full(8, cost.optimizer_s)
+    designs = strategy_designs(build_design(plans, settings.n_strata, settings.seed), steps)
+    greg, _ = greg_estimate_all(designs, optimizer, 0.0, float("inf"))
     return strategy_table(
-        plans, steps, np.full(8, cost.optimizer_s), settings, invalid, pricing, True, MAX_LEN
+        plans, steps, optimizer, settings, invalid, pricing, True, MAX_LEN, greg=greg
     ).set_index("strategy")
 
 

