@@ -36,11 +36,12 @@ from probes.batching import plans as pl
 COMPILE_STRATEGY = "torch_compile"
 PAD_MULTIPLE_PREFIX = "torch_compile_pad_to_multiple_of_"
 # the config key that turns the compile pricing on (default off on CPU: a cold inductor compile
-# there takes about a minute a graph with gcc, more than the CPU replay's whole budget)
+# there took 77 s and 87 s for a 4-layer model's first two graphs and 183 s for Gemma 3 270M at
+# 2 x 64 on a 2-core Xeon, beyond the CPU replay's 120 s budget; docs/evidence, 2026-12-05)
 ENABLE_KEY = "replay.compile"
 OFF_ON_CPU = (
-    "not timed: a cold torch.compile (inductor + the C++ compiler) takes about a minute a graph "
-    f"on this CPU, beyond the CPU replay's budget; set {ENABLE_KEY}: true to price it"
+    "not timed: a cold torch.compile (inductor + the C++ compiler) took 1.5-3 minutes a graph "
+    f"on a 2-core CPU, beyond the CPU replay's budget; set {ENABLE_KEY}: true to price it"
 )
 
 
