@@ -11,9 +11,11 @@ harness's boolean index with the shape's loss positions.
 
 How the model is sharded (what accelerate does for a transformers model with FSDP2): one
 `fully_shard` per decoder layer (the classes of `model._no_split_modules`, accelerate's default
-`transformer_layer_cls_to_wrap`), then the decoder (`get_decoder()`) as the root: the module the
-reference harness's loss calls. A tied LM head is the embedding's weight and so sharded with it;
-an untied head outside the decoder stays whole on every rank (said in the notes).
+`transformer_layer_cls_to_wrap`), then the root. The root is `LossRoot`, a module whose forward is
+the harness's `compute_loss`: the reference harness calls the decoder and reads the LM head's
+weight itself (its chunked loss), which a root on the model would never see unsharded, so the
+root wraps the whole loss as a Trainer's root wraps `model(**inputs)`. The embeddings, the final
+norm and the LM head (tied or not) are the root's, sharded like the layers.
 
 Assumed where fake tensors cannot know: every rank holds rank 0's shard sizes (FSDP2 pads the
 last shard, so they differ by at most one row per parameter); tensors are not rounded to the CUDA
@@ -101,30 +103,31 @@ def layer_classes(model: nn.Module) -> set[str]:
     return names
 
 
-def decoder_of(model: nn.Module) -> nn.Module:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.get_decoder() if hasattr(base, "get_decoder") else base
+class LossRoot(nn.Module):
+    """FSDP2's root: its forward is the harness's loss on the model (see the module's doc)."""
+
+    def __init__(self, model: nn.Module, compute_loss: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.compute_loss = compute_loss
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.compute_loss(self.model, batch)
 
 
-def shard(model: nn.Module, mesh: Any, sharding: Sharding) -> list[str]:
-    """`fully_shard` each decoder layer, then the decoder as the root; returns notes."""
+def shard(model: nn.Module, compute_loss: Any, mesh: Any, sharding: Sharding) -> LossRoot:
+    """`fully_shard` each decoder layer, then the root around the loss; returns the root."""
     from torch.distributed.fsdp import fully_shard
 
     classes = layer_classes(model)
-    decoder = decoder_of(model)
-    units = [m for m in decoder.modules() if type(m).__name__ in classes]
+    units = [m for m in model.modules() if type(m).__name__ in classes]
     if not units:
-        raise PredictError(f"no module of {sorted(classes)} inside the decoder to shard")
+        raise PredictError(f"no module of {sorted(classes)} in the model to shard")
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=sharding.reshard_after_forward)
-    fully_shard(decoder, mesh=mesh, reshard_after_forward=sharding.reshard_after_forward)
-    notes = [f"FSDP2 over {sharding.world_size} rank(s): {len(units)} layer units + the decoder"]
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
-    embed = decoder.get_input_embeddings() if hasattr(decoder, "get_input_embeddings") else None
-    if head is not None and embed is not None and head.weight is not embed.weight:
-        notes.append("an untied LM head outside the decoder: whole on every rank")
-    return notes
+    root = LossRoot(model, compute_loss)
+    fully_shard(root, mesh=mesh, reshard_after_forward=sharding.reshard_after_forward)
+    return root
 
 
 def build_model(
@@ -159,13 +162,15 @@ def predict_sharded(
     start = time.perf_counter()
     with fake_process_group(sharding.world_size) as mesh:
         model = build_model(config, functions, dtype, attn_implementation)
-        notes = shard(model, mesh, sharding)
+        root = shard(model, functions.compute_loss, mesh, sharding)
         with FakeTensorMode(allow_non_fake_inputs=True), fake_errors(shape):
-            model.to_empty(device="cpu")  # fully_shard's own _apply keeps the shards DTensors
-            model.train()
+            root.to_empty(device="cpu")  # fully_shard's own _apply keeps the shards DTensors
+            root.train()
             optimizer = (functions.build_optimizer or _adamw)(model)
             warm_optimizer(model, optimizer)
-            by_kind = tracked_step(model, optimizer, functions, shape, grad_accum)
+            by_kind = tracked_step(root, optimizer, shape, grad_accum)
+    units = sum(type(m).__name__ in layer_classes(model) for m in model.modules())
+    notes = [f"FSDP2 over {sharding.world_size} rank(s): {units} layer units and the root"]
     return ShardedPrediction(
         sharding, shape, by_kind[TOTAL], by_kind, time.perf_counter() - start, notes
     )
@@ -176,11 +181,7 @@ def _adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def tracked_step(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    functions: StepFunctions,
-    shape: Shape,
-    grad_accum: int,
+    root: LossRoot, optimizer: torch.optim.Optimizer, shape: Shape, grad_accum: int
 ) -> dict[str, int]:
     """One step (forward with the harness's loss, backward, optimizer) under FSDPMemTracker;
     the peak's bytes by reference type (parameters sharded/unsharded, gradients, optimizer
@@ -188,14 +189,14 @@ def tracked_step(
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
     if grad_accum > 1:  # the earlier micro-batches' gradients, sharded, are live
-        for param in model.parameters():
+        for param in root.parameters():
             if param.requires_grad:
                 param.grad = torch.zeros_like(param)
     batch = make_batch(shape)
-    tracker = FSDPMemTracker(mod=decoder_of(model), optm=optimizer)
+    tracker = FSDPMemTracker(mod=root, optm=optimizer)
     tracker.track_inputs((batch,))
     with tracker, StepTracker(true_count=shape.loss_positions()):
-        loss = functions.compute_loss(model, batch)
+        loss = root(batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -66,8 +66,8 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
         if functions.apply_adapters is not None:
             model = functions.apply_adapters(model, functions.discover_target_modules(model))
         sharding = Sharding(world, bool(job["reshard_after_forward"]))
-        shard(model, init_device_mesh("cpu", (world,)), sharding)
-        model.train()
+        root = shard(model, functions.compute_loss, init_device_mesh("cpu", (world,)), sharding)
+        root.train()
         optimizer = functions.build_optimizer(model)
         warm_optimizer(model, optimizer)
         shape = Shape(**job["shape"])
@@ -77,7 +77,7 @@ def _rank_main(rank: int, job: dict[str, Any]) -> None:
         batch["labels"] = batch["input_ids"].clone()
 
         def step() -> None:
-            loss = functions.compute_loss(model, batch)
+            loss = root(batch)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
