@@ -139,8 +139,45 @@ def change_plans_for(
 
 
 # ---------------------------------------------------------------------------------------------
-# torch_compile (probes.step.compile): priced beside the replay's table, on its own clock
+# Priced beside the replay's table, on their own clocks: torch_compile (probes.step.compile) and
+# the trainer's optim alternatives (probes.step.optim)
 # ---------------------------------------------------------------------------------------------
+
+OPTIM_TURNS = 5  # turns of each optimizer, alternating
+
+
+def priced_beside(
+    runner: Any, plans: pd.DataFrame, training: TrainingConfig, replay_cfg: ReplayConfig
+) -> dict[str, Any]:
+    """What the replay's provenance carries beside its table: {"compile": compile_record,
+    "optim": optim_record} (each {} where it does not apply). The stage's one call."""
+    return {
+        "compile": compile_record(runner, plans, training, replay_cfg),
+        "optim": optim_record(runner, plans, training, replay_cfg),
+    }
+
+
+def optim_record(
+    runner: Any, plans: pd.DataFrame, training: TrainingConfig, replay_cfg: ReplayConfig
+) -> dict[str, Any]:
+    """Each installed optim alternative against the trainer's own, in alternating turns on the
+    baseline's median micro-batch (probes.step.optim.time_optimizers); {} on the harness path
+    or where step-level changes are off."""
+    from probes.step import optim
+
+    step = runner.runner
+    trainer = getattr(step, "trainer", None)
+    if trainer is None or not replay_cfg.step_changes:
+        return {}
+    own = optim.current_optim(trainer.args)
+    names = [n for n in optim.installed_optims() if n != own]
+    if not names:
+        return {}
+    base = plans[plans["strategy"] == pl.BASELINE].sort_values("computed_tokens")
+    batch = runner.device_batch(base.iloc[len(base) // 2])
+    times = optim.time_optimizers(step, batch, names, OPTIM_TURNS)
+    return optim.price_optims(times, own, int(training.grad_accum))
+
 
 PAD_MULTIPLE = 64  # the companion: the collator's pad_to_multiple_of (tensor-core friendly)
 COMPILE_SHAPES = 4  # shapes compiled and timed per configuration; the rest charged (price)

@@ -240,13 +240,18 @@ def compile_total(run: CompileRun, n_shapes: int) -> tuple[float, float, float]:
 
 
 def per_micro_batch_saving(run: CompileRun) -> tuple[float, float, float]:
-    """Median eager - compiled seconds per micro-batch over the pairs, with its distribution-free
-    95% interval (the sign test's order statistics): a pair the machine preempted is one
-    outlier, which would drag a mean and its t-interval (a busy-wait step of known cost came
-    out 1% off its truth, outside the t-interval, while a compiler ran beside it)."""
-    diff = np.sort(np.asarray(run.eager_s) - np.asarray(run.compiled_s))
+    """Median eager - compiled seconds per micro-batch over the pairs (paired_saving)."""
+    return paired_saving(run.eager_s, run.compiled_s)
+
+
+def paired_saving(base: Sequence[float], change: Sequence[float]) -> tuple[float, float, float]:
+    """Median base - change seconds over paired timings, with its distribution-free 95%
+    interval (the sign test's order statistics): a pair the machine preempted is one outlier,
+    which would drag a mean and its t-interval (a busy-wait step of known cost came out 1% off
+    its truth, outside the t-interval, while a compiler ran beside it)."""
+    diff = np.sort(np.asarray(base, dtype=float) - np.asarray(change, dtype=float))
     if diff.size < 2:
-        raise ValueError("fewer than 2 eager/compiled pairs: no interval")
+        raise ValueError("fewer than 2 pairs: no interval")
     k = sign_test_rank(diff.size)
     return float(np.median(diff)), float(diff[k]), float(diff[diff.size - 1 - k])
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pandas as pd
+import pytest
 
 from probes.batching import plans as pl
 from probes.replay import step_changes as rs
@@ -71,3 +72,29 @@ def test_a_collator_without_pad_to_multiple_of_says_so():
         assert "has no pad_to_multiple_of" in why
     with rs.collator_padding(SimpleNamespace(collator=None), 64) as why:
         assert why is None  # the harness path: its batches follow the rounded plan
+
+
+def test_the_trainers_optim_alternatives_are_priced_beside_the_table(monkeypatch):
+    from probes.step import optim
+
+    picked = []
+    trainer = SimpleNamespace(args=SimpleNamespace(optim="adamw_torch_fused"))
+    runner = SimpleNamespace(
+        runner=SimpleNamespace(trainer=trainer),
+        device_batch=lambda row: picked.append(int(row.padded_length)) or row,
+    )
+
+    def turns(step, batch, names, pairs):
+        assert names == ["adamw_torch"] and pairs == rs.OPTIM_TURNS
+        own = [0.010, 0.011, 0.010, 0.012, 0.010]
+        return {"micro_batch_s": [0.1] * 10, "adamw_torch_fused": own, "adamw_torch": [0.02] * 5}
+
+    monkeypatch.setattr(optim, "installed_optims", lambda: ["adamw_torch", "adamw_torch_fused"])
+    monkeypatch.setattr(optim, "time_optimizers", turns)
+    cfg = SimpleNamespace(step_changes=True, compile=False)
+    beside = rs.priced_beside(runner, _plans([37, 50, 70]), SimpleNamespace(grad_accum=2), cfg)
+    assert beside["compile"] == {} and picked == [50]  # the median micro-batch
+    priced = beside["optim"]["optim_adamw_torch"]
+    assert priced["step_saving_s"] == pytest.approx(-0.01) and priced["saving_high"] < 0
+    harness = SimpleNamespace(runner=SimpleNamespace(), device_batch=None)
+    assert rs.optim_record(harness, _plans([37]), None, cfg) == {}

@@ -387,3 +387,25 @@ def test_dataloader_workers_take_the_collation_off_the_timed_micro_batch(factory
     assert step.trainer.args.dataloader_num_workers == 2 and not step.collates_in_loop
     switch.set(None)
     assert step.trainer.args.dataloader_num_workers == 0 and step.collates_in_loop
+
+
+def test_the_optimizer_alternatives_step_the_trainers_own_parameter_groups_in_turns(factory_dir):
+    """probes.step.optim: the alternative is the trainer's own create_optimizer at the other
+    optim (the same parameter groups), timed in alternating turns; the trainer's optimizer and
+    setting are left as they were."""
+    from probes.step import optim
+
+    step = _step(factory_dir, "sft")
+    own = optim.current_optim(step.trainer.args)
+    (other,) = [n for n in optim.installed_optims() if n in optim.SAME_STATE_OPTIMS and n != own]
+    before = step.trainer.optimizer
+    built = optim.alternative_optimizer(step.trainer, other)
+    assert built is not before and step.trainer.optimizer is before
+    assert optim.current_optim(step.trainer.args) == own
+    sizes = [[p.numel() for p in g["params"]] for g in built.param_groups]
+    assert sizes == [[p.numel() for p in g["params"]] for g in before.param_groups]
+    times = optim.time_optimizers(step, step.collate(["0", "1"], False), [other], pairs=3)
+    assert len(times[own]) == len(times[other]) == 3 and len(times["micro_batch_s"]) == 6
+    priced = optim.price_optims(times, own, grad_accum=2)[optim.OPTIM_PREFIX + other]
+    assert priced["saving_low"] <= priced["saving"] <= priced["saving_high"]
+    assert priced["memory"] == optim.SAME_STATE
