@@ -252,6 +252,8 @@ class MemoryConfig:
     length_quantile: float
     tolerance: float
     scale_layers: bool
+    world_sizes: tuple[int, ...]
+    reshard_after_forward: tuple[bool, ...]
 
 
 @dataclass(frozen=True)

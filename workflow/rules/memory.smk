@@ -9,6 +9,7 @@ rule memory:
         ),
         changes=out("memory", "changes"),
         fit=out("memory", "fit"),
+        sharded=out("memory", "sharded"),
         summary=out("memory", "summary"),
         control=out("memory", "control"),
     log:

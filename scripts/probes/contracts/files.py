@@ -71,6 +71,7 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
         "shapes": "memory/shapes.parquet",
         "changes": "memory/changes.parquet",
         "fit": "memory/fit.parquet",
+        "sharded": "memory/sharded.parquet",
         "summary": "memory/summary.json",
         "control": "memory/control.json",
     },

@@ -455,6 +455,8 @@ TABLES: dict[str, TableSpec] = {
             "peak_op",
             "seconds",
             "assumptions",
+            "smallest_world_size",
+            "fits_on_gpus",
         ),
     ),
     # one row per strategy (and `training`, the configured shape): its largest micro-batch
@@ -471,6 +473,34 @@ TABLES: dict[str, TableSpec] = {
             "reason",
         ),
         ("layout",),
+    ),
+    # each rank's predicted peak under FSDP2 per world size for the training shape
+    # (probes.memory.sharded); the shapes table's training row carries the smallest that fits
+    "memory_sharded": TableSpec(
+        "memory",
+        "Memory",
+        (
+            "shape",
+            "strategy",
+            "world_size",
+            "reshard_after_forward",
+            "rows",
+            "length",
+            "target_gib",
+            "predicted_peak_gib",
+            "headroom_gib",
+            "verdict",
+            "reason",
+        ),
+        (
+            "parameters_gib",
+            "gradients_gib",
+            "optimizer_state_gib",
+            "activations_gib",
+            "communication_gib",
+            "seconds",
+            "assumptions",
+        ),
     ),
     # the largest micro-batch that fits at max_seq_len and at the p99 length, equal tokens/update
     "memory_fit": TableSpec(

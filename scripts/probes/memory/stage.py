@@ -43,6 +43,7 @@ from probes.memory.shapes import (
     rebalance_shape,
     training_shape,
 )
+from probes.memory.sharded import sharded_frame, with_world_sizes
 from probes.memory.step_changes import (
     LoadedHarness,
     at_base,
@@ -100,6 +101,9 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         )
         steps = step_rows()
     shape_table = pd.concat([shape_table, pd.DataFrame(steps)], ignore_index=True)
+    sharded = sharded_frame(config, functions, cfg.mask.dtype, shapes[0][1], cfg.memory,
+                            cfg.profile.attn_implementation, cfg.training.grad_accum)  # fmt: skip
+    shape_table = with_world_sizes(shape_table, sharded, TRAINING, cfg.memory.target_name)
     changes = changes_frame(shape_table)
     summary = {
         "target_gib": cfg.memory.target_gib,
@@ -121,6 +125,7 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         out.parquet("shapes", shape_table, provenance)
         out.parquet("changes", changes, provenance)
         out.parquet("fit", fit_table, provenance)
+        out.parquet("sharded", sharded, provenance)
         out.json("summary", summary)
         out.json("control", control)
     for row in shape_table.itertuples():

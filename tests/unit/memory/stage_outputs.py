@@ -62,6 +62,14 @@ def write_memory_stage(paths: dict[str, Path]) -> None:
           "method": "affine in rows"}]
     )  # fmt: skip
     write_parquet(fit, paths["memory_fit"], meta)
+    if "memory_sharded" in paths:  # each rank's peak under FSDP2 for the training shape
+        sharded = pd.DataFrame(
+            [{"shape": "training", "strategy": "fsdp2", "world_size": w,
+              "reshard_after_forward": True, "rows": 2, "length": 4096, "target_gib": 139.0,
+              "predicted_peak_gib": peak, "headroom_gib": 139.0 - peak, "verdict": "fits",
+              "reason": ""} for w, peak in ((1, 13.0), (2, 12.8))]
+        )  # fmt: skip
+        write_parquet(sharded, paths["memory_sharded"], meta)
     write_json({"target_gib": 139, "target": "H200", "dtype": "bfloat16",
                 "gradient_checkpointing": False}, paths["memory_summary"])  # fmt: skip
     check = {"name": "known_model", "description": "by hand", "expected": 1, "observed": 1,

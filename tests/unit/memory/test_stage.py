@@ -64,11 +64,16 @@ def test_stage_writes_every_table_with_verdicts(tmp_path, tiny_inputs, monkeypat
     cfg = workflow_config(
         training={"micro_batch_size": 2, "grad_accum": 2, "max_seq_len": 64},
         mask={"dtype": "float32"},
-        memory={"target_gib": 0.008, "allocator_round_bytes": 1, "scale_layers": False},
+        memory={
+            "target_gib": 0.008,
+            "allocator_round_bytes": 1,
+            "scale_layers": False,
+            "world_sizes": [1, 2],
+        },  # fmt: skip
     )
     outputs = outputs_in(tmp_path / "out")
     stage.run(tiny_inputs, outputs, cfg)
-    for name in ("shapes", "changes", "fit"):
+    for name in ("shapes", "changes", "fit", "sharded"):
         check_table_columns(read_parquet(outputs[name]).columns, f"memory_{name}", outputs[name])
     changes = read_parquet(outputs["changes"]).set_index("strategy")
     assert changes.loc["training", "verdict"] == FITS
@@ -82,6 +87,13 @@ def test_stage_writes_every_table_with_verdicts(tmp_path, tiny_inputs, monkeypat
     assert tuple(changes.loc["packing", ["shape_rows", "shape_length"]]) == (1, 124)
     fit = read_parquet(outputs["fit"]).set_index("length_kind").loc["max_seq_len"]
     assert fit["max_micro_batch_size"] * fit["grad_accum"] == 4
+    # FSDP2 at each configured world size for the training shape; the smallest that fits
+    sharded = read_parquet(outputs["sharded"]).set_index("world_size")
+    assert list(sharded.index) == [1, 2] and set(sharded["verdict"]) == {FITS}
+    assert sharded.loc[2, "optimizer_state_gib"] < sharded.loc[1, "optimizer_state_gib"]
+    training = read_parquet(outputs["shapes"]).set_index("shape").loc["training"]
+    assert training["smallest_world_size"] == 1
+    assert training["fits_on_gpus"] == "fits on 1 H200 GPU (FSDP2)"
     summary = read_json(outputs["summary"])
     assert summary["target"] == "H200" and summary["plans"] == "read"
 

@@ -143,7 +143,12 @@ def _config(**sections):
     return workflow_config(
         training={"micro_batch_size": MICRO, "grad_accum": ACCUM, "max_seq_len": MAX_LEN},
         mask={"dtype": "float32"},
-        memory={"target_gib": 139, "allocator_round_bytes": 1, "scale_layers": False},
+        memory={
+            "target_gib": 139,
+            "allocator_round_bytes": 1,
+            "scale_layers": False,
+            "world_sizes": [],
+        },  # fmt: skip
         **sections,
     )
 
