@@ -54,7 +54,7 @@ from probes.replay.sequential import (
     run_sequential,
     sized_design,
 )
-from probes.replay.step_changes import StepChanges, add_step_changes
+from probes.replay.step_changes import StepChanges, add_step_changes, priced_beside
 from probes.replay.strata import affordable_changes
 from probes.replay.timing import (
     REFERENCE_RULE,
@@ -285,6 +285,7 @@ def run_replay(
         control, coverage, instrument, sequential, combined, plan, replay_cfg
     )
     provenance = replay_provenance(cfg, plan, dtype, described, changes, idle, started)
+    provenance.update(priced_beside(runner, plan.plans, cfg.training, replay_cfg))
     fit_row = fit_table_row(fit, plan.micro, loss_share, plan.cpu_only, plan.max_len, replay_cfg)
     steps = steps_table(
         all_steps(sequential.steps, combined), sequential.optimizer_times, fit_points

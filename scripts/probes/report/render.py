@@ -44,6 +44,7 @@ from probes.report.sections.replay import host_bound_overall, replay_fit
 from probes.report.sections.scaling import scaling_section
 from probes.report.sections.summary import summary_section
 from probes.report.sections.verdicts import (
+    beside_view,
     device_line,
     memory_table,
     memory_target,
@@ -86,6 +87,7 @@ def build_context(
             "fit": replay_fit(tables, not_run),
             "host_bound": host_bound_overall(tables, not_run, jsons),
             "not_run": not_run.get("replay"),
+            "beside": beside_view(inputs["provenance"].get("replay")),
         },
         "padding": padding_section(tables, not_run, top_sources),
         "ce": ce_section(tables, not_run),

@@ -13,6 +13,7 @@ from probes.contracts import table_columns
 from probes.report import lint
 from probes.report.sections.apply import caveat_clauses, share_caveats
 from probes.report.sections.verdicts import (
+    beside_view,
     decision_word,
     memory_check,
     not_timed_word,
@@ -451,3 +452,28 @@ def test_the_provenance_names_the_timed_trainer_or_harness():
         "probes.reference_harness"
     )
     assert timed_name(None) is None
+
+
+def test_what_the_replay_priced_beside_its_table_is_listed():
+    """The replay's provenance carries the optim alternatives (and torch_compile where
+    replay.compile is on); each becomes one line with its interval and its note."""
+    provenance = {
+        "optim": {
+            "optim_adamw_torch": {
+                "optim": "adamw_torch", "against": "adamw_torch_fused", "saving": -0.0004,
+                "saving_low": -0.0006, "saving_high": -0.0001, "memory": "same optimizer state",
+            }
+        },
+        "compile": {
+            "torch_compile": {"saving": None, "recommended": False, "why": "failed to compile: E"},
+            "torch_compile+pad_to_multiple_of_64": {
+                "saving": 0.12, "saving_low": 0.05, "saving_high": 0.2, "break_even_steps": 240.4,
+            },
+        },
+    }  # fmt: skip
+    view = {b["name"]: b for b in beside_view(provenance)}
+    assert view["torch_compile"]["note"] == "failed to compile: E"
+    assert view["torch_compile+pad_to_multiple_of_64"]["note"] == "break-even after 240 steps"
+    assert view["optim_adamw_torch"]["of"].endswith("`adamw_torch_fused`")
+    assert view["optim_adamw_torch"]["low"] < view["optim_adamw_torch"]["high"] < 0
+    assert beside_view(None) == [] and beside_view({"optim": {}}) == []

@@ -271,3 +271,40 @@ def device_line(
         "max_seq_len": (measured or {}).get("max_seq_len"),
         "timed": timed,
     }
+
+
+def beside_view(provenance: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """What the replay priced beside its table (its provenance's "compile" and "optim", from
+    probes.replay.step_changes.priced_beside), one entry each: the name, the saving as a share
+    of the run (compile) or of a training step (optim) with its 95% interval, and what else it
+    says (break-even steps, memory, why it is not recommended)."""
+    out: list[dict[str, Any]] = []
+    provenance = provenance or {}
+    for name, record in sorted((provenance.get("compile") or {}).items()):
+        out.append(
+            {
+                "name": name,
+                "of": "the run, compile included",
+                "saving": record.get("saving"),
+                "low": record.get("saving_low"),
+                "high": record.get("saving_high"),
+                "note": record.get("why")
+                or (
+                    f"break-even after {record['break_even_steps']:.0f} steps"
+                    if record.get("break_even_steps") is not None
+                    else None
+                ),
+            }
+        )
+    for name, record in sorted((provenance.get("optim") or {}).items()):
+        out.append(
+            {
+                "name": name,
+                "of": f"a training step, against `{record.get('against')}`",
+                "saving": record.get("saving"),
+                "low": record.get("saving_low"),
+                "high": record.get("saving_high"),
+                "note": record.get("memory"),
+            }
+        )
+    return out
