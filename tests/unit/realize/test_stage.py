@@ -299,3 +299,15 @@ def test_rounds_are_added_while_the_budget_holds_one_more(tmp_path, plans, cost)
 def test_a_missing_replay_table_is_named_with_the_rule_that_writes_it(tmp_path):
     with pytest.raises(rz.RealizeError, match="replay.parquet: no such file; it is written by"):
         rz.read_estimates(tmp_path / "replay.parquet")
+
+
+def test_the_changes_checked_are_the_best_measured_and_never_the_dataloader_workers():
+    estimates = pd.DataFrame(
+        {
+            "strategy": ["random", "dataloader_workers_2", "packing", "length_grouped", "slow"],
+            "valid": [True, True, True, True, True],
+            "saving_vs_random": [0.0, 0.5, 0.3, 0.2, -0.1],
+            "saving_ci_low": [0.0, 0.4, 0.1, -0.1, -0.2],
+        }
+    )
+    assert rz.select_changes(estimates, 3) == ["packing", "length_grouped"]
