@@ -46,6 +46,9 @@ from probes.memory.predict import (
 from probes.memory.tracker import StepTracker
 
 TOTAL = "Total"
+# The sharded traces scale from two layers of each type: with one, the base's peak has no layer
+# to prefetch the next all-gather for, so its composition differs from every larger model's.
+SCALE_FROM = 2
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,19 @@ def layer_classes(model: nn.Module) -> set[str]:
     return names
 
 
+def layer_units(model: nn.Module) -> list[nn.Module]:
+    """The text decoder's layers: a multimodal wrapper's other towers, which the text step never
+    runs, stay in the root's group (gathered with it: an upper bound for their part), since a
+    unit that never runs forward leaves FSDP2's post-backward nothing to reshard."""
+    classes = layer_classes(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
+    units = [m for m in decoder.modules() if type(m).__name__ in classes]
+    if not units:
+        raise PredictError(f"no module of {sorted(classes)} in the text decoder to shard")
+    return units
+
+
 class LossRoot(nn.Module):
     """FSDP2's root: its forward is the harness's loss on the model (see the module's doc)."""
 
@@ -119,10 +135,7 @@ def shard(model: nn.Module, compute_loss: Any, mesh: Any, sharding: Sharding) ->
     """`fully_shard` each decoder layer, then the root around the loss; returns the root."""
     from torch.distributed.fsdp import fully_shard
 
-    classes = layer_classes(model)
-    units = [m for m in model.modules() if type(m).__name__ in classes]
-    if not units:
-        raise PredictError(f"no module of {sorted(classes)} in the model to shard")
+    units = layer_units(model)
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=sharding.reshard_after_forward)
     root = LossRoot(model, compute_loss)
@@ -162,6 +175,7 @@ def predict_sharded(
     start = time.perf_counter()
     with fake_process_group(sharding.world_size) as mesh:
         model = build_model(config, functions, dtype, attn_implementation)
+        units = len(layer_units(model))  # before fully_shard renames their classes (FSDP...)
         root = shard(model, functions.compute_loss, mesh, sharding)
         with FakeTensorMode(allow_non_fake_inputs=True), fake_errors(shape):
             root.to_empty(device="cpu")  # fully_shard's own _apply keeps the shards DTensors
@@ -169,7 +183,6 @@ def predict_sharded(
             optimizer = (functions.build_optimizer or _adamw)(model)
             warm_optimizer(model, optimizer)
             by_kind = tracked_step(root, optimizer, shape, grad_accum)
-    units = sum(type(m).__name__ in layer_classes(model) for m in model.modules())
     notes = [f"FSDP2 over {sharding.world_size} rank(s): {units} layer units and the root"]
     return ShardedPrediction(
         sharding, shape, by_kind[TOTAL], by_kind, time.perf_counter() - start, notes
@@ -202,3 +215,70 @@ def tracked_step(
         optimizer.zero_grad(set_to_none=True)
     (snapshot,) = tracker.get_tracker_snapshot("peak").values()
     return {str(kind).split(".")[-1]: int(nbytes) for kind, nbytes in snapshot.items()}
+
+
+def predict_sharded_scaled(
+    config: Any,
+    functions: StepFunctions,
+    dtype: str,
+    shape: Shape,
+    sharding: Sharding,
+    attn_implementation: str = "sdpa",
+    grad_accum: int = 1,
+) -> ShardedPrediction:
+    """`predict_sharded` on reduced models scaled per layer type, as `probes.memory.layers`
+    scales the one-process figure, from SCALE_FROM layers of each type: one more of each type in
+    turn, the line checked against one more of every type to the byte (more than one type), and
+    the whole model traced where it misses or where the reduced traces are not fewer layers."""
+    from probes.memory.layers import layer_types, reduced_config, reduced_types
+
+    start = time.perf_counter()
+    full = layer_types(config)
+    counts = {t: full.count(t) for t in dict.fromkeys(full)}
+
+    def at(layer_counts: dict[str, int] | None) -> ShardedPrediction:
+        reduced = config
+        if layer_counts is not None:
+            reduced = reduced_config(config, reduced_types(full, layer_counts))
+        return predict_sharded(
+            reduced, functions, dtype, shape, sharding, attn_implementation, grad_accum
+        )
+
+    low = SCALE_FROM  # layers of each type in the base trace
+    k = len(counts)
+    traced = k * low + k * (k * low + 1) + (k * (low + 1) if k > 1 else 0)
+    if traced >= len(full):
+        return at(None)
+    lows = dict.fromkeys(counts, low)
+    base = at(lows)
+    extra = {t: at({**lows, t: low + 1}) for t in counts}
+    kinds = set(base.by_kind).union(*(p.by_kind for p in extra.values()))
+
+    def line(layer_counts: dict[str, int]) -> dict[str, int]:
+        out = {}
+        for kind in kinds:
+            value = base.by_kind.get(kind, 0)
+            for t, found in extra.items():
+                step = found.by_kind.get(kind, 0) - base.by_kind.get(kind, 0)
+                value += (layer_counts[t] - low) * step
+            out[kind] = value
+        return out
+
+    if k > 1:
+        highs = dict.fromkeys(counts, low + 1)
+        missed = line(highs)[TOTAL] - at(highs).by_kind[TOTAL]
+        if missed:
+            whole = at(None)
+            words = f"{missed / 2**30:+.4f} GiB"
+            whole.notes.insert(
+                0,
+                f"the whole model traced: the per-layer-type line missed a trace of {low + 1} "
+                f"layers of each type by {words}",
+            )
+            whole.seconds = time.perf_counter() - start
+            return whole
+    by_kind = line(counts)
+    note = (f"FSDP2 over {sharding.world_size} rank(s): traces of {low} and {low + 1} layers "
+            f"of each type scaled per layer type to the model's {len(full)}")  # fmt: skip
+    return ShardedPrediction(sharding, shape, by_kind[TOTAL], by_kind,
+                             time.perf_counter() - start, [note])  # fmt: skip

@@ -14,7 +14,12 @@ from typing import Any
 import pandas as pd
 
 from probes.contracts.tables import table_columns
-from probes.memory.fsdp import ShardedPrediction, Sharding, predict_sharded
+from probes.memory.fsdp import (
+    ShardedPrediction,
+    Sharding,
+    predict_sharded,
+    predict_sharded_scaled,
+)
 from probes.memory.predict import PredictError, Shape, StepFunctions
 from probes.memory.verdict import FITS, GIB, headroom_gib, verdict
 
@@ -75,10 +80,11 @@ def sharded_frame(
 ) -> pd.DataFrame:
     """One row per (world size, reshard_after_forward): rank 0's predicted peak at `shape`."""
     target = int(memory.target_gib * GIB)
+    predict_fn = predict_sharded_scaled if memory.scale_layers else predict_sharded
     rows = []
     for sharding in shardings(memory.world_sizes, memory.reshard_after_forward):
         try:
-            found: ShardedPrediction | PredictError = predict_sharded(
+            found: ShardedPrediction | PredictError = predict_fn(
                 config, functions, dtype, shape, sharding, attn_implementation, grad_accum
             )
         except PredictError as error:
