@@ -271,4 +271,7 @@ WIRING_TRIMS = {
         "cpu": {"budget_s": 1, "threads": 1},
     },
     "report": {"figure_dpi": 40},
+    # one FSDP2 world size (each is a fake-tensor trace under a fake process group, ~3 s on the
+    # tiny model); tests/unit/memory/test_fsdp.py checks the predictions themselves
+    "memory": {"world_sizes": [2]},
 }
