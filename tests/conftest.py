@@ -40,6 +40,7 @@ LONGEST_FIRST = (
     "tests/workflow/test_data_parallel.py",  # 45-65 s: the upstream run, then two ranks
     "tests/workflow/test_report.py",  # 25-30 s: three Snakemake runs
     "tests/unit/memory/test_step_changes.py",  # 35-45 s: four memory stage runs
+    "tests/unit/memory/test_fsdp.py",  # 40-55 s: FSDP2 traces, two spawned gloo ranks
     # 35-45 s together: one xdist group (report_renders), the fixture reports rendered once
     "tests/unit/report/test_first_screen.py",
     "tests/unit/report/test_report.py",
