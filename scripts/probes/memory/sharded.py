@@ -89,6 +89,14 @@ def sharded_frame(
             )
         except PredictError as error:
             found = error
+        except (RuntimeError, AttributeError, NotImplementedError, ValueError) as error:
+            # FSDP2 or its tracker refusing this model is this world size's answer (unknown,
+            # with the words), not the stage's failure: the one-GPU figures stand
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            found = PredictError(
+                f"FSDP2 at W={sharding.world_size} could not be predicted "
+                f"({type(error).__name__}: {first})"
+            )
         row = sharded_row(found, sharding, shape, target)
         LOG.info(
             "%s W=%d reshard=%s: %s GiB per rank, %s", shape.name, sharding.world_size,

@@ -89,3 +89,20 @@ def test_scaled_sharded_prediction_equals_the_whole_models():
         harness.configure({})
     assert scaled.by_kind == whole.by_kind
     assert "scaled per layer type to the model's 24" in scaled.notes[0]
+
+
+def test_a_model_fsdp2_cannot_shard_is_unknown_with_its_words(monkeypatch):
+    from types import SimpleNamespace
+
+    from probes.memory import sharded
+
+    def refuses(*args, **kwargs):
+        raise AttributeError("'FSDPParam' object has no attribute '_unsharded_param'")
+
+    monkeypatch.setattr(sharded, "predict_sharded", refuses)
+    memory = SimpleNamespace(target_gib=139, world_sizes=[2], reshard_after_forward=[True],
+                             scale_layers=False)  # fmt: skip
+    frame = sharded.sharded_frame(None, None, "bfloat16", SHAPE, memory, "sdpa")
+    row = frame.iloc[0]
+    assert row["verdict"] == "unknown" and "AttributeError" in row["reason"]
+    assert sharded.fits_on_words(frame, "H200") == "not predicted under FSDP2"
