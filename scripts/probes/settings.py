@@ -254,6 +254,7 @@ class MemoryConfig:
     scale_layers: bool
     world_sizes: tuple[int, ...]
     reshard_after_forward: tuple[bool, ...]
+    every_world_size: bool
 
 
 @dataclass(frozen=True)

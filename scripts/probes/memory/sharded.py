@@ -21,6 +21,7 @@ from probes.memory.fsdp import (
     predict_sharded_scaled,
 )
 from probes.memory.predict import PredictError, Shape, StepFunctions
+from probes.memory.shapes import TRAINING
 from probes.memory.verdict import FITS, GIB, headroom_gib, verdict
 
 LOG = logging.getLogger("probes.memory")
@@ -78,11 +79,16 @@ def sharded_frame(
     attn_implementation: str,
     grad_accum: int = 1,
 ) -> pd.DataFrame:
-    """One row per (world size, reshard_after_forward): rank 0's predicted peak at `shape`."""
+    """One row per (world size, reshard_after_forward): rank 0's predicted peak at `shape`; in
+    increasing world size up to the first that fits unless memory.every_world_size."""
     target = int(memory.target_gib * GIB)
     predict_fn = predict_sharded_scaled if memory.scale_layers else predict_sharded
-    rows = []
-    for sharding in shardings(memory.world_sizes, memory.reshard_after_forward):
+    rows: list[dict[str, Any]] = []
+    for sharding in shardings(sorted(memory.world_sizes), memory.reshard_after_forward):
+        if not memory.every_world_size and any(
+            r["verdict"] == FITS and r["world_size"] < sharding.world_size for r in rows
+        ):
+            break  # a smaller world size fits: the smallest is the answer
         try:
             found: ShardedPrediction | PredictError = predict_fn(
                 config, functions, dtype, shape, sharding, attn_implementation, grad_accum
@@ -103,7 +109,20 @@ def sharded_frame(
             sharding.reshard_after_forward, row["predicted_peak_gib"], row["verdict"],
         )  # fmt: skip
         rows.append(row)
-    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=list(table_columns(TABLE)))
+    return pd.DataFrame(rows) if rows else empty_sharded()
+
+
+def needs_sharding(shapes: pd.DataFrame, memory: Any) -> bool:
+    """Whether to predict under FSDP2: every world size asked for, or the training shape does
+    not fit one GPU (then the smallest world size that fits is what the user needs)."""
+    if not memory.world_sizes:
+        return False
+    training = shapes[shapes["shape"] == TRAINING] if "shape" in shapes else shapes.iloc[:0]
+    return bool(memory.every_world_size) or training.empty or (training["verdict"] != FITS).any()
+
+
+def empty_sharded() -> pd.DataFrame:
+    return pd.DataFrame(columns=list(table_columns(TABLE)))
 
 
 def smallest_fitting(sharded: pd.DataFrame) -> int | None:

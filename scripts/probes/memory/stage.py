@@ -43,7 +43,7 @@ from probes.memory.shapes import (
     rebalance_shape,
     training_shape,
 )
-from probes.memory.sharded import sharded_frame, with_world_sizes
+from probes.memory.sharded import empty_sharded, needs_sharding, sharded_frame, with_world_sizes
 from probes.memory.step_changes import (
     LoadedHarness,
     at_base,
@@ -101,8 +101,10 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         )
         steps = step_rows()
     shape_table = pd.concat([shape_table, pd.DataFrame(steps)], ignore_index=True)
-    sharded = sharded_frame(config, functions, cfg.mask.dtype, shapes[0][1], cfg.memory,
-                            cfg.profile.attn_implementation, cfg.training.grad_accum)  # fmt: skip
+    sharded = sharded_frame(
+        config, functions, cfg.mask.dtype, shapes[0][1], cfg.memory,
+        cfg.profile.attn_implementation, cfg.training.grad_accum,
+    ) if needs_sharding(shape_table, cfg.memory) else empty_sharded()  # fmt: skip
     shape_table = with_world_sizes(shape_table, sharded, TRAINING, cfg.memory.target_name)
     changes = changes_frame(shape_table)
     summary = {

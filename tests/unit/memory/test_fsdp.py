@@ -101,8 +101,42 @@ def test_a_model_fsdp2_cannot_shard_is_unknown_with_its_words(monkeypatch):
 
     monkeypatch.setattr(sharded, "predict_sharded", refuses)
     memory = SimpleNamespace(target_gib=139, world_sizes=[2], reshard_after_forward=[True],
-                             scale_layers=False)  # fmt: skip
+                             scale_layers=False, every_world_size=False)  # fmt: skip
     frame = sharded.sharded_frame(None, None, "bfloat16", SHAPE, memory, "sdpa")
     row = frame.iloc[0]
     assert row["verdict"] == "unknown" and "AttributeError" in row["reason"]
     assert sharded.fits_on_words(frame, "H200") == "not predicted under FSDP2"
+
+
+def test_world_sizes_stop_at_the_first_that_fits_unless_every_one_is_asked(monkeypatch):
+    """The smallest world size that fits is the answer: larger ones are predicted only with
+    memory.every_world_size; none at all where the training shape fits one GPU."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from probes.memory import sharded
+
+    asked = []
+
+    def per_rank(config, functions, dtype, shape, sharding, *rest):
+        asked.append(sharding.world_size)
+        raise sharded.PredictError(f"stands in for {100 // sharding.world_size} GiB")
+
+    monkeypatch.setattr(sharded, "predict_sharded", per_rank)
+    monkeypatch.setattr(
+        sharded, "sharded_row",
+        lambda found, s, shape, target: {"world_size": s.world_size, "predicted_peak_gib": 1.0,
+                                         "verdict": "fits" if s.world_size >= 4 else "x"},
+    )  # fmt: skip
+    memory = SimpleNamespace(target_gib=139, world_sizes=[8, 1, 4, 2], scale_layers=False,
+                             reshard_after_forward=[True], every_world_size=False)  # fmt: skip
+    sharded.sharded_frame(None, None, "bfloat16", SHAPE, memory, "sdpa")
+    assert asked == [1, 2, 4]
+    asked.clear()
+    every = SimpleNamespace(**{**vars(memory), "every_world_size": True})
+    sharded.sharded_frame(None, None, "bfloat16", SHAPE, every, "sdpa")
+    assert asked == [1, 2, 4, 8]
+    fits = pd.DataFrame({"shape": ["training"], "verdict": ["fits"]})
+    assert not sharded.needs_sharding(fits, memory) and sharded.needs_sharding(fits, every)
+    assert sharded.needs_sharding(fits.assign(verdict="does not fit"), memory)

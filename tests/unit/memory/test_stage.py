@@ -69,6 +69,7 @@ def test_stage_writes_every_table_with_verdicts(tmp_path, tiny_inputs, monkeypat
             "allocator_round_bytes": 1,
             "scale_layers": False,
             "world_sizes": [1, 2],
+            "every_world_size": True,
         },  # fmt: skip
     )
     outputs = outputs_in(tmp_path / "out")
