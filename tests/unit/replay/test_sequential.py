@@ -293,3 +293,19 @@ def test_the_budget_goes_to_the_changes_it_can_decide(plans):
     timed_savings = [abs(saving[n]) for n in kept[1:]]
     assert all(abs(saving[n]) <= min(timed_savings) for n in dropped if n not in small)
     assert any("would take about" in why and "63 units" in why for why in dropped.values())
+
+
+def test_the_next_round_weights_each_undecided_change_by_its_width():
+    from types import SimpleNamespace
+
+    from probes.replay.sequential import widest_first
+
+    def interval(low, high):
+        return SimpleNamespace(saving_low=low, saving_high=high)
+
+    estimates = {"wide": interval(-1.0, 0.2), "narrow": interval(-0.1, 0.2), "random": None}
+    weights = widest_first({"wide": 1.0, "narrow": 1.0, "random": 5.0}, estimates,
+                           ["wide", "narrow"])  # fmt: skip
+    assert weights["wide"] == 1.0 and weights["random"] == 5.0
+    assert weights["narrow"] == pytest.approx((0.3 / 1.2) ** 2)
+    assert widest_first({"a": 2.0}, {}, ["a"]) == {"a": 2.0}
