@@ -16,7 +16,6 @@ Stops: "decision" (every valid change decided), "budget" (another round would pa
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +42,9 @@ from probes.replay.strata import (
     proxy_cost,
     proxy_fixed,
     proxy_spread,
+    strategy_weights,
     stratum_orders,
+    widest_first,
 )
 from probes.replay.timing import MICRO_BATCH, ReplaySettings, run_sample
 from probes.step.timing import OK
@@ -186,41 +187,6 @@ def sized_design(
         "a measured one) fits budget_s",
     }
     return build_design(plans, strata, seed), record
-
-
-def strategy_weights(
-    totals: Mapping[str, float],
-    valid: Sequence[str],
-    baseline: str = pl.BASELINE,
-    others_weight: float = 0.25,
-) -> dict[str, float]:
-    """1/T² (relative variance), × the number of other valid strategies for the baseline (its
-    variance enters every saving), × `others_weight` for a strategy not in `valid` (invalid
-    anyway; 0 once decided)."""
-    others = max(sum(1 for n in totals if n != baseline and n in valid), 1)
-    weights = {}
-    for name, total in totals.items():
-        factor = others if name == baseline else (1.0 if name in valid else others_weight)
-        weights[name] = factor / max(total, 1e-12) ** 2
-    return weights
-
-
-def widest_first(
-    weights: Mapping[str, float], estimates: Mapping[str, GregEstimate], undecided: Sequence[str]
-) -> dict[str, float]:
-    """Each undecided change's weight × its saving interval's width² (relative to the widest):
-    the stratum spreads Neyman allocates by are the baseline's for a paired change, whose own
-    uncertainty is its pairs' (a checkpointing change at -28% [-99%, +18%] on 4 pairs got no
-    unit of the next round on the default run while changes 20 pp wide got four)."""
-    widths = {
-        n: estimates[n].saving_high - estimates[n].saving_low
-        for n in undecided
-        if n in estimates and math.isfinite(estimates[n].saving_high - estimates[n].saving_low)
-    }
-    widest = max(widths.values(), default=0.0)
-    if widest <= 0:
-        return dict(weights)
-    return {n: w * (widths[n] / widest) ** 2 if n in widths else w for n, w in weights.items()}
 
 
 def initial_takes(

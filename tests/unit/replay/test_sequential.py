@@ -298,7 +298,7 @@ def test_the_budget_goes_to_the_changes_it_can_decide(plans):
 def test_the_next_round_weights_each_undecided_change_by_its_width():
     from types import SimpleNamespace
 
-    from probes.replay.sequential import widest_first
+    from probes.replay.strata import widest_first
 
     def interval(low, high):
         return SimpleNamespace(saving_low=low, saving_high=high)
