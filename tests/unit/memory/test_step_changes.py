@@ -247,7 +247,8 @@ def test_the_report_reads_a_step_level_change_from_the_table(default_run):
             {"strategy": "attention_eager", "baseline": False, "versus": "random batches",
              "verdict": "faster", "rank": 1, "tied": False, "title": "Use eager",
              "saving": 0.1, "saving_low": 0.05, "saving_high": 0.15}
-        ]
+        ],
+        "not_recommended": [],
     }  # fmt: skip
     (row,) = verdicts_section(measured, {"status": "not_run"}, frame, None)["rows"]
     assert row["memory"].startswith("fits, ") and row["memory"] != "not predicted"
