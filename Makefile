@@ -31,7 +31,7 @@ run-trainer: run
 # two workers (a 2-core CI machine: 12.5 -> 8 min); tests that share a module fixture with
 # side effects (the SLURM cluster) are grouped onto one worker
 test: setup
-	. $(BIN)/activate && pytest -n 2 --dist loadgroup
+	. $(BIN)/activate && pytest -n 2 --dist loadgroup --durations=15
 
 lint: setup
 	. $(BIN)/activate && ruff check scripts tests bench tools examples && ruff format --check scripts tests bench tools examples \
