@@ -175,7 +175,13 @@ def optim_record(
         return {}
     base = plans[plans["strategy"] == pl.BASELINE].sort_values("computed_tokens")
     batch = runner.device_batch(base.iloc[len(base) // 2])
-    times = optim.time_optimizers(step, batch, names, OPTIM_TURNS)
+    try:
+        times = optim.time_optimizers(step, batch, names, OPTIM_TURNS)
+    except Exception as error:  # a side measurement: the replay's table stands without it
+        why = f"not priced: {type(error).__name__} building or stepping an alternative"
+        LOG.warning("optim alternatives %s", why)
+        return {optim.OPTIM_PREFIX + n: {"optim": n, "against": own, "saving": None,
+                                         "memory": why} for n in names}  # fmt: skip
     return optim.price_optims(times, own, int(training.grad_accum))
 
 

@@ -98,3 +98,12 @@ def test_the_trainers_optim_alternatives_are_priced_beside_the_table(monkeypatch
     assert priced["step_saving_s"] == pytest.approx(-0.01) and priced["saving_high"] < 0
     harness = SimpleNamespace(runner=SimpleNamespace(), device_batch=None)
     assert rs.optim_record(harness, _plans([37]), None, cfg) == {}
+
+    def fails(step, batch, names, pairs):
+        raise ValueError("this optimizer needs a package the run does not have")
+
+    # an alternative the trainer cannot build or step is not priced, and the replay goes on
+    monkeypatch.setattr(optim, "time_optimizers", fails)
+    failed = rs.optim_record(runner, _plans([37]), SimpleNamespace(grad_accum=2), cfg)
+    assert failed["optim_adamw_torch"]["saving"] is None
+    assert failed["optim_adamw_torch"]["memory"].startswith("not priced: ValueError")
