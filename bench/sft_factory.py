@@ -23,7 +23,7 @@ IGNORE_INDEX = -100
 def build_trainer(settings: dict[str, Any]) -> Any:
     import datasets
     import trl
-    from realized_vs_promised import build_model
+    from realized_setup import build_model
 
     from probes.sampler import length_grouped_trainer
     from probes.trainer import apply_settings

@@ -205,11 +205,10 @@ def compile_record(
     runner: Any, plans: pd.DataFrame, training: TrainingConfig, replay_cfg: ReplayConfig
 ) -> dict[str, Any]:
     """torch_compile priced on the baseline's plan, and with the collator's pad_to_multiple_of
-    (fewer shapes, more padding), each compiled afresh (torch._dynamo.reset) and amortized over
-    the run's length (the trainer's num_train_epochs / max_steps; one epoch for a harness);
-    {} where replay.compile is off (compile_off lists it)."""
-    import torch
-
+    (fewer shapes, more padding), each compiled afresh from empty caches
+    (probes.step.compile.fresh_compiles) and amortized over the run's length (the trainer's
+    num_train_epochs / max_steps; one epoch for a harness); {} where replay.compile is off
+    (compile_off lists it)."""
     from probes.step import compile as cp
 
     if not getattr(replay_cfg, "compile", False):
@@ -230,8 +229,8 @@ def compile_record(
         (cp.COMPILE_STRATEGY, base, None),
         (name, padded, PAD_MULTIPLE),
     ):
-        torch._dynamo.reset()  # each configuration pays its own compiles
-        with collator_padding(runner.runner, multiple) as why:
+        # each configuration pays its own compiles, from empty caches
+        with cp.fresh_compiles(), collator_padding(runner.runner, multiple) as why:
             if why:
                 out[strategy] = {"recommended": False, "why": why}
                 continue

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +177,24 @@ def measure(
         run.eager_s += [e for e, _ in pairs]
         run.compiled_s += [c for _, c in pairs]
     return run
+
+
+@contextmanager
+def fresh_compiles() -> Iterator[None]:
+    """Compiles as a new process on a new machine meets them: torch._dynamo's graphs dropped, and
+    inductor's caches (FX graphs, generated C++ kernels; in memory and on disk) emptied for the
+    body (``torch._inductor.utils.fresh_cache``), so each graph built in it pays its whole
+    compile. Without it a second configuration reuses the first's kernels where they match (a
+    warm graph took 6-9 s against 77-87 s cold on a 2-core Xeon: docs/evidence)."""
+    import torch
+    from torch._inductor.utils import fresh_cache
+
+    torch._dynamo.reset()
+    try:
+        with fresh_cache():
+            yield
+    finally:
+        torch._dynamo.reset()
 
 
 def step_functions(

@@ -130,3 +130,14 @@ def test_once_a_graph_serves_every_shape_the_unmeasured_shapes_are_charged_no_co
     assert [s.graphs for s in run.shapes] == [1, 1, 0, 0] and run.recompiles == 1
     total, low, high = cp.compile_total(run, n_shapes)
     assert total == pytest.approx(2 * COMPILE_S, rel=0.1) and low <= 2 * COMPILE_S + 0.01
+
+
+def test_fresh_compiles_gives_its_body_an_empty_cache_directory_of_its_own():
+    import os
+
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with cp.fresh_compiles():
+        inside = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        assert inside != before and os.listdir(inside) == []
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") != inside
+    assert not os.path.exists(inside)  # deleted on the way out

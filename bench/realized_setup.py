@@ -1,0 +1,169 @@
+"""bench/realized_vs_promised.py's data, model and settings: the seeded subset of the real
+lengths, the small random-init Llama (or an architecture's own), and what every timed epoch
+sets (the model's own dtype, no autocast, one epoch, no logging)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "bench"))
+
+from trainer_harness import LEARNING_RATE  # noqa: E402
+
+from probes.batching import plans as pl  # noqa: E402
+from probes.contracts import TRAINING_STATUSES  # noqa: E402
+
+IGNORE_INDEX = -100
+VOCAB = 512
+
+
+def load_subset(path: Path, n: int, cap: int, seed: int) -> pl.PlanExamples:
+    """A seeded subset of the training examples, lengths (and loss tokens) capped at `cap`."""
+    frame = pd.read_parquet(path, columns=["example_id", "status", "n_tokens", "n_loss_tokens"])
+    used = frame.loc[frame["status"].astype(str).isin(TRAINING_STATUSES)].reset_index(drop=True)
+    rng = np.random.default_rng(seed)
+    picked = np.sort(rng.choice(len(used), size=min(n, len(used)), replace=False))
+    part = used.iloc[picked]
+    lengths = np.minimum(part["n_tokens"].to_numpy(np.int64), cap)
+    loss = pd.to_numeric(part["n_loss_tokens"], errors="coerce").fillna(0).to_numpy(np.int64)
+    return pl.PlanExamples(
+        part["example_id"].astype(str).to_numpy(object), lengths, np.clip(loss, 0, lengths)
+    )
+
+
+def build_model(
+    max_len: int, hidden: int, architecture: Path | None = None, dtype: Any = None
+) -> Any:
+    """A small Llama, random init (seed 0): real architecture, seconds per CPU epoch. With
+    `architecture` (a model directory's config.json, e.g. the default Gemma on a GPU) that
+    architecture instead, random init too: step time depends on shapes, not weight values."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if architecture is not None:
+        config = transformers.AutoConfig.from_pretrained(architecture)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+        model.config.use_cache = False
+        return model
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(max_len, 64),
+        attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config).to(dtype or torch.float32)
+    model.config.use_cache = False
+    return model
+
+
+def model_words(args: argparse.Namespace) -> str:
+    if args.architecture is None:
+        return f"small random-init Llama (hidden {args.hidden}, 4 layers, vocab {VOCAB})"
+    return f"random-init {args.architecture.name} architecture"
+
+
+def vocab_size(args: argparse.Namespace) -> int:
+    """Token ids are drawn below this: the small Llama's VOCAB, or the architecture's own."""
+    if args.architecture is None:
+        return VOCAB
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(args.architecture)
+    return int(getattr(config, "get_text_config", lambda: config)().vocab_size)
+
+
+def precision(args: argparse.Namespace) -> dict[str, Any]:
+    """The trainers' device and precision: the model's own dtype, no autocast (build_model puts
+    it in float32 on CPU, where bf16 is emulated without bf16 units, and in bfloat16 on CUDA),
+    so the trainers run the step the replay runs (profile.dtype the same)."""
+    return {"use_cpu": args.device != "cuda", "bf16": False}
+
+
+def epoch_arguments(out: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What every timed epoch sets, in TrainingArguments and SFTConfig alike: one epoch, no
+    logging, saving or progress bar in the timing, the data in the main process."""
+    return {
+        "output_dir": out,
+        "num_train_epochs": 1,
+        "learning_rate": LEARNING_RATE,
+        "seed": args.seed,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_strategy": "no",
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        **precision(args),
+    }
+
+
+def model_dtype(args: argparse.Namespace) -> Any:
+    import torch
+
+    return torch.bfloat16 if args.device == "cuda" else torch.float32
+
+
+def subset_recommendation(rec: dict[str, Any], examples: pl.PlanExamples) -> dict[str, Any]:
+    """The bucket stage's recommendation with its input counts those of the subset (the
+    recommended bucket size and sweep points are the full data's)."""
+    out = copy.deepcopy(rec)
+    out["input"] = {
+        **(out.get("input") or {}),
+        "examples_used": int(examples.lengths.size),
+        "real_tokens": int(examples.lengths.sum()),
+    }
+    out["batch_shapes"] = {
+        **(out.get("batch_shapes") or {}),
+        "padded_length_max": int(examples.lengths.max()),
+    }
+    return out
+
+
+def training_section(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "micro_batch_size": args.micro_batch_size,
+        "grad_accum": args.grad_accum,
+        "max_seq_len": args.cap,
+        "loss_on": "assistant",
+        "world_size": 1,
+    }
+
+
+class Examples:
+    """Tokenised examples: random ids, the real lengths; labels on the last `loss` tokens (the
+    assistant turn), -100 on the prompt."""
+
+    def __init__(self, rows: list[dict[str, list[int]]]) -> None:
+        self.rows = rows
+
+    @classmethod
+    def from_plan(cls, examples: pl.PlanExamples, seed: int, vocab: int = VOCAB) -> Examples:
+        rng = np.random.default_rng(seed)
+        rows = []
+        for n, loss in zip(examples.lengths, examples.loss_tokens, strict=True):
+            ids = rng.integers(1, vocab, size=int(n)).tolist()
+            labels = [IGNORE_INDEX] * (int(n) - int(loss)) + ids[int(n) - int(loss) :]
+            rows.append({"input_ids": ids, "labels": labels})
+        return cls(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.rows[index]
+
+    def filter(self, keep: Any) -> Examples:
+        return Examples([row for row in self.rows if keep(row)])
