@@ -33,11 +33,11 @@ from probes.realize import verdict as vd
 from probes.realize.control import CONTROL_NAME, run_control
 from probes.realize.estimate import REALIZED_COLUMNS, realized_table
 from probes.realize.promise import step_promises
+from probes.realize.scope import never_checked
 from probes.realize.steps import StepTimer
 from probes.realize.timing import STEP_COLUMNS, measure
 from probes.settings import RealizeConfig, TrainingConfig, WorkflowConfig
 from probes.stage import all_or_nothing
-from probes.step.changes import WORKERS_PREFIX
 from probes.step.idle import check_idle_card
 from probes.step.threads import timing_threads
 
@@ -60,13 +60,12 @@ def select_changes(estimates: pd.DataFrame, max_changes: int) -> list[str]:
     """The changes to check, best first: the valid strategies (not the baseline, not the
     inverted pad_to_max_seq_len row) with the largest measured saving, a saving above 0. Those
     the Summary recommends (interval above 0) come first; with none, the best measured ones are
-    still checked, so an interval too wide to recommend is confronted with real steps. Not the
-    dataloader workers: real steps taken one at a time build their loader every step, so its
-    workers would start again each step, which the trainer's epoch pays once."""
+    still checked, so an interval too wide to recommend is confronted with real steps. Never
+    those realize cannot check (probes.realize.scope: the dataloader workers)."""
     rows = estimates[
         estimates["valid"].fillna(False).astype(bool)
         & ~estimates["strategy"].isin([RANDOM, PAD_TO_MAX_SEQ_LEN])
-        & ~estimates["strategy"].astype(str).str.startswith(WORKERS_PREFIX)
+        & estimates["strategy"].map(lambda s: never_checked(str(s)) is None).astype(bool)
         & (pd.to_numeric(estimates["saving_vs_random"], errors="coerce") > 0)
     ].copy()
     rows["_recommended"] = pd.to_numeric(rows["saving_ci_low"], errors="coerce") > 0

@@ -20,6 +20,7 @@ from typing import Any
 import pandas as pd
 
 from probes.realize import verdict as vd
+from probes.realize.scope import never_checked
 from probes.report.format import finite, fmt_bytes, fmt_count, fmt_pct, fmt_seconds
 from probes.report.sections.shared import timed_parts
 
@@ -74,13 +75,17 @@ def next_action(
     memory: Mapping[str, Any],
     realize_ok: bool,
     more_changes: str = "realize.max_changes",
+    unchecked: str | None = None,
 ) -> str | None:
     """What to do next for one change, or "apply it" where every check that ran is settled;
-    `more_changes`: the setting that lets real steps check more changes."""
+    `more_changes`: the setting that lets real steps check more changes; `unchecked`: why
+    realize never checks this change (probes.realize.scope), said instead of asking for more."""
     if memory["verdict"] == DOES_NOT_FIT:
         return "do not apply as it is: it does not fit the target GPU"
     if realized is None:
-        return None if not realize_ok else f"check it: raise `{more_changes}`"
+        if not realize_ok:
+            return None
+        return unchecked or f"check it: raise `{more_changes}`"
     if realized.get("next_action"):
         return realized["next_action"]
     return "apply it"
@@ -112,7 +117,12 @@ def verdicts_section(
         baseline = bool(entry["baseline"])
         realized, mem = checked.get(entry["strategy"]), memory_check(memory, entry["strategy"])
         decision = decision_word(entry)
-        action = next_action(realized, mem, realize_ok, more) if decision == "faster" else None
+        unchecked = never_checked(entry["strategy"])
+        action = (
+            next_action(realized, mem, realize_ok, more, unchecked)
+            if decision == "faster"
+            else None
+        )
         rows.append(
             {
                 "strategy": entry["strategy"],
