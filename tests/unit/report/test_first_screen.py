@@ -471,9 +471,16 @@ def test_what_the_replay_priced_beside_its_table_is_listed():
             },
         },
     }  # fmt: skip
+    provenance["compile"]["torch_compile+pad_to_multiple_of_64"]["memory"] = "not predicted: X"
+    provenance["not_measured"] = {"optim_adamw_torch": "listed", "loss_liger": "GPU only: Y"}
     view = {b["name"]: b for b in beside_view(provenance)}
     assert view["torch_compile"]["note"] == "failed to compile: E"
-    assert view["torch_compile+pad_to_multiple_of_64"]["note"] == "break-even after 240 steps"
+    assert view["torch_compile+pad_to_multiple_of_64"]["note"] == (
+        "break-even after 240 steps; memory not predicted: X"
+    )
+    # what the replay did not time says why, once (a priced one is not listed again)
+    assert view["loss_liger"]["note"] == "GPU only: Y" and view["loss_liger"]["saving"] is None
+    assert view["optim_adamw_torch"]["note"] == "same optimizer state"
     assert view["optim_adamw_torch"]["of"].endswith("`adamw_torch_fused`")
     assert view["optim_adamw_torch"]["low"] < view["optim_adamw_torch"]["high"] < 0
     assert beside_view(None) == [] and beside_view({"optim": {}}) == []

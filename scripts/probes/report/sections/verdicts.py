@@ -287,7 +287,9 @@ def beside_view(provenance: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     """What the replay priced beside its table (its provenance's "compile" and "optim", from
     probes.replay.step_changes.priced_beside), one entry each: the name, the saving as a share
     of the run (compile) or of a training step (optim) with its 95% interval, and what else it
-    says (break-even steps, memory, why it is not recommended)."""
+    says (break-even steps, memory, why it is not recommended); then each change it did not
+    time on this device, with the one line saying why (its "not_measured": torch_compile where
+    replay.compile is off, the GPU-only loss kernels on a CPU)."""
     out: list[dict[str, Any]] = []
     provenance = provenance or {}
     for name, record in sorted((provenance.get("compile") or {}).items()):
@@ -298,12 +300,7 @@ def beside_view(provenance: Mapping[str, Any] | None) -> list[dict[str, Any]]:
                 "saving": record.get("saving"),
                 "low": record.get("saving_low"),
                 "high": record.get("saving_high"),
-                "note": record.get("why")
-                or (
-                    f"break-even after {record['break_even_steps']:.0f} steps"
-                    if record.get("break_even_steps") is not None
-                    else None
-                ),
+                "note": record.get("why") or compile_note(record),
             }
         )
     for name, record in sorted((provenance.get("optim") or {}).items()):
@@ -317,4 +314,19 @@ def beside_view(provenance: Mapping[str, Any] | None) -> list[dict[str, Any]]:
                 "note": record.get("memory"),
             }
         )
+    listed = {entry["name"] for entry in out}
+    for name, why in sorted((provenance.get("not_measured") or {}).items()):
+        if name not in listed:
+            out.append({"name": name, "of": None, "saving": None, "low": None, "high": None,
+                        "note": str(why)})  # fmt: skip
     return out
+
+
+def compile_note(record: Mapping[str, Any]) -> str | None:
+    """A priced compile's break-even step count and its memory verdict, as far as recorded."""
+    parts = []
+    if record.get("break_even_steps") is not None:
+        parts.append(f"break-even after {record['break_even_steps']:.0f} steps")
+    if record.get("memory"):
+        parts.append(f"memory {record['memory']}")
+    return "; ".join(parts) or None
