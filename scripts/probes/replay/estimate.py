@@ -21,8 +21,6 @@ from probes.batching import plans as pl
 from probes.contracts import table_columns
 from probes.replay.greg import (  # noqa: F401  (re-exported: replay.estimate's public names)
     FEATURES,
-    OUTLIER_SPREADS,
-    OUTLIER_TIMINGS,
     GregEstimate,
     GregTotal,
     StrategyDesign,
@@ -34,10 +32,14 @@ from probes.replay.greg import (  # noqa: F401  (re-exported: replay.estimate's 
     is_open,
     log_interval,
     open_strategies,
-    outlier_units,
-    paired_ratio,
+    paired_difference,
     satterthwaite,
     t_quantile_975,
+)
+from probes.replay.outliers import (  # noqa: F401  (re-exported)
+    OUTLIER_SPREADS,
+    OUTLIER_TIMINGS,
+    outlier_units,
     unit_residuals,
 )
 from probes.replay.timing import MICRO_BATCH, ReplaySettings

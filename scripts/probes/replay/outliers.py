@@ -1,0 +1,50 @@
+"""The replay's outlier screen: which timed units to time again, by their relative residuals
+under the working model (probes.replay.greg) fitted over every strategy's units."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from probes.replay.greg import StrategyDesign, fit_working_model
+
+# A unit timed once whose relative residual lies this many robust spreads (1.4826 × MAD) from
+# the rest is timed twice more and priced at the median of its three timings: on the default CPU
+# run one preempted micro-batch (+28%, the next largest +13%) took global_sort's interval from
+# 6.8 to 14.1 pp wide; for normal noise 3.5 spreads flag 0.05% of units.
+OUTLIER_SPREADS = 3.5
+OUTLIER_TIMINGS = 3
+
+
+def outlier_units(relative: np.ndarray, timings: np.ndarray, cv: float) -> np.ndarray:
+    """Mask of the units to time again: relative residual (e/ŷ) beyond OUTLIER_SPREADS robust
+    spreads of all units (never inside the instrument's own 3 × CV), and fewer than
+    OUTLIER_TIMINGS timings so far."""
+    relative = np.asarray(relative, dtype=np.float64)
+    if relative.size < 8:
+        return np.zeros(relative.size, dtype=bool)
+    centre = float(np.median(relative))
+    spread = 1.4826 * float(np.median(np.abs(relative - centre)))
+    limit = max(OUTLIER_SPREADS * spread, 3.0 * cv)
+    return (np.abs(relative - centre) > limit) & (np.asarray(timings) < OUTLIER_TIMINGS)
+
+
+def unit_residuals(designs: Mapping[str, StrategyDesign]) -> dict[str, np.ndarray]:
+    """Each strategy's timed units' relative residuals e/ŷ under the working model fitted on
+    every strategy's units together (as greg_estimate_all fits it), centred on the strategy's
+    own median: a step-level change the shared model misprices (checkpointing's recompute,
+    eager attention's L²) sat near the outlier limit as a whole, so its units with positive
+    noise crossed it and were timed again while those with negative noise kept their one
+    timing, and its estimate came out low (on the trainer bench 4-7 of padding-free eager's
+    ~20 units and nearly every checkpointing unit were retimed, 1-2 of random's ~80)."""
+    names = list(designs)
+    x = np.concatenate([designs[n].x for n in names])
+    y = np.concatenate([designs[n].y for n in names])
+    model, _ = fit_working_model(x, y)
+    out = {}
+    for n in names:
+        predicted = model.predict(designs[n].x)
+        relative = (designs[n].y - predicted) / np.maximum(np.abs(predicted), 1e-12)
+        out[n] = relative - (float(np.median(relative)) if relative.size else 0.0)
+    return out
