@@ -48,6 +48,7 @@ from probes.replay.prepare import (
     prepare,
     replay_dtype,
 )
+from probes.replay.reference import REFERENCE_RULE, Reference
 from probes.replay.sequential import (
     MIN_SIZED_STRATA,
     plans_table,
@@ -57,8 +58,6 @@ from probes.replay.sequential import (
 from probes.replay.step_changes import StepChanges, add_step_changes, priced_beside
 from probes.replay.strata import affordable_changes
 from probes.replay.timing import (
-    REFERENCE_RULE,
-    Reference,
     ReplayRunner,
     instrument_unit,
     measure_fit,

@@ -1,18 +1,13 @@
 """Replay's timing loop: units priced in the reference's seconds, so the machine's drift and
-bursts of load cancel (probes.replay.timing.Reference)."""
+bursts of load cancel (probes.replay.reference)."""
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
-from probes.replay.timing import (
-    Reference,
-    ReplaySettings,
-    in_reference_seconds,
-    reference_factors,
-    run_sample,
-)
+from probes.replay.reference import Reference, in_reference_seconds, reference_factors
+from probes.replay.timing import ReplaySettings, run_sample
 
 
 def test_reference_factors_take_the_timings_just_before_and_after():
