@@ -790,6 +790,7 @@ def write_data_parallel(root: Path) -> dict[str, Path]:
     }
     rows = [
         {
+            "sharding": "ddp",
             "strategy": strategy,
             "round": 0,
             "step": step,
@@ -830,9 +831,11 @@ def write_data_parallel(root: Path) -> dict[str, Path]:
         "cpu_only": True,
         "max_seq_len_measured": 64,
         "tolerance": 0.1,
-        "strategies": {
-            "random": strategy(2.0, 1.92, 0.15),
-            "length_grouped": strategy(1.2, 1.92, 0.0),
+        "runs": {
+            "ddp": {
+                "random": strategy(2.0, 1.92, 0.15),
+                "length_grouped": strategy(1.2, 1.92, 0.0),
+            },
         },
         "ranks": [
             {

@@ -66,7 +66,7 @@ def stage_inputs(
 
 
 # the stages that build the user's trainer (trainer.factory) when one is given
-TRAINER_STAGES = ("padding", "profile", "replay", "realize")
+TRAINER_STAGES = ("padding", "profile", "replay", "realize", "data_parallel")
 
 
 def factory_file(config: Mapping[str, Any]) -> str | None:

@@ -234,6 +234,7 @@ class DataParallelCpuConfig:
 @dataclass(frozen=True)
 class DataParallelConfig:
     backend: str
+    sharding: tuple[str, ...]
     steps: int
     rounds: int
     warmup_rounds: int

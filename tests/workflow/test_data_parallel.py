@@ -1,5 +1,7 @@
 """The data_parallel rule with world_size 2 on CPU: two gloo ranks under torchrun, each loading
-the tiny model through the reference harness and running its shard of the bucket stage's plans.
+the tiny model through the reference harness and running its shard of the bucket stage's plans;
+with a trainer factory, each rank builds the user's SFTTrainer and runs it under DDP and under
+its own FSDP2 (fsdp_config), its micro-batches from its own distributed dataloader.
 At world_size 1 (the default) the rule is not in the DAG; a rank that dies is one message."""
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from trainer_factories import write_factory
 
 from conftest import REPO, chat_rows, write_jsonl
 from probes.contracts import STAGE_OUTPUTS, check_table_columns
@@ -89,13 +92,15 @@ def test_data_parallel_rule_runs_two_gloo_ranks(upstream):
     assert summary["world_size"] == 2 and summary["backend"] == "gloo"
     assert sorted(r["rank"] for r in summary["ranks"]) == [0, 1]
     assert all(r["threads"] == 1 and r["hostname"] for r in summary["ranks"])
-    assert set(summary["strategies"]) == {"random", "length_grouped"}
+    # the harness is measured under DDP only; FSDP2 (the default's second) needs a trainer
+    assert set(summary["runs"]) == {"ddp"} and "fsdp2" in summary["not_measured"]
+    assert set(summary["runs"]["ddp"]) == {"random", "length_grouped"}
     # every (strategy, sampled step) measured on both ranks, one round
     n_sampled = sum(len(v) for v in summary["sampled_steps"].values())
     assert len(steps) == n_sampled * 2
     assert (steps["collective_s"] > 0).all() and (steps["single_s"] > 0).all()
     assert (steps["step_s"] >= steps["wait_s"] + steps["collective_s"]).all()
-    for values in summary["strategies"].values():
+    for values in summary["runs"]["ddp"].values():
         assert 0 < values["communication_share"] < 1
         assert values["predicted_s"] > 0 and values["ratio"] > 0
     # lengths capped on CPU: a step is grad_accum 2 micro-batches of 2 rows of <= 32 tokens
@@ -140,4 +145,100 @@ def test_a_world_size_the_machine_cannot_host_fails_with_one_message(tmp_path, w
     outputs = {k: str(tmp_path / v) for k, v in STAGE_OUTPUTS["data_parallel"].items()}
     with pytest.raises(stage.ProbeError, match=f"world_size={world_size}.*CPU cores"):
         stage.run({}, outputs, WorkflowConfig.from_dict(raw))
+    assert not any(Path(p).exists() for p in outputs.values())
+
+
+# rank 1's trainer raises in its loss; rank 0 would wait for it at the first collective
+DYING_FACTORY = """
+import importlib.util
+import os
+
+_spec = importlib.util.spec_from_file_location("base_factory", {base!r})
+_base = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_base)
+
+
+def build_trainer(settings):
+    trainer = _base.build_trainer(settings)
+    if os.environ.get("RANK") == "1":
+        def compute_loss(*args, **kwargs):
+            raise RuntimeError("rank one ran out of luck")
+
+        trainer.compute_loss = compute_loss
+    return trainer
+"""
+
+
+def trainer_stage(upstream, tmp_path, tiny_model_dir, factory: str, sharding: list[str]):
+    """stage.run on the upstream plans with `factory` as trainer.factory: the trainer path
+    reads the plans' strategies and the recommended bucket size only."""
+    from probes.config import load_config, stage_inputs
+    from probes.settings import WorkflowConfig
+
+    workdir, _ = upstream
+    raw = load_config(workdir / "config.yaml")
+    raw["trainer"]["factory"] = factory
+    raw["data_parallel"]["sharding"] = sharding
+    inputs = stage_inputs("data_parallel", raw, workdir / "results")
+    outputs = {k: str(tmp_path / v) for k, v in STAGE_OUTPUTS["data_parallel"].items()}
+    return inputs, outputs, WorkflowConfig.from_dict(raw)
+
+
+@pytest.mark.slow  # ~35 s: two torchrun launches of two ranks each building the SFTTrainer
+def test_the_trainer_runs_under_ddp_and_fsdp2_with_its_own_distributed_batches(
+    upstream, tmp_path, tiny_model_dir
+):
+    from probes.dp import stage
+
+    workdir, config = upstream
+    data = Path(config["data"]["files"][0]["path"])
+    factory = write_factory(tmp_path, tiny_model_dir, data, max_length=96)
+    inputs, outputs, cfg = trainer_stage(
+        upstream, tmp_path, tiny_model_dir, factory, ["ddp", "fsdp2"]
+    )
+    stage.run(inputs, outputs, cfg)
+    steps = read_parquet(outputs["steps"])
+    check_table_columns(steps.columns, "data_parallel_steps", "steps.parquet")
+    summary = read_json(outputs["summary"])
+    assert summary["timed_step"]["kind"] == "trainer"
+    assert summary["timed_step"]["trainer"] == "SFTTrainer"
+    assert set(summary["runs"]) == {"ddp", "fsdp2"}
+    wrapped = {s: {r["wrapper"] for r in ranks} for s, ranks in summary["wrapped"].items()}
+    assert wrapped["ddp"] == {"DistributedDataParallel"}
+    assert all(name.startswith("FSDP") for name in wrapped["fsdp2"]), wrapped
+    assert all(r["fsdp"]["fsdp_version"] == 2 for r in summary["wrapped"]["fsdp2"])
+    for sharding, run in summary["runs"].items():
+        assert set(run) == {"random", "length_grouped"}, sharding
+        rows = steps[steps["sharding"] == sharding]
+        assert sorted(set(rows["rank"])) == [0, 1]
+        assert (rows["step_s"] > 0).all() and (rows["single_s"] > 0).all()
+        assert (rows["wait_s"] >= 0).all() and (rows["collective_s"] >= 0).all()
+        for values in run.values():
+            assert values["predicted_s"] > 0 and values["ratio"] > 0
+    # the trainer's own batches, cut to data_parallel.cpu.max_seq_len on CPU: 2 micro-batches
+    # of 2 rows a step; the ranks got different rows (its distributed sampler's shards)
+    assert steps["padded_tokens"].max() <= 2 * 2 * 32 and (steps["n_micro_batches"] == 2).all()
+    ddp = steps[steps["sharding"] == "ddp"].pivot_table(
+        index=["strategy", "step", "round"], columns="rank", values="real_tokens"
+    )
+    assert (ddp[0] != ddp[1]).any()
+
+
+@pytest.mark.slow
+def test_a_trainer_rank_that_dies_is_one_message_naming_it(upstream, tmp_path, tiny_model_dir):
+    from probes.dp import stage
+
+    workdir, config = upstream
+    data = Path(config["data"]["files"][0]["path"])
+    base = write_factory(tmp_path, tiny_model_dir, data, max_length=96).rpartition(":")[0]
+    dying = tmp_path / "dying_factory.py"
+    dying.write_text(DYING_FACTORY.format(base=base))
+    inputs, outputs, cfg = trainer_stage(
+        upstream, tmp_path, tiny_model_dir, f"{dying}:build_trainer", ["ddp"]
+    )
+    with pytest.raises(stage.DataParallelError) as error:
+        stage.run(inputs, outputs, cfg)
+    message = str(error.value)
+    assert "rank 1 of 2 failed first" in message and "rank one ran out of luck" in message
+    assert "trainer.factory" in message and "training_step" in message
     assert not any(Path(p).exists() for p in outputs.values())

@@ -1,5 +1,7 @@
-# Data parallel (issue 22): real DDP steps under torchrun, W = training.world_size ranks, each its
-# shard of random's and the recommended strategy's micro-batches. Only when world_size > 1; the
+# Data parallel (issues 22, 45): real DDP / FSDP2 steps under torchrun, W = training.world_size
+# ranks, one torchrun per data_parallel.sharding; each rank runs the user's trainer (its own
+# distributed dataloader's micro-batches) where trainer.factory / trainer.command is set, else the
+# harness on its shard of the plans (DDP). Only when world_size > 1; the
 # report then reads its outputs (probes.contracts.optional_report_inputs), else says
 # "world_size 1". One job holds all W ranks: gpu=W on a GPU run (none when profile.device is
 # cpu: gloo ranks on CPU cores), threads W (one core per rank, the plugin's --cpus-per-task), one SLURM task running
@@ -27,6 +29,7 @@ if stage_enabled("data_parallel", config):
             timing=1,
         params:
             # the config sections the stage reads: a change reruns it
+            trainer=config["trainer"],
             data_parallel=config["data_parallel"],
             profile=config["profile"],
             training=config["training"],

@@ -27,10 +27,11 @@ JSONS: dict[str, tuple[str, tuple[str, ...]]] = {
     "realize_summary": ("realize", ("status", "verdicts")),
     # the virtual-clock harness of known cost: epoch time and optimizer phase within 5%
     "realize_control": ("realize", CONTROL_KEYS),
-    # per strategy real vs predicted, communication share, straggler wait; where each rank ran
+    # per sharding and strategy (runs) real vs predicted, communication share, straggler wait;
+    # where each rank ran
     "data_parallel_summary": (
         "data_parallel",
-        ("world_size", "backend", "strategies", "ranks", "tolerance"),
+        ("world_size", "backend", "runs", "ranks", "tolerance"),
     ),
     "memory_summary": ("memory", ("target_gib", "target", "dtype", "gradient_checkpointing")),
     # a peak known by construction, real CPU steps within ±memory.tolerance, the check failing

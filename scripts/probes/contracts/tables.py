@@ -409,13 +409,15 @@ TABLES: dict[str, TableSpec] = {
             "promised_micro_batch_s",  # the estimator's auxiliary (probes.realize.promise)
         ),
     ),
-    # one row per strategy x round x sampled optimizer step x rank (probes.dp.worker): the real
-    # DDP step split into compute / wait / collective, the optimizer step, and single_s, the
-    # rank's micro-batches timed in one process without communication (the prediction's input)
+    # one row per sharding (ddp, fsdp2) x strategy x round x sampled optimizer step x rank
+    # (probes.dp.worker): the real step split into compute / wait / collective, the optimizer
+    # step, and single_s, the rank's micro-batches timed in one process without communication
+    # (the prediction's input)
     "data_parallel_steps": TableSpec(
         "data_parallel",
         "Data parallel",
         (
+            "sharding",
             "strategy",
             "round",
             "step",

@@ -47,6 +47,31 @@ def decompose(step_s: float, wait_s: float, collective_s: float) -> dict[str, fl
     }
 
 
+def derive_wait(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """FSDP2's wait and communication, which no hook can time (its ranks meet at every
+    layer's all-gather): per (strategy, round, step), each rank's residual is its step less its
+    one-process work and its optimizer; the smallest residual over the ranks (the rank that
+    waited least) is the step's communication, and each rank's wait is its residual above it.
+    Records without a hooked wait (NaN) get both; the others are returned as they are."""
+
+    def key(r: Mapping[str, Any]) -> tuple[Any, ...]:
+        return (r.get("sharding"), r["strategy"], int(r["round"]), int(r["step"]))
+
+    residual: dict[tuple[Any, ...], float] = {}
+    for r in steps:
+        left = float(r["step_s"]) - float(r["single_s"]) - float(r["optimizer_s"])
+        residual[key(r)] = min(residual.get(key(r), left), left)
+    out = []
+    for r in steps:
+        if float(r["wait_s"]) == float(r["wait_s"]):  # measured by the DDP hook
+            out.append(dict(r))
+            continue
+        floor = max(residual[key(r)], 0.0)
+        left = float(r["step_s"]) - float(r["single_s"]) - float(r["optimizer_s"])
+        out.append({**r, "collective_s": floor, "wait_s": max(left - floor, 0.0)})
+    return out
+
+
 def straggler_wait(rank_compute_s: Sequence[float]) -> list[float]:
     """What each rank would wait at the collective if the ranks started together: the slowest
     rank's compute minus its own (the straggler's own wait is 0)."""

@@ -1,12 +1,15 @@
-"""The data_parallel stage: real DDP steps of random batching and the recommended strategy under
-``torchrun --nproc_per_node W``, against the prediction from one-process timings.
+"""The data_parallel stage: real data-parallel steps of random batching and the recommended
+strategy under ``torchrun --nproc_per_node W``, against the prediction from one-process timings.
 
 Runs only when ``training.world_size > 1`` (the rule is left out of the DAG otherwise; the report
-says "world_size 1"). gloo on CPU (one thread per rank), NCCL on CUDA. Each rank runs its shard
-(``probes.dp.shard``, accelerate's sharding) of a sample of optimizer steps of the bucket stage's
-plans; ``probes.dp.worker`` measures, ``probes.dp.predict`` predicts and decomposes. A rank that
-dies, or a launch that fails, is one ProbeError naming the rank and its last error line; nothing
-is written then.
+says "world_size 1"). gloo on CPU (one thread per rank), NCCL on CUDA. Where ``trainer.factory``
+or ``trainer.command`` is set, each rank builds the user's trainer and runs it as it trains, once
+per ``data_parallel.sharding`` (DDP, FSDP2: one torchrun each), its micro-batches those its own
+distributed dataloader yields (``probes.dp.trainer``); else each rank runs the harness on its
+shard (``probes.dp.shard``, accelerate's sharding) of the bucket stage's plans, under DDP.
+``probes.dp.worker`` measures, ``probes.dp.predict`` predicts and decomposes. A rank that dies, or
+a launch that fails, is one ProbeError naming the rank and its last error line; nothing is
+written then.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import pandas as pd
 from probes.batching import plans as pl
 from probes.contracts import LENGTH_GROUPED, RANDOM, STAGE_OUTPUTS
 from probes.dp import predict, shard
+from probes.dp.sharding import DDP, FSDP2, SHARDINGS, fsdp_config
 from probes.errors import ProbeError
 from probes.io import read_json, run_metadata
 from probes.settings import WorkflowConfig
@@ -167,23 +171,29 @@ def summarise(
     return out
 
 
-def timed_step_note(factory: str | None, harness: str) -> str | None:
-    """With trainer.factory set, what this stage times instead, and what it would need."""
-    if not factory:
-        return None
-    return (
-        f"data_parallel: the trainer '{factory}' is not run under torchrun yet: the ranks "
-        f"time the profile.harness module ({harness}) on the plans' shapes. "
-        "Running the trainer per rank needs the factory to build it inside each torchrun "
-        "process (its Accelerator then shards the data); until then this stage prices the "
-        "straggler wait, not your trainer's own step."
-    )
+def shardings_for(requested: tuple[str, ...], trainer: str | None) -> tuple[list, dict]:
+    """(the shardings measured, {sharding: why not}): FSDP2 runs the trainer's own FSDP2 and
+    needs a trainer; the harness is measured under DDP."""
+    unknown = [s for s in requested if s not in SHARDINGS]
+    if unknown or not requested:
+        raise DataParallelError(
+            f"data_parallel.sharding {list(requested)}: give one or more of {list(SHARDINGS)}."
+        )
+    if trainer:
+        return list(dict.fromkeys(requested)), {}
+    skipped = {
+        s: "FSDP2 is measured on the user's trainer (set trainer.factory or trainer.command)"
+        for s in requested
+        if s == FSDP2
+    }
+    return [DDP], skipped
 
 
 @dataclass(frozen=True)
 class Launch:
     """Where and how the ranks run: W, the device and backend, the dtype and why, the CPU length
-    cap and threads per rank, and what is timed instead of the trainer (None: the harness)."""
+    cap and threads per rank, the trainer (None: the harness), the shardings measured and
+    those not measured with why."""
 
     world: int
     device_type: str
@@ -192,7 +202,9 @@ class Launch:
     dtype_reason: str
     cap: int | None
     threads: int
-    timed_step: str | None
+    trainer: str | None  # the trainer's factory spec or command; None: the harness
+    shardings: tuple[str, ...]
+    not_measured: dict[str, str]
 
     @property
     def cpu_only(self) -> bool:
@@ -217,9 +229,10 @@ def resolve_launch(cfg: WorkflowConfig) -> Launch:
         device = resolve_device(profile.device, profile.allow_cpu)
     except ProbeError as error:
         raise DataParallelError(f"data_parallel: {error}") from error
-    timed_step = timed_step_note(factory_of(cfg.trainer), profile.harness)
-    if timed_step:
-        LOG.warning("%s", timed_step)
+    trainer = factory_of(cfg.trainer)
+    shardings, not_measured = shardings_for(tuple(dp_cfg.sharding), trainer)
+    for name, why in not_measured.items():
+        LOG.warning("data_parallel: %s not measured: %s", name, why)
     cpu_only = device.type != "cuda"
     backend = backend_for(dp_cfg.backend, device.type)
     check_launch(world, backend)
@@ -232,26 +245,21 @@ def resolve_launch(cfg: WorkflowConfig) -> Launch:
         dtype_reason=dtype_reason,
         cap=int(dp_cfg.cpu.max_seq_len) if cpu_only else None,
         threads=int(dp_cfg.cpu.threads_per_rank) if cpu_only else 1,
-        timed_step=timed_step,
+        trainer=trainer,
+        shardings=tuple(shardings),
+        not_measured=not_measured,
     )
 
 
-def worker_job(
-    out_dir: str,
-    model_path: str,
-    cfg: WorkflowConfig,
-    setup: Launch,
-    job_plans: dict[str, Any],
-    indices: dict[str, list[int]],
-) -> dict[str, Any]:
-    """The job file every rank reads (probes.dp.worker)."""
+def worker_job(out_dir: str, model_path: str, cfg: WorkflowConfig, setup: Launch) -> dict[str, Any]:
+    """What every rank reads whichever step it runs (probes.dp.worker)."""
     from probes.step.runner import harness_section  # torch: only when a job is written
 
-    dp_cfg, profile = cfg.data_parallel, cfg.profile
+    dp_cfg = cfg.data_parallel
     return {
         "out_dir": out_dir,
         "model_path": model_path,
-        "profile": harness_section(profile),
+        "profile": harness_section(cfg.profile),
         "dtype": setup.dtype,
         "dtype_reason": setup.dtype_reason,
         "device_type": setup.device_type,
@@ -261,8 +269,44 @@ def worker_job(
         "seed": int(dp_cfg.seed),
         "rounds": int(dp_cfg.rounds),
         "warmup_rounds": int(dp_cfg.warmup_rounds),
-        "strategies": job_plans,
-        "step_indices": indices,
+    }
+
+
+def harness_plans(
+    plans: pd.DataFrame, strategies: list[str], cfg: WorkflowConfig, setup: Launch
+) -> dict[str, Any]:
+    """The harness's job: each rank's shard of each strategy's sampled steps."""
+    training = cfg.training
+    job_plans, indices, total = job_strategies(
+        plans,
+        strategies,
+        int(training.micro_batch_size),
+        int(training.grad_accum),
+        setup.world,
+        int(cfg.data_parallel.steps),
+        setup.cap,
+    )
+    return {"strategies": job_plans, "step_indices": indices, "epoch_steps": total}
+
+
+def trainer_plans(
+    strategies: list[str],
+    bucket_size: int | None,
+    cfg: WorkflowConfig,
+    setup: Launch,
+    sharding: str,
+) -> dict[str, Any]:
+    """The trainer's job: each rank builds it and takes its own micro-batches."""
+    return {
+        "trainer": {
+            "section": dict(cfg.raw["trainer"]),
+            "sharding": sharding,
+            "fsdp_config": fsdp_config() if sharding == FSDP2 else None,
+            "strategies": strategies,
+            "bucket_size_batches": int(bucket_size or 1),
+            "n_steps": int(cfg.data_parallel.steps),
+            "cap": setup.cap,
+        }
     }
 
 
@@ -270,35 +314,45 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     """The stage's entry (probes.stage.main): model directory from the tokenizer input."""
     started = time.perf_counter()
     setup = resolve_launch(cfg)
-    dp_cfg, training = cfg.data_parallel, cfg.training
     plans = pl.read_plans(inputs["plans"])
     strategies = measured_strategies(plans)
     bucket_size = pl.recommended_bucket_size(read_json(inputs["recommendation"]))
-    job_plans, indices, total = job_strategies(
-        plans,
-        strategies,
-        int(training.micro_batch_size),
-        int(training.grad_accum),
-        setup.world,
-        int(dp_cfg.steps),
-        setup.cap,
-    )
+    model_path = str(Path(inputs["tokenizer"][0]).parent)
     LOG.info(
-        "data_parallel: W=%d %s on %s, strategies %s, sampled steps %s of %s",
-        setup.world,
-        setup.backend,
-        setup.device_type,
-        strategies,
-        {k: len(v) for k, v in indices.items()},
-        total,
+        "data_parallel: W=%d %s on %s, %s, strategies %s, shardings %s",
+        setup.world, setup.backend, setup.device_type, setup.trainer or "the harness",
+        strategies, setup.shardings,
+    )  # fmt: skip
+    results = {}
+    for sharding in setup.shardings:
+        with tempfile.TemporaryDirectory(prefix="probes-dp-") as tmp:
+            job = worker_job(tmp, model_path, cfg, setup)
+            if setup.trainer:
+                job.update(trainer_plans(strategies, bucket_size, cfg, setup, sharding))
+            else:
+                job.update(harness_plans(plans, strategies, cfg, setup))
+            results[sharding] = launch(
+                job, setup.world, setup.threads, float(cfg.data_parallel.timeout_s)
+            )
+    records = pd.DataFrame(
+        predict.derive_wait([r for rs in results.values() for res in rs for r in res["records"]])
     )
-    with tempfile.TemporaryDirectory(prefix="probes-dp-") as tmp:
-        model_path = str(Path(inputs["tokenizer"][0]).parent)
-        job = worker_job(tmp, model_path, cfg, setup, job_plans, indices)
-        results = launch(job, setup.world, setup.threads, float(dp_cfg.timeout_s))
-    records = pd.DataFrame([r for result in results for r in result["records"]])
-    tolerance = float(dp_cfg.tolerance)
-    summary = {
+    summary = summary_of(records, results, setup, cfg, bucket_size)
+    summary["wall_s"] = time.perf_counter() - started
+    write_outputs(outputs, records, summary, cfg, setup)
+
+
+def summary_of(
+    records: pd.DataFrame,
+    results: dict[str, list[dict]],
+    setup: Launch,
+    cfg: WorkflowConfig,
+    bucket_size: int | None,
+) -> dict[str, Any]:
+    """summary.json: per sharding and strategy real against predicted, where each rank ran."""
+    tolerance = float(cfg.data_parallel.tolerance)
+    first = next(iter(results.values()))
+    return {
         "world_size": setup.world,
         "backend": setup.backend,
         "device_type": setup.device_type,
@@ -306,19 +360,36 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         "dtype": setup.dtype,
         "dtype_reason": setup.dtype_reason,
         "threads_per_rank": setup.threads,
-        "max_seq_len_measured": setup.cap or int(training.max_seq_len),
+        "max_seq_len_measured": setup.cap or int(cfg.training.max_seq_len),
         "tolerance": tolerance,
-        "rounds": int(dp_cfg.rounds),
+        "rounds": int(cfg.data_parallel.rounds),
         "bucket_size_batches": bucket_size,
-        "epoch_steps": total,
-        "sampled_steps": indices,
-        "strategies": summarise(records, strategies, tolerance),
-        "ranks": [result["where"] for result in results],
-        "harness": results[0]["harness"],
-        "prediction": "max over ranks of one-process micro-batch time + optimizer + collective",
-        "wall_s": time.perf_counter() - started,
+        "sampled_steps": {
+            name: sorted({int(v) for v in rows["step"]})
+            for name, rows in records[records["sharding"] == setup.shardings[0]].groupby("strategy")
+        },
+        "runs": {
+            sharding: summarise(
+                records[records["sharding"] == sharding],
+                strategies_of(records, sharding),
+                tolerance,
+            )
+            for sharding in setup.shardings
+        },
+        "not_measured": setup.not_measured,
+        "ranks": [result["where"] for result in first],
+        "wrapped": {s: [r["where"] for r in rs] for s, rs in results.items()},
+        "timed_step": first[0]["timed_step"],
+        "prediction": (
+            "max over ranks of one-process micro-batch time + optimizer + collective (DDP: the "
+            "all-reduce timed by a hook; FSDP2: the smallest residual over the ranks)"
+        ),
     }
-    write_outputs(outputs, records, summary, cfg, setup)
+
+
+def strategies_of(records: pd.DataFrame, sharding: str) -> list[str]:
+    present = set(records.loc[records["sharding"] == sharding, "strategy"])
+    return [s for s in (RANDOM, LENGTH_GROUPED) if s in present]
 
 
 def write_outputs(
@@ -333,7 +404,8 @@ def write_outputs(
         **run_metadata(dict(cfg.raw)),  # the validated config the provenance hashes
         "world_size": setup.world,
         "backend": setup.backend,
-        "timed_step": setup.timed_step or f"profile.harness {cfg.profile.harness}",
+        "shardings": list(setup.shardings),
+        "timed_step": setup.trainer or f"profile.harness {cfg.profile.harness}",
     }
     with all_or_nothing({key: outputs[key] for key in OUTPUT_KEYS}) as out:
         out.parquet("steps", records, provenance)
@@ -341,7 +413,8 @@ def write_outputs(
     LOG.info(
         "data_parallel: %s",
         {
-            k: (round(v["real_s"], 3), round(v["predicted_s"], 3), round(v["ratio"], 3))
-            for k, v in summary["strategies"].items()
+            (sharding, k): (round(v["real_s"], 3), round(v["predicted_s"], 3), round(v["ratio"], 3))
+            for sharding, run in summary["runs"].items()
+            for k, v in run.items()
         },
     )

@@ -1,16 +1,20 @@
 """One rank of the data_parallel stage, launched by torchrun as a module
 (``torchrun ... -m probes.dp.worker JOB.json``, with ``scripts/`` on PYTHONPATH).
 
-Each rank loads the real model through the user's harness (``probes.step``: the profiled dtype,
-the harness's adapters and optimizer), wraps ``compute_loss`` in ``DistributedDataParallel`` (so
-the harness's own loss runs inside DDP's forward), and for every round:
+The rank runs one of two steps, both behind ``Rank``'s small interface: the user's trainer
+(``probes.dp.trainer``: built by its factory or command under the process group, its per-rank
+micro-batches from its own ``get_train_dataloader``, wrapped by its own accelerator in DDP or
+FSDP2) where ``trainer.factory`` / ``trainer.command`` is set, else the ``profile.harness``
+module (``probes.dp.harness``: its loss in DDP, the stage's shard of the plans). Per rank:
 
-1. **one process**: each of its sampled steps' micro-batches, forward + backward under
-   ``no_sync`` (no communication), timed alone: ``single_s`` per step;
-2. **DDP**: each sampled step after a barrier, ``no_sync`` on all but the last micro-batch (what
-   ``accelerator.accumulate`` does; no buffer broadcast); a communication hook times the
-   rank's **wait** (a barrier, until the slowest rank's gradients are ready) and the
-   **collective** (the all-reduce); then the optimizer step (timed: a local, one-process cost).
+1. **one process**: each sampled step's micro-batches, forward + backward on the model before
+   it is wrapped (no communication), each round: ``single_s`` per step;
+2. the model wrapped (DDP, or FSDP2's ``fully_shard``);
+3. **distributed**: each sampled step after a barrier, ``no_sync`` on all but the last
+   micro-batch (what the trainer's loop does), then the optimizer step (timed: a local cost).
+   Under DDP a communication hook times the rank's **wait** (a barrier, until the slowest rank's
+   gradients are ready) and the **collective** (the all-reduce); FSDP2 meets at every layer's
+   all-gather, so its wait and communication are derived by the stage (probes.dp.predict).
 
 Writes ``rank<R>.json`` (records + where it ran) into the job's out directory; on any error
 ``rank<R>.error`` (the traceback) and exit 1, which makes torchrun stop the other ranks.
@@ -18,32 +22,63 @@ Writes ``rank<R>.json`` (records + where it ran) into the job's out directory; o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-class HarnessLoss(torch.nn.Module):
-    """``forward(batch) = harness.compute_loss(model, batch)``: DDP wraps the harness's loss, so
-    whatever the harness calls inside the model runs under DDP's forward and backward hooks."""
+@dataclass
+class RankStep:
+    """One sampled optimizer step on this rank: its micro-batches, ready for the step."""
 
-    def __init__(self, model: torch.nn.Module, compute_loss) -> None:
-        super().__init__()
-        self.model = model
-        self._compute_loss = compute_loss
+    strategy: str
+    index: int  # the step's position in the rank's epoch
+    batches: list[Any]
+    padded_tokens: int
+    real_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. the trainer's num_items_in_batch
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._compute_loss(self.model, batch)
+
+class Rank(Protocol):
+    """What the worker asks of a rank's step (probes.dp.harness, probes.dp.trainer)."""
+
+    sharding: str
+
+    def plans(self) -> list[RankStep]: ...
+
+    def local(self, step: RankStep) -> None:
+        """Forward + backward of one micro-batch set on the unwrapped model, no communication."""
+
+    def clear(self) -> None:
+        """Drop the gradients the local pass left."""
+
+    def wrap(self, record: dict[str, float], sync: Callable[[], None]) -> bool:
+        """DDP or FSDP2 around the model; True where a DDP hook adds to ``record`` this
+        rank's wait and collective (timed_allreduce_hook)."""
+
+    def no_sync(self, last: bool) -> contextlib.AbstractContextManager: ...
+
+    def forward_backward(self, step: RankStep, batch: Any) -> None: ...
+
+    def optimizer_step(self) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def wrapped(self) -> dict[str, Any]:
+        """How the model was wrapped (DDP settings, the FSDP2 plugin), for where it ran."""
 
 
 def timed_allreduce_hook(record: dict[str, float], world: int, sync=lambda: None):
@@ -70,69 +105,109 @@ def timed_allreduce_hook(record: dict[str, float], world: int, sync=lambda: None
     return hook
 
 
-def load_model(job: dict[str, Any], device: torch.device):
-    """The real model, the user's harness, its adapters and optimizer (probes.step)."""
-    from probes.step import runner as ts
+class Timer:
+    """Times a rank's steps both ways: alone (unwrapped) and distributed (wrapped)."""
 
-    # the same seed on every rank: the same adapters (DDP broadcasts them too)
-    model, harness, optimizer, targets, _ = ts.load_for_steps(
-        job["model_path"],
-        job["profile"],
-        device,
-        DTYPES[job["dtype"]],
-        job["dtype_reason"],
-        seed=int(job["seed"]),
-    )
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else None
-    pad_id = int(getattr(config or model.config, "pad_token_id", None) or 0)
-    vocab = int(model.get_input_embeddings().num_embeddings)
-    described = {**harness.describe(), "target_modules": len(targets)}
-    return model, harness, optimizer, vocab, pad_id, described
+    def __init__(self, rank: Rank, device: torch.device) -> None:
+        self.rank, self.device = rank, device
+        self.record = {"wait": 0.0, "collective": 0.0}
+        self.hooked = False  # FSDP2: no hook; the stage derives the wait
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def single_s(self, step: RankStep) -> float:
+        """The step's micro-batches, forward + backward on the unwrapped model."""
+        self.sync()
+        start = time.perf_counter()
+        self.rank.local(step)
+        self.sync()
+        elapsed = time.perf_counter() - start
+        self.rank.clear()
+        return elapsed
+
+    def distributed(self, step: RankStep) -> dict[str, float]:
+        """One step after a barrier (no_sync on all but the last micro-batch), then the
+        optimizer: the step, this rank's wait, the collective and the optimizer's time."""
+        import torch.distributed as dist
+
+        self.record.update(wait=0.0, collective=0.0)
+        dist.barrier()
+        self.sync()
+        start = time.perf_counter()
+        last = len(step.batches) - 1
+        for k, batch in enumerate(step.batches):
+            with self.rank.no_sync(k == last):
+                self.rank.forward_backward(step, batch)
+        self.sync()
+        before_optimizer = time.perf_counter()
+        self.rank.optimizer_step()
+        self.sync()
+        end = time.perf_counter()
+        return {
+            "step_s": end - start,
+            "wait_s": self.record["wait"] if self.hooked else float("nan"),
+            "collective_s": self.record["collective"] if self.hooked else float("nan"),
+            "optimizer_s": end - before_optimizer,
+        }
+
+
+def rounds(job: dict[str, Any]) -> Iterator[tuple[int, bool]]:
+    """(round index, measured) for the warm-up rounds, then the measured ones."""
+    warmup = int(job["warmup_rounds"])
+    for index in range(warmup + int(job["rounds"])):
+        yield index - warmup, index >= warmup
 
 
 def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     device = _init_rank(job, local_rank)
-    model, harness, optimizer, vocab, pad_id, described = load_model(job, device)
-    timer = _StepTimer.wrap(model, harness, optimizer, device, local_rank, world)
-    generator = torch.Generator().manual_seed(int(job["seed"]) + rank)
-
-    def batch_of(micro: dict[str, list[int]]) -> dict[str, torch.Tensor]:
-        from probes.step import batches as bt
-
-        built = bt.padded_batch(micro["lengths"], micro["loss"], vocab, generator, pad_id=pad_id)
-        return bt.to_device(built, device)
-
-    warmup = int(job["warmup_rounds"])
+    step_of = load_rank(job, rank, world, device)
+    timer = Timer(step_of, device)
+    steps = step_of.plans()
+    single: dict[tuple[int, str, int], float] = {}
+    for round_index, measured in rounds(job):
+        for step in steps:  # one process: no communication, each step alone
+            seconds = timer.single_s(step)
+            if measured:
+                single[(round_index, step.strategy, step.index)] = seconds
+    timer.hooked = step_of.wrap(timer.record, timer.sync)
     records = []
-    for round_index in range(warmup + int(job["rounds"])):
-        for name, per_rank in job["strategies"].items():
-            steps = per_rank[rank]
-            # one process: no communication, each micro-batch alone
-            single = [timer.single_s([batch_of(micro) for micro in step]) for step in steps]
-            for index, step in enumerate(steps):  # DDP: every rank starts the step together
-                timed = timer.ddp_step([batch_of(micro) for micro in step])
-                if round_index >= warmup:
-                    records.append(
-                        {
-                            "strategy": name,
-                            "round": round_index - warmup,
-                            "step": int(job["step_indices"][name][index]),
-                            "rank": rank,
-                            **timed,
-                            "single_s": single[index],
-                            "n_micro_batches": len(step),
-                            "padded_tokens": sum(
-                                len(m["lengths"]) * max(m["lengths"]) for m in step
-                            ),
-                            "real_tokens": sum(sum(m["lengths"]) for m in step),
-                        }
-                    )
-    where = _where(rank, local_rank, device, timer.ddp)
+    for round_index, measured in rounds(job):
+        for step in steps:  # distributed: every rank starts the step together
+            timed = timer.distributed(step)
+            if measured:
+                records.append(
+                    {
+                        "sharding": step_of.sharding,
+                        "strategy": step.strategy,
+                        "round": round_index,
+                        "step": step.index,
+                        "rank": rank,
+                        **timed,
+                        "single_s": single[(round_index, step.strategy, step.index)],
+                        "n_micro_batches": len(step.batches),
+                        "padded_tokens": step.padded_tokens,
+                        "real_tokens": step.real_tokens,
+                    }
+                )
+    where = _where(rank, local_rank, device, step_of.wrapped())
     dist.barrier()
     dist.destroy_process_group()
-    return {"records": records, "where": where, "harness": described}
+    return {"records": records, "where": where, "timed_step": step_of.describe()}
+
+
+def load_rank(job: dict[str, Any], rank: int, world: int, device: torch.device) -> Rank:
+    """The trainer's rank where the job names a trainer, else the harness's."""
+    if job.get("trainer"):
+        from probes.dp.trainer import TrainerRank
+
+        return TrainerRank.build(job, rank, world, device)
+    from probes.dp.harness import HarnessRank
+
+    return HarnessRank.build(job, rank, world, device)
 
 
 def _init_rank(job: dict[str, Any], local_rank: int) -> torch.device:
@@ -149,78 +224,10 @@ def _init_rank(job: dict[str, Any], local_rank: int) -> torch.device:
     return device
 
 
-class _StepTimer:
-    """The harness's loss in DDP with the timed all-reduce hook; times a step both ways."""
-
-    def __init__(self, ddp: Any, optimizer: Any, record: dict[str, float], device: Any) -> None:
-        self.ddp, self.optimizer, self.record, self.device = ddp, optimizer, record, device
-
-    @classmethod
-    def wrap(cls, model, harness, optimizer, device, local_rank: int, world: int) -> _StepTimer:
-        from torch.nn.parallel import DistributedDataParallel
-
-        cuda = device.type == "cuda"
-        # broadcast_buffers=False: a causal LM's buffers (rotary frequencies) are constants, and a
-        # broadcast at every forward would be a collective inside the one-process timings and a
-        # meeting point per micro-batch; with it off the ranks meet only at the gradient all-reduce
-        ddp = DistributedDataParallel(
-            HarnessLoss(model, harness.compute_loss),
-            device_ids=[local_rank] if cuda else None,
-            broadcast_buffers=False,
-        )
-        record = {"wait": 0.0, "collective": 0.0}
-        timer = cls(ddp, optimizer, record, device)
-        ddp.register_comm_hook(None, timed_allreduce_hook(record, world, timer.sync))
-        return timer
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def single_s(self, batches: list[dict[str, torch.Tensor]]) -> float:
-        """One optimizer step's micro-batches, forward + backward each alone under no_sync."""
-        total = 0.0
-        for batch in batches:
-            self.sync()
-            start = time.perf_counter()
-            with self.ddp.no_sync():
-                self.ddp(batch).backward()
-            self.sync()
-            total += time.perf_counter() - start
-        self.optimizer.zero_grad(set_to_none=True)
-        return total
-
-    def ddp_step(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """One DDP step after a barrier (no_sync on all but the last micro-batch), then the
-        optimizer: the step, this rank's wait, the all-reduce and the optimizer's time."""
-        import torch.distributed as dist
-
-        self.record.update(wait=0.0, collective=0.0)
-        dist.barrier()
-        self.sync()
-        start = time.perf_counter()
-        for k, batch in enumerate(batches):
-            if k < len(batches) - 1:
-                with self.ddp.no_sync():
-                    self.ddp(batch).backward()
-            else:
-                self.ddp(batch).backward()
-        self.sync()
-        before_optimizer = time.perf_counter()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.sync()
-        end = time.perf_counter()
-        return {
-            "step_s": end - start,
-            "wait_s": self.record["wait"],
-            "collective_s": self.record["collective"],
-            "optimizer_s": end - before_optimizer,
-        }
-
-
-def _where(rank: int, local_rank: int, device: torch.device, ddp: Any) -> dict[str, Any]:
-    """Where this rank ran: host, process, device, threads, DDP settings, SLURM job."""
+def _where(
+    rank: int, local_rank: int, device: torch.device, wrapped: dict[str, Any]
+) -> dict[str, Any]:
+    """Where this rank ran: host, process, device, threads, the wrap's settings, SLURM job."""
     from probes.step.cluster import slurm_environment
 
     cuda = device.type == "cuda"
@@ -231,11 +238,7 @@ def _where(rank: int, local_rank: int, device: torch.device, ddp: Any) -> dict[s
         "pid": os.getpid(),
         "device": str(device) if not cuda else f"{device} ({torch.cuda.get_device_name(device)})",
         "threads": torch.get_num_threads(),
-        "ddp": {
-            "broadcast_buffers": False,
-            "bucket_cap_mb": ddp.bucket_bytes_cap / 2**20,
-            "comm_hook": "timed all-reduce",
-        },
+        **wrapped,
         "slurm": slurm_environment(),
     }
 

@@ -89,3 +89,35 @@ def test_failed_rank_message_names_the_first_rank_to_fail_and_its_last_error_lin
 def test_failed_rank_message_without_rank_errors_quotes_the_launcher():
     message = predict.failed_rank_message([], 1, "x\nChildFailedError: worker died\n", 2)
     assert "2 ranks failed (exit 1)" in message and "ChildFailedError: worker died" in message
+
+
+def fsdp_record(rank: int, step_s: float, single_s: float, **extra) -> dict:
+    return {
+        "sharding": "fsdp2",
+        "strategy": "random",
+        "round": 0,
+        "step": 0,
+        "rank": rank,
+        "step_s": step_s,
+        "single_s": single_s,
+        "optimizer_s": 0.1,
+        "wait_s": float("nan"),
+        "collective_s": float("nan"),
+        **extra,
+    }
+
+
+def test_derive_wait_takes_the_smallest_residual_as_fsdp2_communication():
+    # rank 0 computed 1.0 s, rank 1 0.4 s; both ended together at 1.5 s: rank 0 waited none,
+    # so communication is its residual 0.4 s and rank 1 waited 0.6 s
+    derived = predict.derive_wait([fsdp_record(0, 1.5, 1.0), fsdp_record(1, 1.5, 0.4)])
+    assert [r["collective_s"] for r in derived] == pytest.approx([0.4, 0.4])
+    assert [r["wait_s"] for r in derived] == pytest.approx([0.0, 0.6])
+
+
+def test_derive_wait_keeps_a_hooked_ddp_wait_and_groups_by_sharding():
+    ddp = {**fsdp_record(0, 1.0, 2.0), "sharding": "ddp", "wait_s": 0.2, "collective_s": 0.05}
+    derived = predict.derive_wait([ddp, fsdp_record(0, 1.5, 1.0), fsdp_record(1, 1.5, 0.4)])
+    assert derived[0] == ddp  # measured by the hook: as it was
+    # the DDP row's negative residual (-1.1 s) is not the FSDP2 step's communication
+    assert derived[1]["collective_s"] == pytest.approx(0.4)

@@ -67,8 +67,10 @@ def test_the_launch_comes_from_the_typed_sections_and_refuses_world_size_1():
         "gloo",
         "float32",
     )
-    assert setup.cpu_only and setup.cap == 64 and setup.threads == 1 and setup.timed_step is None
-    job = stage.worker_job("out", "model", cfg, setup, {"random": []}, {"random": [0]})
+    assert setup.cpu_only and setup.cap == 64 and setup.threads == 1 and setup.trainer is None
+    # the harness is measured under DDP; FSDP2 (the default's second) needs the trainer
+    assert setup.shardings == ("ddp",) and "trainer.factory" in setup.not_measured["fsdp2"]
+    job = stage.worker_job("out", "model", cfg, setup)
     assert json.loads(json.dumps(job))["profile"] == {
         "harness": cfg.profile.harness,
         "harness_options": {"lora_r": 4},
@@ -80,7 +82,23 @@ def test_the_launch_comes_from_the_typed_sections_and_refuses_world_size_1():
         stage.resolve_launch(workflow_config(training={"world_size": 1}))
 
 
-def test_a_trainer_factory_is_said_to_be_timed_through_the_harness():
-    assert stage.timed_step_note(None, "probes.reference_harness") is None
-    note = stage.timed_step_note("train.py:build", "probes.reference_harness")
-    assert "train.py:build" in note and "probes.reference_harness" in note
+def test_a_trainer_runs_every_sharding_asked_for_and_a_bad_sharding_is_refused():
+    assert stage.shardings_for(("ddp", "fsdp2"), "train.py:build") == (["ddp", "fsdp2"], {})
+    assert stage.shardings_for(("fsdp2",), "train.py:build") == (["fsdp2"], {})
+    with pytest.raises(stage.DataParallelError, match=r"data_parallel.sharding \['zero3'\]"):
+        stage.shardings_for(("zero3",), None)
+
+
+def test_the_trainer_job_carries_the_trainer_section_and_the_fsdp_config():
+    cfg = workflow_config(
+        training={"world_size": 2},
+        profile={"device": "cpu", "dtype": "float32"},
+        trainer={"factory": "train.py:build"},
+    )
+    setup = stage.resolve_launch(cfg)
+    assert setup.trainer == "train.py:build" and setup.shardings == ("ddp", "fsdp2")
+    job = stage.trainer_plans(["random"], 4, cfg, setup, "fsdp2")["trainer"]
+    assert job["section"]["factory"] == "train.py:build"
+    assert job["fsdp_config"] == {"version": 2, "reshard_after_forward": True}
+    assert job["bucket_size_batches"] == 4 and job["cap"] == setup.cap
+    assert stage.trainer_plans(["random"], 4, cfg, setup, "ddp")["trainer"]["fsdp_config"] is None

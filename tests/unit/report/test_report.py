@@ -1082,7 +1082,7 @@ def test_data_parallel_measured_table_and_where_ranks_ran(tmp_path):
     run_report(paths, out)
     bucketing = section(out.read_text(), "Bucketing")
     assert "W = 2 ranks\n(gloo, CPU, lengths capped at 64 tokens" in bucketing
-    rows = [line for line in bucketing.splitlines() if line.startswith(("| random", "| length_"))]
-    assert rows[-2].startswith("| random | 1 s | 960 ms | 1.042 | 500 ms | 150 ms | 50 ms |")
-    assert rows[-1].startswith("| length_grouped | 600 ms | 960 ms | 0.625 (outside) |")
+    rows = [line for line in bucketing.splitlines() if line.startswith("| DDP |")]
+    assert rows[-2].startswith("| DDP | random | 1 s | 960 ms | 1.042 | 500 ms | 150 ms | 50 ms |")
+    assert rows[-1].startswith("| DDP | length_grouped | 600 ms | 960 ms | 0.625 (outside) |")
     assert "rank 1 (local 1) on node1, cpu, SLURM job 7" in bucketing
