@@ -20,6 +20,7 @@ import pandas as pd
 
 from probes.batching.plans import read_plans
 from probes.contracts import BATCH_REBALANCE
+from probes.dp.sharding import layer_classes
 from probes.forked import forked
 from probes.io import read_provenance, run_metadata
 from probes.mask.trace import config_from_dict, read_config_json
@@ -112,6 +113,7 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
         "target": cfg.memory.target_name,
         "dtype": cfg.mask.dtype,
         "model_config": model_config,
+        "layer_classes": layer_classes(config),  # FSDP2's units, for the fsdp_config to paste
         "harness": cfg.profile.harness,
         "gradient_checkpointing": checkpointing,
         "step_base": dataclasses.asdict(base),

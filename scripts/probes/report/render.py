@@ -42,6 +42,7 @@ from probes.report.sections.provenance import provenance_section
 from probes.report.sections.realize import realize_section
 from probes.report.sections.replay import host_bound_overall, replay_fit
 from probes.report.sections.scaling import scaling_section
+from probes.report.sections.sharding import sharding_section
 from probes.report.sections.summary import summary_section
 from probes.report.sections.verdicts import (
     beside_view,
@@ -98,6 +99,7 @@ def build_context(
         "apply": apply_section(recommendations_document, tables, not_run),
         "mask": mask,
         "memory_report": memory_report_section(tables, jsons, not_run),
+        "memory_sharding": sharding_section(tables, jsons, not_run),
         "controls": controls_section(jsons, not_run),
         "provenance": provenance_section(inputs["provenance"], jsons, not_run, report_meta),
         "figures": dict(figures),
