@@ -4,7 +4,8 @@ Starts the cluster with tools/slurm/start-cluster.sh (root, Debian, apt or SLURM
 runs the workflow on a tiny config so that every rule is a SLURM job, and checks from the run's
 own records that only the GPU rules (`profile`, `replay`, `realize`) were submitted with a GPU
 request and that the profile ran on the GPU SLURM gave it; and the data_parallel rule at
-world_size 2 on CPU as one job (2 cores, one task, no GPU) in which torchrun runs both ranks.
+world_size 2 on CPU as one job (2 cores, one task, no GPU) in which torchrun runs both ranks,
+once through the harness (DDP) and once through a trainer factory's SFTTrainer under FSDP2.
 Skipped without root/apt/SLURM, unless PROBES_REQUIRE_SLURM=1 (then it fails).
 PROBES_SLURM_KEEP=1 leaves the cluster running afterwards.
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from trainer_factories import write_factory
 
 from conftest import REPO, WIRING_TRIMS, chat_rows, copy_workflow, write_jsonl
 
@@ -235,3 +237,43 @@ def test_workflow_on_slurm_gpu_request_only_for_gpu_rules_and_two_ranks_in_one_j
     for rank in ranks:
         assert rank["slurm"]["job_id"] == jobs["data_parallel"], "both ranks ran in its job"
         assert rank["slurm"]["node"] and rank["hostname"] and rank["device"] == "cpu"
+
+
+def test_the_trainer_under_fsdp2_runs_its_two_ranks_in_one_slurm_job(
+    slurm_cluster, tiny_model_dir, tmp_path, record_property
+):
+    """data_parallel with trainer.factory at world_size 2: the SFTTrainer built on both ranks of
+    one SLURM job (2 cores, one task, no GPU), wrapped in FSDP2 by its own accelerator."""
+    workdir = copy_workflow(tmp_path / "workflow")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40))
+    max_len = TINY_CONFIG["training"]["max_seq_len"]
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"files": [{"path": str(data)}]},
+        **TINY_CONFIG,
+        "training": {**TINY_CONFIG["training"], "world_size": 2},
+        "trainer": {"factory": write_factory(tmp_path, tiny_model_dir, data, max_length=max_len)},
+        "data_parallel": {
+            "sharding": ["fsdp2"],
+            "steps": 2,
+            "rounds": 1,
+            "warmup_rounds": 1,
+            "cpu": {"max_seq_len": 32},
+        },
+    }
+    (workdir / "tiny.yaml").write_text(yaml.safe_dump(config))
+
+    wall_s, log = run_under_slurm(workdir, "data_parallel", "--configfile", "tiny.yaml")
+    record_property("slurm_trainer_fsdp2_wall_s", round(wall_s, 1))
+    print(f"data_parallel (trainer, FSDP2) under SLURM: {wall_s:.1f} s")
+
+    jobs = assert_gpu_only_for(set(), {"mask", "padding", "bucket_sweep", "data_parallel"}, log)
+    options = sbatch_options(log)["data_parallel"]
+    assert "--cpus-per-task=2" in options and "--ntasks=1" in options, options
+    summary = json.loads((workdir / "results" / "data_parallel" / "summary.json").read_text())
+    assert summary["timed_step"]["kind"] == "trainer" and set(summary["runs"]) == {"fsdp2"}
+    ranks = sorted(summary["wrapped"]["fsdp2"], key=lambda r: r["rank"])
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for rank in ranks:
+        assert rank["slurm"]["job_id"] == jobs["data_parallel"], "both ranks ran in its job"
+        assert rank["wrapper"].startswith("FSDP") and rank["fsdp"]["fsdp_version"] == 2
