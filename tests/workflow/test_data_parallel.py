@@ -148,8 +148,9 @@ def test_a_world_size_the_machine_cannot_host_fails_with_one_message(tmp_path, w
     assert not any(Path(p).exists() for p in outputs.values())
 
 
-# rank 1's trainer raises in its loss; rank 0 would wait for it at the first collective
-DYING_FACTORY = """
+# the user's command, unmodified (trainer.command): it builds the trainer and calls train(); on
+# rank 1 the trainer's loss raises, and rank 0 would wait for it at the first collective
+DYING_COMMAND = """
 import importlib.util
 import os
 
@@ -157,27 +158,25 @@ _spec = importlib.util.spec_from_file_location("base_factory", {base!r})
 _base = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_base)
 
+trainer = _base.build_trainer({{}})
+if os.environ.get("RANK") == "1":
+    def compute_loss(*args, **kwargs):
+        raise RuntimeError("rank one ran out of luck")
 
-def build_trainer(settings):
-    trainer = _base.build_trainer(settings)
-    if os.environ.get("RANK") == "1":
-        def compute_loss(*args, **kwargs):
-            raise RuntimeError("rank one ran out of luck")
-
-        trainer.compute_loss = compute_loss
-    return trainer
+    trainer.compute_loss = compute_loss
+trainer.train()
 """
 
 
-def trainer_stage(upstream, tmp_path, tiny_model_dir, factory: str, sharding: list[str]):
-    """stage.run on the upstream plans with `factory` as trainer.factory: the trainer path
-    reads the plans' strategies and the recommended bucket size only."""
+def trainer_stage(upstream, tmp_path, trainer: dict, sharding: list[str]):
+    """stage.run on the upstream plans with `trainer` as the trainer section (a factory or a
+    command): the trainer path reads the plans' strategies and the recommended bucket size."""
     from probes.config import load_config, stage_inputs
     from probes.settings import WorkflowConfig
 
     workdir, _ = upstream
     raw = load_config(workdir / "config.yaml")
-    raw["trainer"]["factory"] = factory
+    raw["trainer"].update(trainer)
     raw["data_parallel"]["sharding"] = sharding
     inputs = stage_inputs("data_parallel", raw, workdir / "results")
     outputs = {k: str(tmp_path / v) for k, v in STAGE_OUTPUTS["data_parallel"].items()}
@@ -193,9 +192,7 @@ def test_the_trainer_runs_under_ddp_and_fsdp2_with_its_own_distributed_batches(
     workdir, config = upstream
     data = Path(config["data"]["files"][0]["path"])
     factory = write_factory(tmp_path, tiny_model_dir, data, max_length=96)
-    inputs, outputs, cfg = trainer_stage(
-        upstream, tmp_path, tiny_model_dir, factory, ["ddp", "fsdp2"]
-    )
+    inputs, outputs, cfg = trainer_stage(upstream, tmp_path, {"factory": factory}, ["ddp", "fsdp2"])
     stage.run(inputs, outputs, cfg)
     steps = read_parquet(outputs["steps"])
     check_table_columns(steps.columns, "data_parallel_steps", "steps.parquet")
@@ -224,21 +221,22 @@ def test_the_trainer_runs_under_ddp_and_fsdp2_with_its_own_distributed_batches(
     assert (ddp[0] != ddp[1]).any()
 
 
-@pytest.mark.slow
-def test_a_trainer_rank_that_dies_is_one_message_naming_it(upstream, tmp_path, tiny_model_dir):
+@pytest.mark.slow  # ~15 s: the command's trainer built on both ranks, rank 1 dies at its loss
+def test_a_trainer_command_rank_that_dies_is_one_message_naming_it(
+    upstream, tmp_path, tiny_model_dir
+):
     from probes.dp import stage
 
     workdir, config = upstream
     data = Path(config["data"]["files"][0]["path"])
     base = write_factory(tmp_path, tiny_model_dir, data, max_length=96).rpartition(":")[0]
-    dying = tmp_path / "dying_factory.py"
-    dying.write_text(DYING_FACTORY.format(base=base))
-    inputs, outputs, cfg = trainer_stage(
-        upstream, tmp_path, tiny_model_dir, f"{dying}:build_trainer", ["ddp"]
-    )
+    script = tmp_path / "train.py"
+    script.write_text(DYING_COMMAND.format(base=base))
+    command = {"command": ["python", str(script)]}
+    inputs, outputs, cfg = trainer_stage(upstream, tmp_path, command, ["ddp"])
     with pytest.raises(stage.DataParallelError) as error:
         stage.run(inputs, outputs, cfg)
     message = str(error.value)
     assert "rank 1 of 2 failed first" in message and "rank one ran out of luck" in message
-    assert "trainer.factory" in message and "training_step" in message
+    assert "trainer.command" in message and "training_step" in message
     assert not any(Path(p).exists() for p in outputs.values())
