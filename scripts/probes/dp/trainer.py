@@ -100,16 +100,11 @@ class TrainerRank:
             vars(trainer).pop("_get_train_sampler", None)
 
     def plans(self) -> list[RankStep]:
-        from probes.dp.shard import sample_steps
-
         spec, steps = self.job["trainer"], []
         for strategy in spec["strategies"]:
-            micro = [cut(b, spec.get("cap")) for b in self.loader(strategy)]
-            accum = int(self.trainer.args.gradient_accumulation_steps)
-            chunks = [micro[s : s + accum] for s in range(0, len(micro), accum)]
-            for index in sample_steps(self.common(len(chunks)), int(spec["n_steps"])):
+            for index, micro in self.sampled(strategy).items():
                 batches, items = self.trainer.get_batch_samples(
-                    iter(chunks[index]), len(chunks[index]), self.trainer.args.device
+                    iter(micro), len(micro), self.trainer.args.device
                 )
                 counts = [token_counts(b) for b in batches]
                 steps.append(
@@ -123,6 +118,25 @@ class TrainerRank:
                     )
                 )
         return steps
+
+    def sampled(self, strategy: str) -> dict[int, list[Any]]:
+        """The sampled optimizer steps' micro-batches of this rank's epoch (each cut on CPU);
+        only those are kept, and the epoch is read up to the last of them."""
+        from probes.dp.shard import sample_steps
+
+        spec = self.job["trainer"]
+        loader = self.loader(strategy)
+        accum = int(self.trainer.args.gradient_accumulation_steps)
+        total = self.common(-(-len(loader) // accum))
+        wanted = set(sample_steps(total, int(spec["n_steps"])))
+        kept: dict[int, list[Any]] = {index: [] for index in sorted(wanted)}
+        for position, batch in enumerate(loader):
+            index = position // accum
+            if index > max(wanted, default=-1):
+                break
+            if index in wanted:
+                kept[index].append(cut(batch, spec.get("cap")))
+        return kept
 
     def common(self, n_steps: int) -> int:
         """Steps every rank has (equal under accelerate's even_batches; the minimum guards a
