@@ -1,6 +1,7 @@
-"""Data parallel: real DDP optimizer steps of random batching and the recommended strategy under
-torchrun (W = training.world_size ranks; gloo on CPU, NCCL on CUDA), each rank its shard, against
-the prediction from one-process timings. Runs only with training.world_size > 1.
+"""Data parallel: real DDP / FSDP2 optimizer steps of random batching and the recommended strategy
+under torchrun (W = training.world_size ranks; gloo on CPU, NCCL on CUDA), each rank the user's
+trainer (its own distributed batches) or the harness on its shard, against the prediction from
+one-process timings. Runs only with training.world_size > 1.
 
 Run by `snakemake data_parallel --config training='{world_size: 2}'`, or standalone:
     python scripts/run_data_parallel.py --results results --set training.world_size=2
