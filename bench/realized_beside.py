@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from probes.step import compile as cp
 from probes.step.optim import OPTIM_PREFIX
 
@@ -63,6 +65,7 @@ def beside_changes(provenance: Mapping[str, Any]) -> tuple[list[dict[str, Any]],
                     "saving_ci_low": float(record["saving_low"]),
                     "saving_ci_high": float(record["saving_high"]),
                     "decision": BESIDE,
+                    "record": dict(record),
                 }
             )
     return rows, skipped
@@ -102,3 +105,35 @@ def compile_line(args: Any) -> list[str]:
         return []
     name = f"{cp.COMPILE_STRATEGY}, {cp.PAD_MULTIPLE_PREFIX}<n>"
     return [f"{name}: not priced (a cold CPU compile is minutes a graph); name it in --changes"]
+
+
+def compile_seconds(changes: list[dict[str, Any]], runs: Mapping[str, list[dict]]) -> list[str]:
+    """For each compiled change realized, the promise in seconds (the replay's record: compile
+    time over the plan's shapes, the per-micro-batch saving, the run's micro-batches) beside the
+    realized extra seconds (the change's epoch minus the baseline's of the same round, mean with
+    its t-interval): the same figures before either is divided by its own epoch."""
+    from probes.replay.estimate import t_quantile_975
+
+    base = np.array([r["train_runtime"] for r in runs.get("random", [])])
+    lines = []
+    for change in changes:
+        record, name = change.get("record") or {}, change["id"]
+        if not is_compile(name) or name not in runs or "compile_s" not in record:
+            continue
+        diff = np.array([r["train_runtime"] for r in runs[name]]) - base
+        half = (
+            t_quantile_975(diff.size - 1) * diff.std(ddof=1) / np.sqrt(diff.size)
+            if diff.size > 1
+            else float("nan")
+        )
+        lines.append(
+            f"- {name}: promised {-record['saving_s']:.1f} s more [{-record['saving_s_high']:.1f}, "
+            f"{-record['saving_s_low']:.1f}] = compile {record['compile_s']:.1f} s "
+            f"[{record['compile_s_low']:.1f}, {record['compile_s_high']:.1f}] over "
+            f"{record['shapes']} shapes ({record['shapes_measured']} measured, "
+            f"{record['recompiles_measured']} recompiles) − {record['micro_batch_saving_s']:.4f} s "
+            f"× {record['run_micro_batches']} micro-batches; realized {diff.mean():.1f} s more "
+            f"[{diff.mean() - half:.1f}, {diff.mean() + half:.1f}] over {diff.size} rounds "
+            f"(the Trainer's epoch minus the baseline's)"
+        )
+    return lines

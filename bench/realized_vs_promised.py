@@ -65,7 +65,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 sys.path.insert(0, str(REPO / "bench"))
 
-from realized_beside import beside_changes, compile_line, prices_compile, selected  # noqa: E402
+from realized_beside import (  # noqa: E402
+    beside_changes,
+    compile_line,
+    compile_seconds,
+    prices_compile,
+    selected,
+)
 from realized_epochs import rounds, run_realized  # noqa: E402
 from realized_setup import (  # noqa: E402
     IGNORE_INDEX,
@@ -435,6 +441,10 @@ def main() -> int:
     document, estimates, runs, skipped = promise_and_realize(examples, rec, args)
     rows = table_rows(document, estimates, runs)
     text = markdown(rows, table_header(examples, args, load, started))
+    seconds = compile_seconds(document["changes"], runs)
+    if seconds:
+        text += "\nCompile in seconds (before each side divides by its own epoch):\n"
+        text += "\n".join(seconds) + "\n"
     if skipped:
         text += "\nNot run: " + "; ".join(skipped) + "\n"
     print("\n" + text)

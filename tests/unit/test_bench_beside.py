@@ -58,3 +58,19 @@ def test_changes_selects_and_names_what_it_left_out():
     assert rb.selected(runnable, None) == (runnable, [])
     assert rb.prices_compile("optim_adamw_torch,torch_compile_pad_to_multiple_of_64")
     assert not rb.prices_compile("optim_adamw_torch") and not rb.prices_compile(None)
+
+
+def test_compile_seconds_sets_the_records_seconds_beside_the_paired_realized_ones():
+    record = {
+        "saving_s": -100.0, "saving_s_low": -110.0, "saving_s_high": -90.0, "compile_s": 101.0,
+        "compile_s_low": 91.0, "compile_s_high": 111.0, "shapes": 9, "shapes_measured": 4,
+        "recompiles_measured": 1, "micro_batch_saving_s": 0.01, "run_micro_batches": 100,
+    }  # fmt: skip
+    changes = [{"id": "torch_compile", "record": record}, {"id": "optim_adamw_torch"}]
+    runs = {
+        "random": [{"train_runtime": t} for t in (5.0, 6.0, 5.0)],
+        "torch_compile": [{"train_runtime": t} for t in (104.0, 108.0, 102.0)],
+    }
+    (line,) = rb.compile_seconds(changes, runs)
+    assert line.startswith("- torch_compile: promised 100.0 s more [90.0, 110.0] = compile 101.0 s")
+    assert "realized 99.3 s more [" in line and "over 3 rounds" in line
