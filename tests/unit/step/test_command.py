@@ -365,3 +365,19 @@ def test_a_tokenizers_fingerprint_is_its_content_while_intercepted(tiny_model_di
         tokenizer.add_tokens(["<probes-new-token>"])
         added = Hasher.hash(tokenizer)
     assert first == again and len({first, templated, added}) == 3
+
+
+@pytest.mark.parametrize(
+    ("name", "starts"),
+    [("command.yaml", "trl sft "), ("command-script.yaml", "python .../train_script.py ")],
+)
+def test_the_shipped_command_configs_pass_the_parse_time_checks(name, starts, monkeypatch):
+    from probes.config import check_config_paths, load_config
+
+    repo = Path(__file__).resolve().parents[3]
+    monkeypatch.chdir(repo)  # the commands' paths start at the workflow's directory
+    config = load_config(repo / "config" / name)  # merged over config/config.yaml
+    check_config_paths(config, repo)
+    source = src.trainer_source(config["trainer"])
+    assert source.kind == "command" and not config["trainer"].get("factory")
+    assert source.describe()["spec"].startswith(starts)
