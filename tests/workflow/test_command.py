@@ -101,3 +101,40 @@ def test_a_stage_whose_command_fails_names_it_and_writes_nothing(tmp_path):
     with pytest.raises(CommandError, match=r"trainer.command 'python .../train.py': it exited"):
         padding.run({"tokenizer": ["unused"], "model_config": "unused"}, outputs, cfg)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def emitted_sft_builds() -> list[dict]:
+    """Every setting recommendations.json can emit for an SFTTrainer (probes.apply: batching,
+    step-level, combined; model_init_kwargs as the model keys), grouped into as few builds as
+    hold each key once: one build per value a key takes (three: micro-batch 2, 1 and 4)."""
+    from unit.apply.test_current_names import every_change
+
+    pairs: list[tuple[str, object]] = []
+    for change in every_change():
+        sft = dict(change.get("sft_config") or {})
+        sft.update(sft.pop("model_init_kwargs", None) or {})
+        pairs += [p for p in sft.items() if p not in pairs]
+    builds: list[dict] = []
+    for key, value in pairs:
+        build = next((b for b in builds if key not in b), None)
+        if build is None:
+            builds.append(build := {})
+        build[key] = value
+    return builds
+
+
+def test_every_emitted_sft_setting_reaches_the_trainer_trl_sft_builds(trl_sft, tmp_path):
+    command, user_out, _ = trl_sft
+    builds = emitted_sft_builds()
+    assert {"packing", "padding_free", "loss_type", "attn_implementation"} <= set().union(*builds)
+    for index, wanted in enumerate(builds):
+        out = tmp_path / str(index)
+        settings = probe_settings(str(out), torch.device("cpu"), torch.float32, None, 0, wanted)
+        trainer = command.build(settings)
+        for key, value in wanted.items():
+            if key == "attn_implementation":
+                assert trainer.model.config._attn_implementation == value, (index, key)
+            else:
+                assert getattr(trainer.args, key) == value, (index, key)
+        assert not [p for p in out.rglob("*") if p.is_file()]
+    assert not user_out.exists()
