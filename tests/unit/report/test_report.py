@@ -1086,3 +1086,22 @@ def test_data_parallel_measured_table_and_where_ranks_ran(tmp_path):
     assert rows[-2].startswith("| DDP | random | 1 s | 960 ms | 1.042 | 500 ms | 150 ms | 50 ms |")
     assert rows[-1].startswith("| DDP | length_grouped | 600 ms | 960 ms | 0.625 (outside) |")
     assert "rank 1 (local 1) on node1, cpu, SLURM job 7" in bucketing
+
+
+def test_a_coverage_control_with_no_change_timed_says_so(tmp_path):
+    """Under load the replay's budget can end before any change is timed: the coverage control
+    had nothing to cover (no widths, no coverage) and the report says that instead of failing
+    on the missing width."""
+    paths = write_results(tmp_path / "results")
+    control = read_json(paths["replay_control"])
+    coverage = {
+        "verdict": "uninformative",
+        "passed": False,
+        "expected": {"replications": 200, "max_width_pp": 20.0},
+        "observed": {"coverage": {}, "min_coverage": float("nan"), "mean_width_pp": {}},
+    }
+    write_json({**control, "coverage": coverage}, paths["replay_control"])
+    out = tmp_path / "report.md"
+    run_report(paths, out)
+    text = " ".join(out.read_text().split())
+    assert "**uninformative**: no change was timed, so there was nothing to cover" in text
