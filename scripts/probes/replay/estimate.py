@@ -32,7 +32,7 @@ from probes.replay.greg import (  # noqa: F401  (re-exported: replay.estimate's 
     is_open,
     log_interval,
     open_strategies,
-    paired_difference,
+    paired_ratio,
     satterthwaite,
     t_quantile_975,
 )

@@ -206,8 +206,8 @@ def log_interval(value: float, se: float, df: float) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class PairedRatio:
-    """A paired change's micro-batch total over the baseline's (the same micro-batches): the
-    estimate, its 95% interval (log scale) and the variance parts of the ratio."""
+    """A paired change's micro-batch time over the baseline's on the same micro-batches: the
+    stratified combined ratio estimate, its 95% interval (log scale) and the variance parts."""
 
     ratio: float
     low: float
@@ -217,115 +217,48 @@ class PairedRatio:
     pairs: int
 
 
-@dataclass(frozen=True)
-class DifferenceFit:
-    """The paired difference d = y_change − y_base on its working model d ≈ γ₀ + γ₁·m(x):
-    coefficients, residuals, m at the pairs and over the plan, the pairs' unit indices."""
-
-    coef: np.ndarray
-    residual: np.ndarray
-    m_sample: np.ndarray
-    m_plan: np.ndarray
-    units: tuple[np.ndarray, np.ndarray]  # (change's, baseline's) index of each pair
-    df: float
-
-    @property
-    def pairs(self) -> int:
-        return int(self.residual.size)
-
-    def relative_residuals(self) -> np.ndarray:
-        return self.residual / self.m_sample
-
-
-def difference_fit(
-    change: StrategyDesign, base: StrategyDesign, model: WorkingModel
-) -> DifferenceFit | None:
-    """paired_difference's working model fitted on the pairs (the change's units are a prefix
-    of the baseline's in every stratum); None under 3 pairs (two coefficients and a residual)."""
+def paired_ratio(
+    change: StrategyDesign, base: StrategyDesign, cv: float, cv_df: float
+) -> PairedRatio:
+    """R = Σ_h N_h ȳ_change,h / Σ_h N_h ȳ_base,h over the micro-batches both timed (the change's
+    are a prefix of the baseline's in every stratum: one stratum order). Linearised variance
+    Σ_h N_h² [(1 − f_h) S²_z,h + f_h σ²_ε,h] / n_h / X², z = y_change − R·y_base, S²_z pooled
+    relative to y_base over all pairs (n − 1 df), σ_ε the instrument's noise of both timings."""
     where = {int(u): i for i, u in enumerate(base.units)}
     pairs = [(i, where[int(u)]) for i, u in enumerate(change.units) if int(u) in where]
-    if len(pairs) < 3:
-        return None
+    if len(pairs) < 2:
+        nan = float("nan")
+        return PairedRatio(nan, nan, nan, nan, (), len(pairs))
     mine, theirs = (np.array(v, dtype=np.int64) for v in zip(*pairs, strict=True))
-    y_b = base.y[theirs]
-    floor = max(0.1 * float(np.median(np.abs(y_b))), 1e-12)
-    m_sample = np.maximum(model.predict(change.x[mine]), floor)
-    m_plan = np.maximum(model.predict(change.plan_x), floor)
-    z = np.column_stack([np.ones(len(pairs)), m_sample])
-    d = change.y[mine] - y_b
-    coef, _, rank, _ = np.linalg.lstsq(z, d, rcond=1e-10)
-    df = float(max(len(pairs) - rank, 1))
-    return DifferenceFit(coef, d - z @ coef, m_sample, m_plan, (mine, theirs), df)
-
-
-def paired_difference(
-    change: StrategyDesign,
-    base: StrategyDesign,
-    model: WorkingModel,
-    base_total: GregTotal,
-    noise: tuple[float, float],
-) -> PairedRatio:
-    """R = 1 + D / T_base, D the change's extra micro-batch time over the plan by GREG on the
-    pairs' differences d = y_change − y_base (its units are a prefix of the baseline's in
-    every stratum: one stratum order), working model d ≈ γ₀ + γ₁·m(x), m the baseline's
-    working-model time of the micro-batch: D = Σ_U (γ₀ + γ₁ m) + Σ_h N_h ē_h. A change adds a
-    fixed and a shape-dependent cost (checkpointing recomputes the layers but not the LM head;
-    eager attention's extra grows with L²), so its ratio to the baseline moves with the shape:
-    on the default CPU run 1.5x at 4 tokens, 1.2x at 32, and a ratio estimate over 4 pairs
-    was 84 pp wide. Variance Σ_h N_h² [(1 − f_h) S²_e,h + f_h σ²_ε,h] / n_h, S_e pooled
-    relative to m (n − 2 df), σ_ε the instrument's noise of both timings; and T_base's own
-    variance × (D / T_base)²."""
-    cv, cv_df = noise
-    base_total_s = base_total.time_s
-    fit = difference_fit(change, base, model)
-    nan = float("nan")
-    if fit is None or not base_total_s > 0:
-        return PairedRatio(nan, nan, nan, nan, (), 0 if fit is None else fit.pairs)
-    coef, residual, m_sample, m_plan = fit.coef, fit.residual, fit.m_sample, fit.m_plan
-    mine, theirs = fit.units
     y_c, y_b, stratum = change.y[mine], base.y[theirs], change.stratum[mine]
     timings = 0.5 * (change.timings[mine] + base.timings[theirs])
-    n, df = fit.pairs, fit.df
-    sigma2 = float(np.sum((residual / m_sample) ** 2)) / df
     sizes = np.bincount(change.plan_stratum)
-    extra = float(coef[0] * m_plan.size + coef[1] * m_plan.sum())
-    sampling, noise_var = 0.0, 0.0
-    for h in np.flatnonzero(sizes):
+    strata = [h for h in np.flatnonzero(sizes) if (stratum == h).any()]
+    num = sum(float(sizes[h]) * float(y_c[stratum == h].mean()) for h in strata)
+    den = sum(float(sizes[h]) * float(y_b[stratum == h].mean()) for h in strata)
+    ratio = num / den
+    relative = (y_c - ratio * y_b) / np.maximum(y_b, 1e-12)
+    n = len(pairs)
+    sigma2 = float(np.sum(relative**2)) / max(n - 1, 1)
+    sampling, noise = 0.0, 0.0
+    for h in strata:
         in_h = stratum == h
         n_h, big_n = int(in_h.sum()), float(sizes[h])
-        if n_h == 0:
-            continue
-        extra += big_n * float(residual[in_h].mean())
         f = min(n_h / big_n, 1.0)
-        level2 = float(np.mean(m_plan[change.plan_stratum == h] ** 2))
+        level2 = float(np.mean(y_b[in_h] ** 2))
         sampling += big_n**2 * (1 - f) * sigma2 * level2 / n_h
-        both = (y_c[in_h] ** 2 + y_b[in_h] ** 2) / timings[in_h]
-        noise_var += big_n**2 * f * cv**2 * float(np.mean(both)) / n_h
-    ratio = 1.0 + extra / base_total_s
-    base_var = sum(v for v, _ in base_total.parts) * (extra / base_total_s**2) ** 2
-    parts = (
-        (sampling / base_total_s**2, df),
-        (noise_var / base_total_s**2, cv_df),
-        (base_var, satterthwaite(base_total.parts)),
-    )
-    df_all = satterthwaite(parts)
-    low, high = log_interval(ratio, math.sqrt(sum(v for v, _ in parts)), df_all)
-    return PairedRatio(ratio, low, high, df_all, parts, n)
+        both = (y_c[in_h] ** 2 + ratio**2 * y_b[in_h] ** 2) / timings[in_h]
+        noise += big_n**2 * f * cv**2 * float(np.mean(both)) / n_h
+    parts = ((sampling / den**2, float(max(n - 1, 1))), (noise / den**2, cv_df))
+    df = satterthwaite(parts)
+    low, high = log_interval(ratio, math.sqrt(sum(v for v, _ in parts)), df)
+    return PairedRatio(ratio, low, high, df, parts, n)
 
 
 def _fitted_designs(designs: Mapping[str, StrategyDesign]) -> list[str]:
     """The strategies the working model is fitted on: all but the paired ones (a paired change
     runs the baseline's micro-batches at another cost, which the shared model would misprice)."""
     return [n for n, d in designs.items() if not d.paired] or list(designs)
-
-
-def shared_model(designs: Mapping[str, StrategyDesign]) -> tuple[WorkingModel, np.ndarray]:
-    """The working model over the unpaired strategies' timed units (_fitted_designs), and each
-    of those units' leverage in their order."""
-    fitted = _fitted_designs(designs)
-    x = np.concatenate([designs[n].x for n in fitted])
-    y = np.concatenate([designs[n].y for n in fitted])
-    return fit_working_model(x, y)
 
 
 def greg_estimate_all(
@@ -340,9 +273,11 @@ def greg_estimate_all(
     unpaired strategies' timed units; each strategy's own residuals correct it. An unpaired
     saving's variance is that of T_s − R·T_base over independent samples, plus the shared
     optimizer mean's (k_s − R k_base)² var(ō); a paired change is priced by its ratio to the
-    baseline on the same micro-batches (paired_difference)."""
+    baseline on the same micro-batches (paired_ratio)."""
     fitted = _fitted_designs(designs)
-    model, leverage = shared_model(designs)
+    x = np.concatenate([designs[n].x for n in fitted])
+    y = np.concatenate([designs[n].y for n in fitted])
+    model, leverage = fit_working_model(x, y)
     bounds = np.cumsum([0] + [len(designs[n].y) for n in fitted])
     totals = {
         n: greg_total(designs[n], model, leverage[bounds[i] : bounds[i + 1]], cv, cv_df)
@@ -359,7 +294,7 @@ def greg_estimate_all(
         out[n] = _unpaired_estimate(n, designs, totals, optimizer, baseline)
     for n in designs:
         if n not in out:
-            out[n] = _paired_estimate(n, designs, totals, optimizer, baseline, (model, (cv, cv_df)))
+            out[n] = _paired_estimate(n, designs, totals, optimizer, baseline, (cv, cv_df))
     return {n: out[n] for n in designs}, model
 
 
@@ -404,15 +339,13 @@ def _paired_estimate(
     totals: Mapping[str, GregTotal],
     optimizer: tuple[float, float, float],
     baseline: str,
-    priced: tuple[WorkingModel, tuple[float, float]],
+    noise: tuple[float, float],
 ) -> GregEstimate:
     """A paired change's epoch: R × the baseline's micro-batch total + its optimizer steps; its
-    saving's interval maps R's (the epoch ratio is monotone in R). `priced`: the working model
-    and the instrument's (CV, df)."""
+    saving's interval maps R's (the epoch ratio is monotone in R)."""
     opt_mean, opt_var, opt_df = optimizer
     base = totals[baseline]
-    model, noise = priced
-    pair = paired_difference(designs[name], designs[baseline], model, base, noise)
+    pair = paired_ratio(designs[name], designs[baseline], *noise)
     k, k_base = designs[name].optimizer_steps, designs[baseline].optimizer_steps
     base_s = base.time_s + k_base * opt_mean
 

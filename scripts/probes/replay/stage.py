@@ -382,29 +382,20 @@ def coverage_control(
 
 
 def unexplained_spread(design: Any, steps: pd.DataFrame, cv: float) -> dict[str, float]:
-    """Per strategy, the relative spread of its timed units its estimator's working model leaves
-    beyond the instrument's noise (robust: 1.4826 × MAD of the centred residuals, in
-    quadrature): the shared model's for a batching change, the paired difference's (two
-    timings' noise) for a paired one."""
+    """Per strategy, the relative spread of its timed units the working model leaves beyond
+    the instrument's CV (robust: 1.4826 × MAD of the centred residuals, in quadrature)."""
     from probes.replay.estimate import unit_residuals
-    from probes.replay.greg import difference_fit, shared_model
     from probes.replay.sequential import strategy_designs
 
     designs = strategy_designs(design, steps)
     if not designs:
         return {}
-    residuals = unit_residuals(designs)
-    model, _ = shared_model(designs)
     out = {}
-    for name, residual in residuals.items():
-        noise2 = cv**2
-        if designs[name].paired and pl.BASELINE in designs:
-            fit = difference_fit(designs[name], designs[pl.BASELINE], model)
-            residual, noise2 = (fit.relative_residuals() if fit else np.array([])), 2 * cv**2
+    for name, residual in unit_residuals(designs).items():
         if residual.size < 3:
             continue
         spread = 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
-        out[name] = math.sqrt(max(spread**2 - noise2, 0.0))
+        out[name] = math.sqrt(max(spread**2 - cv**2, 0.0))
     return out
 
 

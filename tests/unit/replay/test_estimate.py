@@ -21,6 +21,7 @@ from probes.replay.estimate import (
     greg_estimate_all,
     log_interval,
     open_strategies,
+    paired_ratio,
     satterthwaite,
     t_quantile_975,
 )
@@ -211,31 +212,19 @@ def test_log_intervals_never_reach_below_zero():
     assert all(math.isnan(v) for v in log_interval(0.0, 1.0, 5.0))
 
 
-@pytest.mark.parametrize(
-    ("scale", "fixed"),
-    [(1.3, 0.0), (1.05, 0.5)],
-    ids=["ratio_1.3", "fixed_plus_5_percent"],
-)
-def test_paired_difference_cancels_the_micro_batch_s_own_length(design, scale, fixed):
-    """A change costing exactly scale × the baseline + `fixed` × its mean micro-batch on the same
-    micro-batches (checkpointing recomputes the layers, not the LM head: its ratio moves with
-    the shape): timed paired, R is exact to the noise and its interval covers it, though the
-    micro-batches' own times vary 10x. Priced as one ratio, the fixed-cost change's pairs spread
-    by 20% (the interval 3x wider than the 0.2 asserted here)."""
-    from probes.replay.greg import greg_total, paired_difference
-
+def test_paired_ratio_cancels_the_micro_batch_s_own_length(design):
+    """A change costing exactly 1.3x on the same micro-batches: timed paired, R is 1.3 to the
+    noise and its interval covers it, though the micro-batches' own times vary 10x."""
     cost = SimulatedCost.scaled_to(pd.concat(design.plans.values()))
     plan = design.plans[pl.BASELINE]
     mu = cost.micro_batch_s(plan)
-    extra = fixed * float(mu.mean())
-    exact = (scale * mu.sum() + extra * mu.size) / mu.sum()
     rng = np.random.default_rng(2)
     units = np.concatenate([m[:8] for m in design.orders[pl.BASELINE]])
     stratum = design.stratum[pl.BASELINE][units]
     x = auxiliaries(plan)
 
-    def timed(factor, add):
-        y = (factor * mu[units] + add) * (1 + 0.03 * rng.standard_normal(units.size))
+    def timed(factor):
+        y = factor * mu[units] * (1 + 0.03 * rng.standard_normal(units.size))
         return StrategyDesign(
             x, design.stratum[pl.BASELINE], 10, stratum, x[units], y, np.ones(units.size),
             units=units, paired=factor != 1.0,
@@ -243,11 +232,8 @@ def test_paired_difference_cancels_the_micro_batch_s_own_length(design, scale, f
 
     covered = 0
     for _ in range(100):
-        base = timed(1.0, 0.0)
-        model, leverage = fit_working_model(base.x, base.y)
-        total = greg_total(base, model, leverage, 0.03, 4.0)
-        pair = paired_difference(timed(scale, extra), base, model, total, (0.03, 4.0))
-        covered += pair.low <= exact <= pair.high
+        pair = paired_ratio(timed(1.3), timed(1.0), 0.03, 4.0)
+        covered += pair.low <= 1.3 <= pair.high
         assert pair.high - pair.low < 0.2 and pair.pairs == units.size  # y itself varies 10x
     assert covered >= 90
 
