@@ -26,7 +26,8 @@ sampled: the epoch's measured time (zero width). Like the replay's, it does not 
 shared by every step (another process's load).
 
 The saving against the baseline, 1 − T_change / T_baseline, takes its interval from the delta
-method on the ratio of two independent estimates (t with the smaller df).
+method on the log of the ratio of two independent estimates (t with the smaller df); the epoch's
+own interval is on the log scale too: both are ratios or times, never below 0.
 """
 
 from __future__ import annotations
@@ -37,20 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# Student's t 0.975 quantiles for 1..30 degrees of freedom (beyond: the normal 1.96).
-T_975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-Z_975 = 1.959964
-
-
-def t_quantile(df: int) -> float:
-    """The two-sided 95% quantile of Student's t with `df` degrees of freedom (df ≥ 1)."""
-    if df < 1:
-        raise ValueError(f"df={df}: need at least 1 degree of freedom")
-    return T_975[df - 1] if df <= len(T_975) else Z_975
+from probes.replay.greg import log_interval, t_quantile_975
 
 
 def step_order(n_total: int, first: int, rng: np.random.Generator) -> np.ndarray:
@@ -85,9 +73,11 @@ class EpochEstimate:
 
 
 def _interval(total: float, se: float, df: int, n: int, n_total: int, method: str):
-    """The t interval, its lower end at 0 (an epoch takes no negative time)."""
-    half = t_quantile(df) * se
-    return EpochEstimate(total, se, max(total - half, 0.0), total + half, n, n_total, df, method)
+    """The t interval on the log scale (replay.greg.log_interval): an epoch takes a positive
+    time, so its interval never reaches 0 however few steps were timed; a phase that took no
+    time at all (total 0, no spread) is exactly 0."""
+    low, high = log_interval(total, se, df) if total > 0 else (0.0, total + t_quantile_975(df) * se)
+    return EpochEstimate(total, se, low, high, n, n_total, df, method)
 
 
 def relative_residual(y: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -196,7 +186,7 @@ def saving_estimate(change: EpochEstimate, baseline: EpochEstimate) -> tuple[flo
     dfs = [d for d in (change.df, baseline.df) if d is not None]
     if not dfs:
         return 1.0 - ratio, 1.0 - ratio, 1.0 - ratio
-    # pooled estimates share one df (the same σ²); otherwise the smaller sample's
-    half = t_quantile(max(min(dfs), 1)) * ratio * rel
-    # the time ratio is not negative, so no saving exceeds 100%
-    return 1.0 - ratio, 1.0 - (ratio + half), 1.0 - max(ratio - half, 0.0)
+    # pooled estimates share one df (the same σ²); otherwise the smaller sample's; the time
+    # ratio is positive, so its interval is on the log scale (no saving reaches 100%)
+    low, high = log_interval(ratio, ratio * rel, max(min(dfs), 1))
+    return 1.0 - ratio, 1.0 - high, 1.0 - low

@@ -8,7 +8,6 @@ from probes.realize.sample import (
     pooled_residual,
     sample_steps,
     saving_estimate,
-    t_quantile,
 )
 
 
@@ -28,8 +27,18 @@ def test_interval_uses_finite_population_correction_and_t():
     estimate = epoch_estimate(times, 8)
     se = 8 * np.sqrt((1 - 4 / 8) * np.var(times, ddof=1) / 4)
     assert estimate.total_s == pytest.approx(20.0)
-    assert estimate.high_s - estimate.total_s == pytest.approx(t_quantile(3) * se)
-    assert t_quantile(3) == pytest.approx(3.182) and t_quantile(500) == pytest.approx(1.96, 1e-3)
+    # on the log scale: total × exp(±t·se/total), t with n − 1 = 3 df
+    half = 3.182 * se / 20.0
+    assert estimate.high_s == pytest.approx(20.0 * np.exp(half), rel=1e-3)
+    assert estimate.low_s == pytest.approx(20.0 * np.exp(-half), rel=1e-3)
+
+
+def test_an_epoch_interval_from_two_steps_never_reaches_zero():
+    """Two steps 10x apart: a linear t interval (t = 12.7) reaches far below 0, so it was cut at
+    0 s ('104 min [0 s, 3.99 h]' on the command-script run); an epoch takes a positive time."""
+    estimate = epoch_estimate([1.0, 10.0], 100)
+    assert estimate.total_s - 12.706 * estimate.se_s < 0  # where the linear one would be
+    assert 0 < estimate.low_s < estimate.total_s < estimate.high_s
 
 
 def test_srs_interval_covers_the_epoch_total_about_95_percent_of_the_time():
@@ -55,9 +64,9 @@ def test_saving_of_exact_estimates_is_exact_and_sampled_ones_have_an_interval():
 
 def test_intervals_stay_inside_what_a_time_and_a_saving_can_be():
     wild = epoch_estimate([0.1, 10.0], 100)
-    assert wild.low_s == 0.0 < wild.total_s < wild.high_s
-    _, _, high = saving_estimate(wild, epoch_estimate([5.0, 5.1], 100))
-    assert high <= 1.0
+    assert 0.0 < wild.low_s < wild.total_s < wild.high_s
+    _, low, high = saving_estimate(wild, epoch_estimate([5.0, 5.1], 100))
+    assert low < high < 1.0
 
 
 def promised_epochs(rng: np.random.Generator) -> dict[str, np.ndarray]:
