@@ -112,12 +112,9 @@ def run_scaling(
 
 def _recomputes_forward(model: torch.nn.Module) -> bool:
     """Whether the model recomputes its forward in the backward (gradient checkpointing)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        value = getattr(type(base), name, None)
-        if value is not None:
-            return bool(getattr(base, name))
-    return False
+    from probes.step.changes import is_checkpointing
+
+    return is_checkpointing(model.get_base_model() if hasattr(model, "get_base_model") else model)
 
 
 def run_flop_control(

@@ -67,10 +67,10 @@ def checkpointing_field() -> str:
 
 
 def is_checkpointing(base: Any) -> bool:
-    return bool(
-        getattr(base, "is_activation_checkpointing", None)
-        or getattr(base, "is_gradient_checkpointing", False)
-    )
+    """The installed name first: reading the old one warns (deprecated in transformers 5)."""
+    if hasattr(type(base), "is_activation_checkpointing"):
+        return bool(base.is_activation_checkpointing)
+    return bool(getattr(base, "is_gradient_checkpointing", False))
 
 
 def current_config(model: Any, args: Any = None) -> StepConfig:

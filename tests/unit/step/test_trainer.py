@@ -409,3 +409,21 @@ def test_the_optimizer_alternatives_step_the_trainers_own_parameter_groups_in_tu
     priced = optim.price_optims(times, own, grad_accum=2)[optim.OPTIM_PREFIX + other]
     assert priced["saving_low"] <= priced["saving"] <= priced["saving_high"]
     assert priced["memory"] == optim.SAME_STATE
+
+
+def test_checkpointing_is_read_by_its_current_name_without_the_deprecated_one():
+    """transformers 5 warns on `is_gradient_checkpointing`; where the model has the new name the
+    old one is never read (it filled every replay log with a FutureWarning)."""
+    from probes.step.changes import is_checkpointing
+
+    class Current:
+        is_activation_checkpointing = False
+
+        @property
+        def is_gradient_checkpointing(self):
+            raise AssertionError("the deprecated name was read")
+
+    class Older:
+        is_gradient_checkpointing = True
+
+    assert is_checkpointing(Current()) is False and is_checkpointing(Older()) is True
