@@ -284,7 +284,7 @@ def run_replay(
         control, coverage, instrument, sequential, combined, plan, replay_cfg
     )
     provenance = replay_provenance(cfg, plan, dtype, described, changes, idle, started)
-    provenance.update(priced_beside(runner, plan.plans, cfg.training, replay_cfg))
+    provenance.update(priced_beside(runner, plan.plans, cfg.training, replay_cfg, table))
     fit_row = fit_table_row(fit, plan.micro, loss_share, plan.cpu_only, plan.max_len, replay_cfg)
     steps = steps_table(
         all_steps(sequential.steps, combined), sequential.optimizer_times, fit_points

@@ -147,12 +147,17 @@ OPTIM_TURNS = 5  # turns of each optimizer, alternating
 
 
 def priced_beside(
-    runner: Any, plans: pd.DataFrame, training: TrainingConfig, replay_cfg: ReplayConfig
+    runner: Any,
+    plans: pd.DataFrame,
+    training: TrainingConfig,
+    replay_cfg: ReplayConfig,
+    table: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
     """What the replay's provenance carries beside its table: {"compile": compile_record,
-    "optim": optim_record} (each {} where it does not apply). The stage's one call."""
+    "optim": optim_record} (each {} where it does not apply), compile's saving a share of
+    `table`'s baseline epoch estimate. The stage's one call."""
     return {
-        "compile": compile_record(runner, plans, training, replay_cfg),
+        "compile": compile_record(runner, plans, training, replay_cfg, table),
         "optim": optim_record(runner, plans, training, replay_cfg),
     }
 
@@ -202,45 +207,99 @@ def compile_off(replay_cfg: ReplayConfig, cpu_only: bool) -> dict[str, str]:
 
 
 def compile_record(
-    runner: Any, plans: pd.DataFrame, training: TrainingConfig, replay_cfg: ReplayConfig
+    runner: Any,
+    plans: pd.DataFrame,
+    training: TrainingConfig,
+    replay_cfg: ReplayConfig,
+    table: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
     """torch_compile priced on the baseline's plan, and with the collator's pad_to_multiple_of
     (fewer shapes, more padding), each compiled afresh from empty caches
-    (probes.step.compile.fresh_compiles) and amortized over the run's length (the trainer's
-    num_train_epochs / max_steps; one epoch for a harness); {} where replay.compile is off
-    (compile_off lists it)."""
+    (probes.step.compile.fresh_compiles), amortized over the run's length (the trainer's
+    num_train_epochs / max_steps; one epoch for a harness), as a share of `table`'s baseline
+    epoch estimate over that run, a fresh process's first-compile excess included (measured
+    first, probes.step.cold.first_compile); {} where replay.compile is off (compile_off)."""
+    from probes.step import cold
     from probes.step import compile as cp
 
     if not getattr(replay_cfg, "compile", False):
         return {}
     base = plans[plans["strategy"] == pl.BASELINE]
-    args = getattr(getattr(runner.runner, "trainer", None), "args", None)
     grad_accum = int(training.grad_accum)
-    length = cp.run_micro_batches(
-        len(base),
-        grad_accum,
-        float(getattr(args, "num_train_epochs", 1.0)),
-        int(getattr(args, "max_steps", -1)),
-    )
+    length = run_length(runner, len(base), grad_accum)
+    baseline = run_baseline(table, len(base), length)
+    first = cold.first_compile()  # before any compile of the model: the process's first
     out: dict[str, Any] = {}
-    padded = cp.padded_to_multiple(base, PAD_MULTIPLE)
     name = f"{cp.PAD_MULTIPLE_PREFIX}{PAD_MULTIPLE}"
     for strategy, plan, multiple in (
         (cp.COMPILE_STRATEGY, base, None),
-        (name, padded, PAD_MULTIPLE),
+        (name, cp.padded_to_multiple(base, PAD_MULTIPLE), PAD_MULTIPLE),
     ):
-        # each configuration pays its own compiles, from empty caches
-        with cp.fresh_compiles(), collator_padding(runner.runner, multiple) as why:
-            if why:
-                out[strategy] = {"recommended": False, "why": why}
-                continue
-            shapes = cp.first_rows(plan, pl.BASELINE)
-            batches = [(shape, runner.device_batch(row)) for shape, row in shapes[:COMPILE_SHAPES]]
-            eager, compiled = cp.step_functions(runner.runner)
-            run = cp.measure(eager, compiled, batches, COMPILE_REPEATS)
-        out[strategy] = {**cp.price(run, len(shapes), length, grad_accum), "memory": COMPILE_MEMORY}
+        measured = compile_measured(runner, plan, multiple)
+        if isinstance(measured, str):
+            out[strategy] = {"recommended": False, "why": measured}
+            continue
+        run, n_shapes, spread = measured
+        priced = cp.price(run, n_shapes, length, grad_accum, baseline, first, spread)
+        out[strategy] = {**priced, "memory": COMPILE_MEMORY}
     LOG.info("torch_compile priced: %s", {k: v.get("saving") for k, v in out.items()})
     return out
+
+
+def run_length(runner: Any, plan_micro_batches: int, grad_accum: int) -> int:
+    """Micro-batches of the user's run: the trainer's num_train_epochs / max_steps."""
+    from probes.step import compile as cp
+
+    args = getattr(getattr(runner.runner, "trainer", None), "args", None)
+    epochs = float(getattr(args, "num_train_epochs", 1.0))
+    return cp.run_micro_batches(
+        plan_micro_batches, grad_accum, epochs, int(getattr(args, "max_steps", -1))
+    )
+
+
+def run_baseline(table: pd.DataFrame | None, plan_micro_batches: int, length: int) -> Any:
+    """The table's baseline epoch estimate with its interval over the run (RunBaseline); None
+    (the eager micro-batches instead, said in the record) where the table has none."""
+    from probes.step import compile as cp
+
+    if table is None or "strategy" not in table:
+        return None
+    row = table[table["strategy"] == pl.BASELINE]
+    columns = ("estimated_time_s", "ci_low_s", "ci_high_s")
+    if row.empty or not all(col in row for col in columns):
+        return None
+    epoch = tuple(float(row.iloc[0][col]) for col in columns)
+    if not all(v == v and v > 0 for v in epoch):  # NaN or not positive: not estimated
+        return None
+    return cp.RunBaseline.of_epoch(epoch, plan_micro_batches, length)
+
+
+COLD_AGAIN_MAX_S = 20.0  # a second cold compile of the first shape where the first took less
+
+
+def compile_measured(runner: Any, plan: pd.DataFrame, multiple: int | None) -> Any:
+    """(run, shapes of the plan, (spread, where from)) of one configuration compiled from empty
+    caches; where its first shape compiled within COLD_AGAIN_MAX_S, that shape compiled once
+    more from empty caches for the compile's own spread (else the documented floor); or why it
+    was not timed (the trainer's collator cannot pad to `multiple`)."""
+    from probes.step import cold
+    from probes.step import compile as cp
+
+    with collator_padding(runner.runner, multiple) as why:
+        if why:
+            return why
+        shapes = cp.first_rows(plan, pl.BASELINE)
+        batches = [(shape, runner.device_batch(row)) for shape, row in shapes[:COMPILE_SHAPES]]
+        with cp.fresh_compiles():  # each configuration pays its own compiles
+            eager, compiled = cp.step_functions(runner.runner)
+            run = cp.measure(eager, compiled, batches, COMPILE_REPEATS)
+        spread = (cold.COMPILE_SPREAD, cold.SPREAD_FLOOR)
+        if run.shapes and run.error is None and run.shapes[0].compile_s <= COLD_AGAIN_MAX_S:
+            with cp.fresh_compiles():
+                compiled = cp.step_functions(runner.runner)[1]
+                again = cp.compile_again(compiled, run.shapes[0], batches[0][1])
+            spread = cold.spread_with(run.shapes[0].compile_s, again)
+    return run, len(shapes), spread
 
 
 @contextmanager

@@ -11,21 +11,25 @@ dynamic and later lengths often reuse that graph). So nothing here assumes a cos
   ``pad_to_multiple_of``, fewer shapes for more padding: the companion change);
 - ``measure`` runs the step compiled over those shapes in that order: each shape's first call
   (compile + run) against its steady compiled time gives its compile cost, torch's own counters
-  (``torch._dynamo.utils.counters``) the graphs and recompiles; eager and compiled calls of the
+  (``torch._dynamo.utils.counters``, its compilation metrics) the graphs built, the graph
+  breaks and the recompiles (shapes at which a compiled frame was compiled again: a graph break
+  makes one compile several graphs, so graphs are not recompiles); eager and compiled calls of the
   same micro-batch alternate (paired) for the per-micro-batch saving. A step that fails to
   compile is recorded with the error's class and never recommended;
 - ``price`` amortizes over the run's length (``run_micro_batches``: ``max_steps`` or
   ``num_train_epochs`` of the user's trainer): the saving, its 95% interval and the break-even
   step count with its interval. Shapes beyond those measured are charged the mean cost of the
-  measured shapes after the first (the first pays the cold compile), with its interval.
+  measured shapes after the first (the first pays the cold compile), with its interval; each
+  compile's own run-to-run spread and a fresh process's first-compile excess (probes.step.cold)
+  are added. The saving is a share of the replay's baseline over the run (``RunBaseline``: its
+  epoch estimate, micro-batches + optimizer steps, with its interval), as the table's are.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +37,13 @@ import numpy as np
 import pandas as pd
 
 from probes.batching import plans as pl
+from probes.step.cold import (  # noqa: F401  (fresh_compiles: re-exported)
+    COMPILE_SPREAD,
+    NO_FIRST,
+    SPREAD_FLOOR,
+    FirstCompile,
+    fresh_compiles,
+)
 
 COMPILE_STRATEGY = "torch_compile"
 PAD_MULTIPLE_PREFIX = "torch_compile_pad_to_multiple_of_"
@@ -111,11 +122,33 @@ def run_micro_batches(
 # ---------------------------------------------------------------------------------------------
 
 
-def dynamo_graphs() -> int:
-    """Graphs torch.compile has built so far (its own counter)."""
-    from torch._dynamo.utils import counters
+@dataclass(frozen=True)
+class DynamoCounts:
+    """torch._dynamo's own counters at one moment: graphs built (``counters["stats"]
+    ["unique_graphs"]``, every fragment a graph break splits a compile into), graph breaks
+    (``counters["graph_break"]``) and the frames compiled so far (its compilation metrics, each
+    with a ``recompile_reason`` where the frame had been compiled before for another shape)."""
 
-    return int(counters["stats"]["unique_graphs"])
+    graphs: int
+    graph_breaks: int
+    frames: tuple[Any, ...] = ()  # held, so ``since`` tells the new ones by identity
+
+    def since(self, before: DynamoCounts) -> tuple[int, int, int]:
+        """(graphs, graph breaks, frames recompiled) between `before` and this moment."""
+        new = [f for f in self.frames if not any(f is b for b in before.frames)]
+        recompiled = sum(1 for f in new if getattr(f, "recompile_reason", None))
+        return self.graphs - before.graphs, self.graph_breaks - before.graph_breaks, recompiled
+
+
+def dynamo_counts() -> DynamoCounts:
+    """torch._dynamo's counters now (DynamoCounts)."""
+    from torch._dynamo.utils import counters, get_compilation_metrics
+
+    return DynamoCounts(
+        int(counters["stats"]["unique_graphs"]),
+        int(sum(counters["graph_break"].values())),
+        tuple(get_compilation_metrics()),
+    )
 
 
 @dataclass
@@ -124,6 +157,8 @@ class ShapeCompile:
     first_s: float  # the shape's first compiled call: compile (if any) + run
     steady_s: float  # its compiled call once compiled (median)
     graphs: int  # graphs torch built at this shape (0: an existing graph served it)
+    graph_breaks: int = 0  # graph breaks torch met at this shape
+    recompiled_frames: int = 0  # frames torch recompiled here (a recompile reason recorded)
 
     @property
     def compile_s(self) -> float:
@@ -140,9 +175,20 @@ class CompileRun:
     error: str | None = None  # the failure's class and where ("compile at shape (2, 96)")
 
     @property
+    def graphs(self) -> int:
+        """Graphs torch built (fragments included: a graph break splits a compile in two)."""
+        return sum(s.graphs for s in self.shapes)
+
+    @property
+    def shapes_compiled(self) -> int:
+        """Distinct shapes that made torch compile (built a graph); the others reused one."""
+        return sum(1 for s in self.shapes if s.graphs > 0)
+
+    @property
     def recompiles(self) -> int:
-        """Graphs built after the first (torch's counter): each a recompile."""
-        return max(sum(s.graphs for s in self.shapes) - 1, 0)
+        """Shapes at which the run stopped to recompile: a graph built for frames torch had
+        compiled before (its recompile reason recorded), whatever the fragments' count."""
+        return sum(1 for s in self.shapes if s.graphs > 0 and s.recompiled_frames > 0)
 
 
 def _timed(fn: Callable[[Any], Any], batch: Any) -> float:
@@ -156,7 +202,7 @@ def measure(
     compiled: Callable[[Any], Any],
     batches: Sequence[tuple[tuple[int, int], Any]],
     repeats: int = 3,
-    graphs: Callable[[], int] = dynamo_graphs,
+    counts: Callable[[], DynamoCounts] = dynamo_counts,
 ) -> CompileRun:
     """Each (shape, batch) in the order the run meets them: the compiled step's first call
     (compile + run), then `repeats` eager / compiled pairs of the same batch. `eager` and
@@ -164,7 +210,7 @@ def measure(
     failure ends the run with its class recorded: that configuration is never recommended."""
     run = CompileRun()
     for shape, batch in batches:
-        before = graphs()
+        before = counts()
         try:
             first = _timed(compiled, batch)
             eager(batch)  # its first run at a shape warms too (the replay never times one)
@@ -173,28 +219,16 @@ def measure(
             run.error = f"{type(error).__name__} at shape {shape}"
             return run
         steady = float(np.median([c for _, c in pairs]))
-        run.shapes.append(ShapeCompile(shape, first, steady, graphs() - before))
+        run.shapes.append(ShapeCompile(shape, first, steady, *counts().since(before)))
         run.eager_s += [e for e, _ in pairs]
         run.compiled_s += [c for _, c in pairs]
     return run
 
 
-@contextmanager
-def fresh_compiles() -> Iterator[None]:
-    """Compiles as a new process on a new machine meets them: torch._dynamo's graphs dropped, and
-    inductor's caches (FX graphs, generated C++ kernels; in memory and on disk) emptied for the
-    body (``torch._inductor.utils.fresh_cache``), so each graph built in it pays its whole
-    compile. Without it a second configuration reuses the first's kernels where they match (a
-    warm graph took 6-9 s against 77-87 s cold on a 2-core Xeon: docs/evidence)."""
-    import torch
-    from torch._inductor.utils import fresh_cache
-
-    torch._dynamo.reset()
-    try:
-        with fresh_cache():
-            yield
-    finally:
-        torch._dynamo.reset()
+def compile_again(compiled: Callable[[Any], Any], shape: ShapeCompile, batch: Any) -> float:
+    """Seconds a second cold compile of a measured `shape` takes (`compiled` freshly wrapped, under
+    fresh_compiles): its first call less the shape's steady compiled call."""
+    return max(_timed(compiled, batch) - shape.steady_s, 0.0)
 
 
 def step_functions(
@@ -235,12 +269,15 @@ def _t(n: int) -> float:
     return t_quantile_975(max(n - 1, 1))
 
 
-def compile_total(run: CompileRun, n_shapes: int) -> tuple[float, float, float]:
+def compile_total(
+    run: CompileRun, n_shapes: int, spread: float = COMPILE_SPREAD
+) -> tuple[float, float, float]:
     """Compile seconds over all `n_shapes` of the plan (estimate, low, high): the measured
     shapes' own, and each unmeasured shape charged the mean of the measured ones after the last
     that built a graph (torch's automatic dynamic shapes: once a dimension is dynamic, later
     lengths reuse that graph; measured on the tiny bench model, shapes 3-5 built none), else of
-    those after the first (the cold compile is paid once), with a t-interval on that mean."""
+    those after the first (the cold compile is paid once), with a t-interval on that mean; the
+    interval then widened by a compile's own run-to-run `spread` (each graph is timed once)."""
     costs = np.array([s.compile_s for s in run.shapes])
     if costs.size == 0:
         raise ValueError("no shape was measured: nothing to price")
@@ -253,8 +290,8 @@ def compile_total(run: CompileRun, n_shapes: int) -> tuple[float, float, float]:
     measured = float(costs.sum())
     return (
         measured + rest * mean,
-        measured + rest * max(mean - half, 0.0),
-        measured + rest * (mean + half),
+        (measured + rest * max(mean - half, 0.0)) * (1.0 - spread),
+        (measured + rest * (mean + half)) * (1.0 + spread),
     )
 
 
@@ -295,43 +332,99 @@ def break_even(compile_s: float, saving_s: float, grad_accum: int) -> float:
     return compile_s / saving_s / grad_accum
 
 
-def price(run: CompileRun, n_shapes: int, micro_batches: int, grad_accum: int) -> dict[str, Any]:
-    """The change over the run: saving in seconds and as a share of the eager run, each with its
-    95% interval, break-even steps with theirs, and whether it is recommended (it compiled, and
-    its saving's interval lies above zero). A failed compile is priced as not recommended."""
+@dataclass(frozen=True)
+class RunBaseline:
+    """The baseline's time over the run (seconds, 95% interval): what the saving is a share of,
+    and where it comes from."""
+
+    time_s: float
+    low_s: float
+    high_s: float
+    source: str
+
+    @classmethod
+    def of_epoch(
+        cls, epoch: tuple[float, float, float], plan_micro_batches: int, micro_batches: int
+    ) -> RunBaseline:
+        """The replay's baseline epoch estimate (the table's: micro-batches + optimizer steps)
+        over the run's `micro_batches` (its epochs: `plan_micro_batches` an epoch)."""
+        scale = micro_batches / plan_micro_batches
+        source = "the replay's baseline epoch estimate (micro-batches + optimizer steps) x epochs"
+        return cls(epoch[0] * scale, epoch[1] * scale, epoch[2] * scale, source)
+
+    @classmethod
+    def eager(cls, run: CompileRun, micro_batches: int) -> RunBaseline:
+        """Where the table has no baseline estimate: the measured eager micro-batches only."""
+        time_s = micro_batches * float(np.mean(run.eager_s))
+        return cls(time_s, time_s, time_s, "eager forward + backward of the measured shapes only")
+
+
+def share(saving: tuple[float, float, float], base: RunBaseline) -> tuple[float, float, float]:
+    """A saving in seconds (estimate, low, high) as a share of `base`, each end over the end of
+    the baseline's interval that makes it widest (both intervals carried, conservatively)."""
+    s, low, high = saving
+    ends = (base.low_s, base.high_s)
+    return s / base.time_s, min(low / b for b in ends), max(high / b for b in ends)
+
+
+def price(
+    run: CompileRun,
+    n_shapes: int,
+    micro_batches: int,
+    grad_accum: int,
+    baseline: RunBaseline | None = None,
+    first: FirstCompile = NO_FIRST,
+    spread: tuple[float, str] = (COMPILE_SPREAD, SPREAD_FLOOR),
+) -> dict[str, Any]:
+    """The change over the run, as a user's fresh training process pays it: saving in seconds
+    and as a share of `baseline` (the replay's baseline over the run; the eager micro-batches
+    where not given), each with its 95% interval (a compile's relative `spread`, with where it
+    comes from, included), break-even steps with theirs, and whether it is recommended (it
+    compiled, and its saving's interval lies above zero); ``saving_warm_process`` without the
+    process's `first` compile's excess. A failed compile is priced as not recommended."""
     record: dict[str, Any] = {
         "shapes": int(n_shapes),
         "shapes_measured": len(run.shapes),
+        "shapes_compiled_measured": run.shapes_compiled,
         "recompiles_measured": run.recompiles,
+        "graphs_measured": run.graphs,
+        "graph_breaks_measured": sum(s.graph_breaks for s in run.shapes),
         "run_micro_batches": int(micro_batches),
         "error": run.error,
     }
     if run.error is not None:
         return {**record, "recommended": False, "why": f"failed to compile: {run.error}"}
-    c, c_low, c_high = compile_total(run, n_shapes)
+    base = baseline or RunBaseline.eager(run, micro_batches)
+    later = compile_total(run, n_shapes, spread[0])
+    c = (later[0] + first.excess_s, later[1] + first.low_s, later[2] + first.high_s)
     d, d_low, d_high = per_micro_batch_saving(run)
-    eager_run = micro_batches * float(np.mean(run.eager_s))
-    saving = (micro_batches * d - c, micro_batches * d_low - c_high, micro_batches * d_high - c_low)
+    warm = (micro_batches * d - later[0], micro_batches * d_low - later[2],
+            micro_batches * d_high - later[1])  # fmt: skip
+    saving = (micro_batches * d - c[0], micro_batches * d_low - c[2], micro_batches * d_high - c[1])
     steps = (
-        break_even(c, d, grad_accum),
-        break_even(c_low, d_high, grad_accum),
-        break_even(c_high, d_low, grad_accum),
+        break_even(c[0], d, grad_accum),
+        break_even(c[1], d_high, grad_accum),
+        break_even(c[2], d_low, grad_accum),
     )
     return {
         **record,
-        "compile_s": c,
-        "compile_s_low": c_low,
-        "compile_s_high": c_high,
+        **_triple("compile_s", c),
+        **_triple("first_compile_s", (first.excess_s, first.low_s, first.high_s)),
+        "first_compile": first.how,
+        "compile_spread": spread[0],
+        "compile_spread_from": spread[1],
         "micro_batch_saving_s": d,
-        "saving_s": saving[0],
-        "saving_s_low": saving[1],
-        "saving_s_high": saving[2],
-        "saving": saving[0] / eager_run,
-        "saving_low": saving[1] / eager_run,
-        "saving_high": saving[2] / eager_run,
-        "break_even_steps": steps[0],
-        "break_even_steps_low": steps[1],
-        "break_even_steps_high": steps[2],
+        **_triple("saving_s", saving),
+        **_triple("baseline_run_s", (base.time_s, base.low_s, base.high_s)),
+        "baseline_from": base.source,
+        **_triple("saving", share(saving, base)),
+        **_triple("saving_warm_process", share(warm, base)),
+        **_triple("break_even_steps", steps),
         "recommended": bool(saving[1] > 0),
         "why": None,
     }
+
+
+def _triple(name: str, values: tuple[float, float, float]) -> dict[str, float]:
+    """{name, name_low, name_high}: an estimate and its 95% interval as record columns."""
+    return {name: values[0], f"{name}_low": values[1], f"{name}_high": values[2]}

@@ -11,6 +11,7 @@ import pytest
 
 from probes.batching import plans as pl
 from probes.replay import step_changes as rs
+from probes.step import cold
 from probes.step import compile as cp
 
 
@@ -53,10 +54,29 @@ def test_each_configuration_is_measured_on_its_own_shapes_over_the_trainers_run(
         return call, call
 
     monkeypatch.setattr(cp, "step_functions", functions)
+    first = cold.FirstCompile(12.0, 8.0, 16.0, "measured (known)")
+    monkeypatch.setattr(cold, "first_compile", lambda: first)
     plans = _plans([37, 50, 70, 37, 90, 100, 120, 130])  # 7 shapes; 3 padded to 64
     training = SimpleNamespace(grad_accum=2)
-    record = rs.compile_record(runner, plans, training, SimpleNamespace(compile=True))
+    # the table's baseline epoch estimate (micro-batches + optimizer steps) and its interval
+    table = pd.DataFrame(
+        {
+            "strategy": [pl.BASELINE, "sorted"],
+            "estimated_time_s": [40.0, 30.0],
+            "ci_low_s": [36.0, 27.0],
+            "ci_high_s": [48.0, 33.0],
+        }
+    )
+    on = SimpleNamespace(compile=True)
+    record = rs.compile_record(runner, plans, training, on, table)
     plain, padded = record[cp.COMPILE_STRATEGY], record[f"{cp.PAD_MULTIPLE_PREFIX}64"]
+    assert plain["baseline_run_s"] == 3 * 40.0 and plain["baseline_run_s_high"] == 3 * 48.0
+    assert plain["saving"] == pytest.approx(plain["saving_s"] / 120.0)
+    assert plain["first_compile_s"] == 12.0 and padded["first_compile_s"] == 12.0
+    # the fake compiles in no time: a second cold compile of the first shape was timed
+    assert ": a second cold compile of the first shape" in plain["compile_spread_from"]
+    no_table = rs.compile_record(runner, plans, training, on)[cp.COMPILE_STRATEGY]
+    assert no_table["baseline_from"].startswith("eager")
     assert plain["shapes"] == 7 and plain["shapes_measured"] == rs.COMPILE_SHAPES
     assert padded["shapes"] == 3 and padded["shapes_measured"] == 3
     assert plain["run_micro_batches"] == 3 * len(plans)  # num_train_epochs of the trainer
