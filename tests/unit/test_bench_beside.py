@@ -72,5 +72,29 @@ def test_compile_seconds_sets_the_records_seconds_beside_the_paired_realized_one
         "torch_compile": [{"train_runtime": t} for t in (104.0, 108.0, 102.0)],
     }
     (line,) = rb.compile_seconds(changes, runs)
-    assert line.startswith("- torch_compile: promised 100.0 s more [90.0, 110.0] = compile 101.0 s")
+    assert line.startswith(
+        "- torch_compile: promised 100.0 s more [90.0, 110.0] in a process that has compiled "
+        "= compile 101.0 s"
+    )
     assert "realized 99.3 s more [" in line and "over 3 rounds" in line
+    # a fresh process's first compile: in the record's seconds, apart in the bench's promise
+    first = {"first_compile_s": 12.0, "first_compile_s_low": 8.0, "first_compile_s_high": 16.0}
+    seconds = {"saving_s": -112.0, "saving_s_low": -126.0, "saving_s_high": -98.0,
+               "compile_s": 113.0, "compile_s_low": 99.0, "compile_s_high": 127.0}  # fmt: skip
+    fresh = {**record, **seconds, **first}
+    (line,) = rb.compile_seconds([{"id": "torch_compile", "record": fresh}], runs)
+    assert "promised 100.0 s more [90.0, 110.0] in a process that has compiled" in line
+    assert "compile 101.0 s [91.0, 111.0]" in line and "first compile 12.0 s [8.0, 16.0]" in line
+
+
+def test_compiles_promise_is_the_warm_process_one_where_recorded():
+    """The bench's compiled epochs run after the replay's compiles in its process: they pay no
+    first-compile excess, so the row's promise is the record's saving_warm_process."""
+    record = {"saving": -3.0, "saving_low": -3.5, "saving_high": -2.5, "saving_warm_process": -2.0,
+              "saving_warm_process_low": -2.4, "saving_warm_process_high": -1.6}  # fmt: skip
+    (row,), _ = rb.beside_changes({"compile": {"torch_compile": record}})
+    assert (row["measured_saving"], row["saving_ci_low"], row["saving_ci_high"]) == (
+        -2.0,
+        -2.4,
+        -1.6,
+    )
