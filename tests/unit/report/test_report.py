@@ -1105,3 +1105,22 @@ def test_a_coverage_control_with_no_change_timed_says_so(tmp_path):
     run_report(paths, out)
     text = " ".join(out.read_text().split())
     assert "**uninformative**: no change was timed, so there was nothing to cover" in text
+
+
+def test_the_first_screen_warns_when_the_machine_was_busy_while_timing(tmp_path):
+    """An instrument CV of 83% at a load of 4.6 on 2 cores (a fresh-clone run beside other
+    jobs: the budget went to the fit and nothing was timed) is said on the first screen, with
+    what to do; an idle machine's 3% says nothing."""
+    paths = write_results(tmp_path / "results")
+    control = read_json(paths["replay_control"])
+    instrument = {**(control.get("instrument") or {}), "cv": 0.831,
+                  "load_average": [4.63, 3.88, 4.5], "done": {"cpu_affinity_cores": 2}}  # fmt: skip
+    write_json({**control, "instrument": instrument}, paths["replay_control"])
+    out = tmp_path / "report.md"
+    run_report(paths, out)
+    summary = " ".join(section(out.read_text(), "Summary").split())
+    assert "**Busy machine:** the same micro-batch timed back to back varied by 83%" in summary
+    assert "at a load average of 4.6 on 2 cores" in summary and "rerun `replay` when" in summary
+    write_json({**control, "instrument": {**instrument, "cv": 0.03}}, paths["replay_control"])
+    run_report(paths, out)
+    assert "Busy machine" not in out.read_text()

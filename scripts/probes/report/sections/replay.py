@@ -217,6 +217,7 @@ def measured_changes(
         **replay_measurement_notes((jsons or {}).get("replay_control")),
         "more_budget": more_budget_key((jsons or {}).get("replay_control"), cpu_only),
         "power": power_view((jsons or {}).get("replay_control")),
+        "busy": busy_view((jsons or {}).get("replay_control")),
     }
 
 
@@ -292,6 +293,23 @@ def more_budget_key(control: Any, cpu_only: bool) -> str | None:
     if not isinstance(stopping, Mapping) or stopping.get("stopped_by") != "budget":
         return None
     return "replay.cpu.budget_s" if cpu_only else "replay.budget_s"
+
+
+# The instrument's CV (identical micro-batches back to back) on an idle machine: 1.2-3.2% on
+# the default CPU run; with another test run beside it 12%, under a load of 4-5 on 2 cores 83%
+BUSY_CV = 0.10
+
+
+def busy_view(control: Any) -> dict[str, Any] | None:
+    """The first screen's warning when the machine was busy while the replay timed: its
+    instrument's CV over BUSY_CV, with the load average and cores it ran on; None otherwise."""
+    instrument = control.get("instrument") if isinstance(control, Mapping) else None
+    cv = finite(instrument.get("cv")) if isinstance(instrument, Mapping) else None
+    if cv is None or cv <= BUSY_CV:
+        return None
+    load = instrument.get("load_average") or [None]
+    done = instrument.get("done") or {}
+    return {"cv": cv, "load": finite(load[0]), "cores": done.get("cpu_affinity_cores")}
 
 
 def power_view(control: Any) -> dict[str, Any] | None:
