@@ -287,6 +287,9 @@ def test_a_change_the_budget_did_not_time_says_so_not_invalid(tmp_path):
     packing = section(markdown, "Apply it").split("Pack whole examples into 4096-token rows")[1]
     first = packing.split("###")[0]
     assert f"**{reason}**" in first and "invalid here" not in first
+    measured = " ".join(section(markdown, "Measured savings").split())
+    assert "**Not timed: Pack whole examples into" in measured and "invalid here" not in measured
+    assert "(`packing`): deciding it at ±10% would take about 18 s" in measured
 
 
 def test_changed_optimizer_steps_are_said_next_to_the_saving(rendered):
