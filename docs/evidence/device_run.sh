@@ -98,6 +98,17 @@ if python3 -c "import trl, datasets" 2>/dev/null; then
     --out "$EVIDENCE/realized_vs_promised_sft.md" > "$EVIDENCE/realized_vs_promised_sft.log" 2>&1
   echo "realized_vs_promised --trainer sft: exit $?"
   cat "$EVIDENCE/realized_vs_promised_sft.md" 2>/dev/null
+  # 4c) torch_compile where it can pay off (issue 43): its promise (compile time per shape the
+  # plan meets, amortized; break-even) against the Trainer's own train_runtime, compile included
+  timeout 150 python3 bench/realized_vs_promised.py --trainer sft --device cuda \
+    --architecture .device/model --lengths .device/results/padding/lengths.parquet \
+    --recommendation .device/results/bucket/recommendation.json \
+    --changes torch_compile,torch_compile_pad_to_multiple_of_64 \
+    --examples 300 --cap 2048 --repeats 2 --budget-s 40 \
+    --out "$EVIDENCE/realized_vs_promised_compile.md" \
+    > "$EVIDENCE/realized_vs_promised_compile.log" 2>&1
+  echo "realized_vs_promised --changes torch_compile*: exit $?"
+  cat "$EVIDENCE/realized_vs_promised_compile.md" 2>/dev/null
 fi
 
 # files back are limited (8 files, 2 folders down): one archive holds everything
