@@ -4,8 +4,10 @@ Starts the cluster with tools/slurm/start-cluster.sh (root, Debian, apt or SLURM
 runs the workflow on a tiny config so that every rule is a SLURM job, and checks from the run's
 own records that only the GPU rules (`profile`, `replay`, `realize`) were submitted with a GPU
 request and that the profile ran on the GPU SLURM gave it; and the data_parallel rule at
-world_size 2 on CPU as one job (2 cores, one task, no GPU) in which torchrun runs both ranks,
-once through the harness (DDP) and once through a trainer factory's SFTTrainer under FSDP2.
+world_size 2 on CPU as one job (2 cores, one task, no GPU) in which torchrun runs both ranks of a
+trainer factory's SFTTrainer under FSDP2 (the harness's DDP path is tested without SLURM, in
+tests/workflow/test_data_parallel.py: one data_parallel job here keeps the serial SLURM group
+short).
 Skipped without root/apt/SLURM, unless PROBES_REQUIRE_SLURM=1 (then it fails).
 PROBES_SLURM_KEEP=1 leaves the cluster running afterwards.
 """
@@ -198,21 +200,17 @@ TINY_CONFIG = {
 }
 
 
-def test_workflow_on_slurm_gpu_request_only_for_gpu_rules_and_two_ranks_in_one_job(
+def test_workflow_on_slurm_gpu_request_only_for_gpu_rules(
     slurm_cluster, tiny_model_dir, tmp_path, record_property
 ):
     """The whole workflow as SLURM jobs: only the GPU rules ask for (and get) a GPU, and the
-    profile ran on the GPU SLURM gave it. With training.world_size 2 (and profile.device cpu) the
-    data_parallel rule is one job too (no GPU, 2 cores, one task) in which torchrun starts two
-    gloo ranks; each rank records the job it ran in. One run for both keeps the suite short."""
+    profile ran on the GPU SLURM gave it."""
     workdir = copy_workflow(tmp_path / "workflow")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40))
     config = {
         "model": {"path": str(tiny_model_dir)},
         "data": {"files": [{"path": str(data)}]},
         **TINY_CONFIG,
-        "training": {**TINY_CONFIG["training"], "world_size": 2},
-        "data_parallel": {"steps": 2, "rounds": 1, "warmup_rounds": 1, "cpu": {"max_seq_len": 32}},
     }
     (workdir / "tiny.yaml").write_text(yaml.safe_dump(config))
 
@@ -220,23 +218,13 @@ def test_workflow_on_slurm_gpu_request_only_for_gpu_rules_and_two_ranks_in_one_j
     record_property("slurm_workflow_wall_s", round(wall_s, 1))
     print(f"workflow under SLURM: {wall_s:.1f} s")
 
-    jobs = assert_gpu_only_for(GPU_RULES, CPU_RULES | {"data_parallel"}, log)
+    jobs = assert_gpu_only_for(GPU_RULES, CPU_RULES, log)
     provenance = json.loads((workdir / "results" / "profile" / "provenance.json").read_text())
     slurm = provenance["slurm"]
     assert slurm["job_id"] == jobs["profile"], "the profile ran in the job submitted for it"
     # Only SLURM sets it (the submitting environment had none): the GPU reached the job.
     assert slurm["cuda_visible_devices"] == "0"
     assert (workdir / "results" / "report" / "playbook-evidence.md").is_file()
-
-    options = sbatch_options(log)["data_parallel"]
-    assert "--cpus-per-task=2" in options and "--ntasks=1" in options, options
-    summary = json.loads((workdir / "results" / "data_parallel" / "summary.json").read_text())
-    assert summary["world_size"] == 2 and summary["backend"] == "gloo"
-    ranks = sorted(summary["ranks"], key=lambda r: r["rank"])
-    assert [r["rank"] for r in ranks] == [0, 1]
-    for rank in ranks:
-        assert rank["slurm"]["job_id"] == jobs["data_parallel"], "both ranks ran in its job"
-        assert rank["slurm"]["node"] and rank["hostname"] and rank["device"] == "cpu"
 
 
 def test_the_trainer_under_fsdp2_runs_its_two_ranks_in_one_slurm_job(
