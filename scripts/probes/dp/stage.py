@@ -129,9 +129,7 @@ def launch(job: dict[str, Any], world: int, threads: int, timeout_s: float) -> l
     }
     LOG.info("launching %s", " ".join(command[2:]))
     try:
-        result = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
-        )
+        returncode, stderr_tail = run_streaming(command, env, timeout_s)
     except subprocess.TimeoutExpired as error:
         raise DataParallelError(
             f"data_parallel: torchrun with {world} ranks did not finish within "
@@ -142,11 +140,41 @@ def launch(job: dict[str, Any], world: int, threads: int, timeout_s: float) -> l
     failed = sorted(out.glob("rank*.error"), key=lambda p: p.stat().st_mtime_ns)
     errors = [(int(p.stem.removeprefix("rank")), p.read_text()) for p in failed]
     results = [out / f"rank{r}.json" for r in range(world)]
-    if result.returncode != 0 or errors or not all(p.is_file() for p in results):
-        raise DataParallelError(
-            predict.failed_rank_message(errors, result.returncode, result.stderr[-4000:], world)
-        )
+    if returncode != 0 or errors or not all(p.is_file() for p in results):
+        raise DataParallelError(predict.failed_rank_message(errors, returncode, stderr_tail, world))
     return [json.loads(p.read_text()) for p in results]
+
+
+def run_streaming(
+    command: list[str], env: Mapping[str, str], timeout_s: float, keep: int = 4000
+) -> tuple[int, str]:
+    """Run `command`, passing its stderr through as it comes (rank 0's progress bar: a trainer
+    rank's steps take minutes on a CPU) and keeping its last `keep` characters for the error
+    message; (return code, that tail). Raises subprocess.TimeoutExpired after `timeout_s`."""
+    import threading
+
+    tail: list[str] = []
+    with subprocess.Popen(
+        command, env=dict(env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    ) as process:
+
+        def pump() -> None:
+            assert process.stderr is not None
+            for chunk in iter(lambda: process.stderr.read(256), ""):
+                sys.stderr.write(chunk)
+                tail.append(chunk)
+                if len(tail) > 64:
+                    del tail[: len(tail) - 64]
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            returncode = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+        reader.join(timeout=10)
+    return returncode, "".join(tail)[-keep:]
 
 
 def summarise(

@@ -160,6 +160,15 @@ def rounds(job: dict[str, Any]) -> Iterator[tuple[int, bool]]:
         yield index - warmup, index >= warmup
 
 
+def progress(rank: int, world: int, total: int, sharding: str | None) -> Any:
+    """Rank 0's progress over its optimizer steps, one process then distributed (the stage
+    passes the ranks' stderr through); the other ranks' bars are off."""
+    from tqdm import tqdm
+
+    label = f"data_parallel {sharding or 'ddp'}, rank 0 of {world}"
+    return tqdm(total=total, desc=label, disable=rank != 0, mininterval=5.0, file=sys.stderr)
+
+
 def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -167,10 +176,12 @@ def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dic
     step_of = load_rank(job, rank, world, device)
     timer = Timer(step_of, device)
     steps = step_of.plans()
+    bar = progress(rank, world, 2 * len(list(rounds(job))) * len(steps), step_of.sharding)
     single: dict[tuple[int, str, int], float] = {}
     for round_index, measured in rounds(job):
         for step in steps:  # one process: no communication, each step alone
             seconds = timer.single_s(step)
+            bar.update()
             if measured:
                 single[(round_index, step.strategy, step.index)] = seconds
     timer.hooked = step_of.wrap(timer.record, timer.sync)
@@ -178,6 +189,7 @@ def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dic
     for round_index, measured in rounds(job):
         for step in steps:  # distributed: every rank starts the step together
             timed = timer.distributed(step)
+            bar.update()
             if measured:
                 records.append(
                     {
@@ -193,6 +205,7 @@ def run_rank(job: dict[str, Any], rank: int, local_rank: int, world: int) -> dic
                         "real_tokens": step.real_tokens,
                     }
                 )
+    bar.close()
     where = _where(rank, local_rank, device, step_of.wrapped())
     dist.barrier()
     dist.destroy_process_group()

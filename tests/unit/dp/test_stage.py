@@ -102,3 +102,17 @@ def test_the_trainer_job_carries_the_trainer_section_and_the_fsdp_config():
     assert job["fsdp_config"] == {"version": 2, "reshard_after_forward": True}
     assert job["bucket_size_batches"] == 4 and job["cap"] == setup.cap
     assert stage.trainer_plans(["random"], 4, cfg, setup, "ddp")["trainer"]["fsdp_config"] is None
+
+
+def test_the_ranks_stderr_streams_through_and_its_tail_is_kept(capfd):
+    """torchrun's stderr (rank 0's progress bar) reaches the stage's stderr as it comes, and its
+    last characters are kept for the failure message; a run past the timeout is stopped."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.stderr.write('x' * 5000 + 'the end'); sys.exit(3)"
+    returncode, tail = stage.run_streaming([sys.executable, "-c", code], {}, 60, keep=100)
+    assert returncode == 3 and tail.endswith("the end") and len(tail) == 100
+    assert "x" * 5000 + "the end" in capfd.readouterr().err
+    with pytest.raises(subprocess.TimeoutExpired):
+        stage.run_streaming([sys.executable, "-c", "import time; time.sleep(30)"], {}, 0.5)
