@@ -78,3 +78,19 @@ def test_units_in_reference_seconds_cancel_drift_and_bursts():
     assert priced["raw_times_s"].map(len).eq(1).all()
     wall = priced["raw_times_s"].map(lambda t: t[0]).to_numpy() / exact  # kept as timed
     assert wall[-1] / wall[0] > 1.5
+
+
+def test_one_preempted_instrument_timing_is_left_out_of_its_cv():
+    """The instrument's five timings from a quiet default run: one preempted (0.50 s against
+    0.33 s) made its CV 20%; left out, 0.6%. A loaded machine's even spread (12%) and a busy
+    one's (83%) keep every timing."""
+    from probes.replay.timing import without_one_outlier
+
+    quiet = np.array([0.3286, 0.3305, 0.3333, 0.3323, 0.4962])
+    kept, left_out = without_one_outlier(quiet)
+    assert left_out == pytest.approx(0.4962) and kept.size == 4
+    assert kept.std(ddof=1) / kept.mean() < 0.01 < 0.2 < quiet.std(ddof=1) / quiet.mean()
+    for even in ([0.452, 0.472, 0.551, 0.563, 0.6], [4.605, 9.903, 1.664, 2.973, 15.673]):
+        kept, left_out = without_one_outlier(np.array(even))
+        assert left_out is None and kept.size == 5
+    assert without_one_outlier(np.array([0.3, 0.9]))[1] is None  # too few to tell
