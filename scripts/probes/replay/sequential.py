@@ -246,10 +246,16 @@ def new_units(
     twins = {n: f for n, f in frames.items() if n in design.paired}
     lanes = {n: f.sample(frac=1.0, random_state=rng) for n, f in frames.items() if n not in twins}
     blocks = {n: [[f.iloc[[i]]] for i in range(len(f))] for n, f in lanes.items()}
+    beside = set()
     for i, block in enumerate(blocks.get(pl.BASELINE, [])):  # each twin beside its baseline unit
         row = int(block[0]["plan_row"].iloc[0])
+        beside.add(row)
         block.extend(f[f["plan_row"] == row] for f in twins.values())
         blocks[pl.BASELINE][i] = [block[j] for j in rng.permutation(len(block))]
+    for name, f in twins.items():  # a twin whose baseline unit an earlier round timed: alone
+        alone = f[~f["plan_row"].isin(beside)].sample(frac=1.0, random_state=rng)
+        if len(alone):
+            blocks[name] = [[alone.iloc[[i]]] for i in range(len(alone))]
     position, ordered = dict.fromkeys(blocks, 0), []
     while blocks:
         for name in rng.permutation(sorted(blocks)):

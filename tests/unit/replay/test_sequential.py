@@ -57,6 +57,23 @@ def test_new_units_interleave_strategies_and_never_repeat(plans):
     assert len(second) == sum(more.values()) - sum(takes.values())
 
 
+def test_a_paired_change_whose_baseline_twins_ran_earlier_is_still_timed(plans):
+    """A later round that grows only a paired change (its baseline units timed in an earlier
+    round, the race done with the baseline) times the change's new units on their own: they
+    were dropped (never timed yet counted as done), and a round of nothing else crashed the
+    bench ('No objects to concatenate')."""
+    change = plans[plans["strategy"] == pl.BASELINE].assign(strategy="gradient_checkpointing_on")
+    design = build_design(pd.concat([plans, change], ignore_index=True), 2, seed=0)
+    assert design.paired == {"gradient_checkpointing_on"}
+    done = {k: min(v, 3 if k[0] == pl.BASELINE else 2) for k, v in design.sizes.items()}
+    takes = {k: min(v, 3) if k[0] == "gradient_checkpointing_on" else n
+             for (k, v), n in zip(design.sizes.items(), done.values(), strict=True)}  # fmt: skip
+    units = new_units(design, takes, done, np.random.default_rng(0))
+    grown = sum(takes.values()) - sum(done.values())
+    assert grown > 0 and len(units) == grown
+    assert set(units["strategy"]) == {"gradient_checkpointing_on"}
+
+
 def test_the_first_round_gets_the_most_strata_its_budget_affords(plans):
     settings = ReplaySettings(3, 2, 100, ACCUM, seed=0)
     strategies = plans["strategy"].nunique()
