@@ -27,6 +27,7 @@ import torch
 
 from probes.dp.sharding import DDP, lift_cpu_gate, training_arguments
 from probes.dp.worker import DTYPES, RankStep, timed_allreduce_hook
+from probes.step.trainer import optimizer_step, trainer_identity
 
 LENGTH_GROUPED = "length_grouped"  # probes.contracts.LENGTH_GROUPED (contracts imports pandas)
 
@@ -185,21 +186,12 @@ class TrainerRank:
         self.training_step(step, batch)
 
     def optimizer_step(self) -> None:
-        trainer = self.trainer
-        if trainer.args.max_grad_norm is not None and trainer.args.max_grad_norm > 0:
-            trainer._clip_grad_norm(self.model)
-        trainer.optimizer.step()
-        trainer.lr_scheduler.step()
-        self.model.zero_grad()
+        optimizer_step(self.trainer, self.model)
 
     def describe(self) -> dict[str, Any]:
         args = self.trainer.args
         return {
-            "kind": "trainer",
-            "trainer": type(self.trainer).__name__,
-            "trainer_module": type(self.trainer).__module__,
-            "collator": type(self.trainer.data_collator).__name__,
-            self.source.kind: self.source.describe(),
+            **trainer_identity(self.trainer, self.trainer.data_collator, self.source),
             "sharding": self.sharding,
             "settings": {
                 "per_device_train_batch_size": args.per_device_train_batch_size,

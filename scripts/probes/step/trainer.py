@@ -219,12 +219,7 @@ class TrainerStep:
         self.model.zero_grad(set_to_none=True)
 
     def optimizer_step(self) -> None:
-        trainer, args = self.trainer, self.trainer.args
-        if args.max_grad_norm is not None and args.max_grad_norm > 0:
-            trainer._clip_grad_norm(self.model)
-        self.optimizer.step()
-        trainer.lr_scheduler.step()
-        self.model.zero_grad()
+        optimizer_step(self.trainer, self.model)
 
     # the same step and timing as the harness's runner: the same calls on this step's methods
     step = StepRunner.step
@@ -270,12 +265,7 @@ class TrainerStep:
     def describe(self) -> dict[str, Any]:
         args = self.trainer.args
         return {
-            "kind": "trainer",
-            "trainer": type(self.trainer).__name__,
-            "trainer_module": type(self.trainer).__module__,
-            "collator": type(self.collator).__name__,
-            # "factory" or "command": what it was built from (probes.step.source)
-            **({self.source.kind: self.source.describe()} if self.source else {"factory": None}),
+            **trainer_identity(self.trainer, self.collator, self.source),
             "settings": {
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
@@ -293,6 +283,29 @@ class TrainerStep:
                 else None
             ),
         }
+
+
+def optimizer_step(trainer: Any, model: Any) -> None:
+    """What the trainer's loop does at an optimizer step: clip to max_grad_norm (its own
+    _clip_grad_norm), step its optimizer and scheduler, zero the gradients."""
+    args = trainer.args
+    if args.max_grad_norm is not None and args.max_grad_norm > 0:
+        trainer._clip_grad_norm(model)
+    trainer.optimizer.step()
+    trainer.lr_scheduler.step()
+    model.zero_grad()
+
+
+def trainer_identity(trainer: Any, collator: Any, source: Any) -> dict[str, Any]:
+    """What a timed trainer step is, for the outputs' provenance: its class, collator and what
+    it was built from ("factory" or "command", probes.step.source)."""
+    return {
+        "kind": "trainer",
+        "trainer": type(trainer).__name__,
+        "trainer_module": type(trainer).__module__,
+        "collator": type(collator).__name__,
+        **({source.kind: source.describe()} if source else {"factory": None}),
+    }
 
 
 def probe_settings(
