@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,12 +145,29 @@ def launch(job: dict[str, Any], world: int, threads: int, timeout_s: float) -> l
     return [json.loads(p.read_text()) for p in results]
 
 
+PROGRESS_PREFIX = "data_parallel "  # probes.dp.worker.progress's bar
+
+
+def progress_only(text: str, write: Callable[[str], object]) -> str:
+    """Write the complete segments of `text` (ended by a newline or a tqdm carriage return)
+    that are the progress bar's, and return the unfinished rest: whatever else the user's
+    trainer writes to stderr (a warning quoting an example, say) is not echoed."""
+    start = 0
+    for end, char in enumerate(text):
+        if char in "\r\n":
+            if text.startswith(PROGRESS_PREFIX, start):
+                write(text[start : end + 1])
+            start = end + 1
+    return text[start:]
+
+
 def run_streaming(
     command: list[str], env: Mapping[str, str], timeout_s: float, keep: int = 4000
 ) -> tuple[int, str]:
-    """Run `command`, passing its stderr through as it comes (rank 0's progress bar: a trainer
-    rank's steps take minutes on a CPU) and keeping its last `keep` characters for the error
-    message; (return code, that tail). Raises subprocess.TimeoutExpired after `timeout_s`."""
+    """Run `command`, passing rank 0's progress bar through from its stderr as it comes (a
+    trainer rank's steps take minutes on a CPU; nothing else of the user's code is echoed:
+    progress_only) and keeping the last `keep` characters for the error message; (return code,
+    that tail). Raises subprocess.TimeoutExpired after `timeout_s`."""
     import threading
 
     tail: list[str] = []
@@ -160,8 +177,9 @@ def run_streaming(
 
         def pump() -> None:
             assert process.stderr is not None
+            pending = ""
             for chunk in iter(lambda: process.stderr.read(256), ""):
-                sys.stderr.write(chunk)
+                pending = progress_only(pending + chunk, sys.stderr.write)
                 tail.append(chunk)
                 if len(tail) > 64:
                     del tail[: len(tail) - 64]

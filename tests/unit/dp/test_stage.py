@@ -104,15 +104,23 @@ def test_the_trainer_job_carries_the_trainer_section_and_the_fsdp_config():
     assert stage.trainer_plans(["random"], 4, cfg, setup, "ddp")["trainer"]["fsdp_config"] is None
 
 
-def test_the_ranks_stderr_streams_through_and_its_tail_is_kept(capfd):
-    """torchrun's stderr (rank 0's progress bar) reaches the stage's stderr as it comes, and its
-    last characters are kept for the failure message; a run past the timeout is stopped."""
+def test_the_ranks_progress_streams_through_and_its_tail_is_kept(capfd):
+    """rank 0's progress bar (tqdm: segments ended by carriage returns) reaches the stage's
+    stderr as it comes; anything else the user's trainer writes there (a warning quoting an
+    example) is not echoed, only kept in the tail for the failure message; a run past the
+    timeout is stopped."""
     import subprocess
     import sys
 
-    code = "import sys; sys.stderr.write('x' * 5000 + 'the end'); sys.exit(3)"
+    code = (
+        "import sys; w = sys.stderr.write; w('a user warning quoting an example\\n');"
+        " w('\\rdata_parallel ddp, rank 0 of 2:  50%'); w('\\rdata_parallel ddp, rank 0 of 2:"
+        " 100%\\n'); w('x' * 5000 + 'the end'); sys.exit(3)"
+    )
     returncode, tail = stage.run_streaming([sys.executable, "-c", code], {}, 60, keep=100)
     assert returncode == 3 and tail.endswith("the end") and len(tail) == 100
-    assert "x" * 5000 + "the end" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "data_parallel ddp, rank 0 of 2:  50%" in err and "100%" in err
+    assert "quoting an example" not in err and "the end" not in err
     with pytest.raises(subprocess.TimeoutExpired):
         stage.run_streaming([sys.executable, "-c", "import time; time.sleep(30)"], {}, 0.5)
