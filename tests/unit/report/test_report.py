@@ -290,6 +290,7 @@ def test_a_change_the_budget_did_not_time_says_so_not_invalid(tmp_path):
     measured = " ".join(section(markdown, "Measured savings").split())
     assert "**Not timed: Pack whole examples into" in measured and "invalid here" not in measured
     assert "(`packing`): deciding it at ±10% would take about 18 s" in measured
+    assert "(`packing`): deciding" in markdown  # one space after the colon, as written
 
 
 def test_changed_optimizer_steps_are_said_next_to_the_saving(rendered):
