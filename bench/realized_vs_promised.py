@@ -207,11 +207,24 @@ def pq_metadata(path: Path) -> dict[str, Any]:
 
 
 def promised_changes(
-    rec: dict[str, Any], args: argparse.Namespace, examples: pl.PlanExamples, estimates
+    rec: dict[str, Any],
+    args: argparse.Namespace,
+    examples: pl.PlanExamples,
+    estimates,
+    step_changes: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """recommendations.json for the subset, with the replay's measured saving per change."""
+    """recommendations.json for the subset, with the replay's measured saving per change; the
+    run's checkpointing read from the replay's step-level changes as the report stage reads it
+    (off where they were not priced: the bench's harness and factory train without it)."""
+    from probes.apply.changes import run_checkpointing
+
     no_loss = int((examples.loss_tokens == 0).sum())
-    document = recommendations_document(rec, training_section(args), no_loss_examples=no_loss)
+    checkpointing = run_checkpointing(step_changes)
+    training = {
+        **training_section(args),
+        "gradient_checkpointing": False if checkpointing is None else checkpointing,
+    }
+    document = recommendations_document(rec, training, no_loss_examples=no_loss)
     tables = {"replay_estimates": estimates}
     measurements = {
         i: change_measurement(change, tables, {})
@@ -382,7 +395,7 @@ def promise_and_realize(examples: Any, rec: dict, args: argparse.Namespace) -> t
     with tempfile.TemporaryDirectory() as tmp:
         estimates, _, summary = run_promised(Path(tmp), examples, rec, args)
         print(f"replay: {summary['wall_s']:.1f} s", flush=True)
-        document = promised_changes(rec, args, examples, estimates)
+        document = promised_changes(rec, args, examples, estimates, summary.get("step_changes"))
         unpriced: list[str] = []
         if args.trainer == "sft":
             document["changes"] += step_level_changes(estimates, summary["step_changes"])

@@ -44,6 +44,8 @@ class Baseline:
     n_examples: int
     real_tokens: int
     longest: int  # longest example (tokens): the padded length of HF's first micro-batch
+    # the run's own gradient checkpointing (run_checkpointing); None: the probes did not see it
+    gradient_checkpointing: bool | None = None
 
     @property
     def mean_length(self) -> float:
@@ -61,9 +63,13 @@ class Baseline:
         }
 
     def sft_config(self) -> dict[str, Any]:
-        # SFTConfig's max_length defaults to 1024: state the run's own, or TRL truncates; its
-        # checkpointing default under the current name (sft_current_names: no FutureWarning)
-        return {**self.training_arguments(), "max_length": self.max_seq_len, **sft_current_names()}
+        # SFTConfig's max_length defaults to 1024: state the run's own, or TRL truncates; and
+        # the run's checkpointing, or TRL's default turns recomputation on (sft_current_names)
+        return {
+            **self.training_arguments(),
+            "max_length": self.max_seq_len,
+            **sft_current_names(self.gradient_checkpointing),
+        }
 
 
 def baseline_from(recommendation: Mapping[str, Any], training: Mapping[str, Any]) -> Baseline:
@@ -87,7 +93,24 @@ def baseline_from(recommendation: Mapping[str, Any], training: Mapping[str, Any]
         n_examples=int(used["examples_used"]),
         real_tokens=int(used["real_tokens"]),
         longest=int(shapes.get("padded_length_max") or max_seq_len),
+        gradient_checkpointing=training.get("gradient_checkpointing"),
     )
+
+
+def run_checkpointing(
+    step_changes: list[Mapping[str, Any]] | None, recorded: Mapping[str, Any] | None = None
+) -> bool | None:
+    """The user's run's own gradient checkpointing: the trainer's step as the padding stage
+    recorded it (probes.step.changes.config_record), else the state the replay's checkpointing
+    change flipped (gradient_checkpointing_on: the run had it off); None where neither ran."""
+    from probes.step.changes import GC_OFF, GC_ON
+
+    if recorded and recorded.get("gradient_checkpointing") is not None:
+        return bool(recorded["gradient_checkpointing"])
+    flipped = {str(c.get("strategy")) for c in step_changes or []}
+    if GC_ON in flipped:
+        return False
+    return True if GC_OFF in flipped else None
 
 
 def tokens_per_update_entry(before: float, after: float, how: str) -> dict[str, Any]:

@@ -81,11 +81,13 @@ def installed_libraries() -> dict[str, Any]:
     return libraries
 
 
-def sft_current_names() -> dict[str, Any]:
-    """SFTConfig kwargs that keep a pasted SFTConfig off deprecated names: TRL (1.16) sets its
-    own ``gradient_checkpointing=True`` default, which transformers 5.25 resolves as the
-    deprecated alias with a FutureWarning on every construction; stating the current name
-    (``activation_checkpointing``) at TRL's own default changes nothing and warns nothing.
+def sft_current_names(checkpointing: bool | None = None) -> dict[str, Any]:
+    """SFTConfig kwargs that keep a pasted SFTConfig off deprecated names and off TRL's own
+    checkpointing default: TRL (1.16) sets ``gradient_checkpointing=True``, which transformers
+    5.25 resolves as the deprecated alias with a FutureWarning on every construction, and which
+    turns recomputation on for a run that trained without it. The current name
+    (``activation_checkpointing``) at the run's own value (`checkpointing`; TRL's default where
+    the probes did not see the run's) warns nothing and changes nothing but what the change is.
     {} where the installed TrainingArguments has no new name or TRL sets no such default."""
     try:
         from transformers import TrainingArguments
@@ -97,7 +99,7 @@ def sft_current_names() -> dict[str, Any]:
     old = sft.get(LEGACY_CHECKPOINTING)
     if CHECKPOINTING not in ta or old is None or old.default in (None, dataclasses.MISSING):
         return {}
-    return {CHECKPOINTING: bool(old.default)}
+    return {CHECKPOINTING: bool(old.default if checkpointing is None else checkpointing)}
 
 
 def sampling_kwargs(strategy: str, transformers_info: Mapping[str, Any]) -> dict[str, Any] | None:

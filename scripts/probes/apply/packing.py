@@ -34,14 +34,15 @@ def packing_plan(base: Baseline, n_bins: int) -> dict[str, Any]:
 
 # SFTConfig's defaults are not TrainingArguments' (TRL 1.16: gradient_checkpointing=True,
 # bf16=True). Pasted over a Trainer run they change more than the batching: measured with
-# bench/realized_vs_promised.py on CPU (float32), packing realized -29.5% with the checkpointing
-# default against +12.7% promised.
+# bench/realized_vs_promised.py --trainer sft on CPU (float32), packing pasted with TRL's
+# checkpointing default realized -21.7% against +0.2% promised (checkpointing alone: -21.5%).
+# The snippets state the run's own checkpointing where the probes saw it (Baseline).
 SFT_DEFAULTS_CAVEAT = (
-    "SFTConfig defaults to checkpointing on (pasted as activation_checkpointing=True, the "
-    "current name of gradient_checkpointing) and bf16=True (TRL 1.16), unlike "
-    "TrainingArguments: set both to your run's values, or the step pays activation "
-    "recomputation (bench/realized_vs_promised.py, a small Llama on CPU: -29.5% realized against "
-    "+12.7% promised) besides the packing"
+    "SFTConfig defaults to checkpointing on and bf16=True (TRL 1.16), unlike "
+    "TrainingArguments: the snippet states your run's checkpointing as activation_checkpointing "
+    "where the probes saw it (TRL's default where they did not); keep bf16 at your run's value, "
+    "or the step changes more than the packing (bench/realized_vs_promised.py, a small Llama on "
+    "CPU: packing with TRL's checkpointing default realized -21.7% against +0.2% promised)"
 )
 # TRL 1.16's SFTTrainer computes per-token entropy and top-1 accuracy in its loss and logs them
 # with a .item() each micro-batch, a cost no setting turns off and the replay (the user's
@@ -111,7 +112,7 @@ def packing_change(
         "max_length": base.max_seq_len,
         "per_device_train_batch_size": plan["per_device_train_batch_size"],
         "gradient_accumulation_steps": plan["gradient_accumulation_steps"],
-        **sft_current_names(),  # TRL's checkpointing default under its current name
+        **sft_current_names(base.gradient_checkpointing),  # the run's, not TRL's default
     }
     random = recommendation.get("random") or {}
     return {

@@ -103,6 +103,23 @@ def combined_changes(
     return [e for e in entries if e is not None]
 
 
+def run_training(cfg: WorkflowConfig, provenance: Mapping[str, Any]) -> dict[str, Any]:
+    """The config's training section with the run's own checkpointing, as the stages saw it
+    (the pasted SFTConfig states it: TRL's default would turn recomputation on)."""
+    from probes.step.changes import RECORD_KEY
+
+    trainer = (provenance.get("padding") or {}).get("trainer") or {}
+    replay = provenance.get("replay") or {}
+    return {
+        "micro_batch_size": cfg.training.micro_batch_size,
+        "grad_accum": cfg.training.grad_accum,
+        "max_seq_len": cfg.training.max_seq_len,
+        "gradient_checkpointing": apply_changes.run_checkpointing(
+            replay.get("step_changes"), trainer.get(RECORD_KEY)
+        ),
+    }
+
+
 def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConfig) -> None:
     """Load, draw, render; the figures directory and the markdown are written together or not."""
     from probes.report import (
@@ -114,12 +131,7 @@ def run(inputs: Mapping[str, Any], outputs: Mapping[str, str], cfg: WorkflowConf
     loaded = load_inputs(paths)
     markdown_out, figures_out = Path(outputs["markdown"]), Path(outputs["figures"])
     options = cfg.report
-    training = {
-        "micro_batch_size": cfg.training.micro_batch_size,
-        "grad_accum": cfg.training.grad_accum,
-        "max_seq_len": cfg.training.max_seq_len,
-    }
-    document = recommendations_document(loaded, training)
+    document = recommendations_document(loaded, run_training(cfg, loaded["provenance"]))
     with all_or_nothing(outputs) as out:
         staging = out.directory("figures")
         drawn = figs.draw_all(loaded, staging, options.histogram_top_sources, options.figure_dpi)

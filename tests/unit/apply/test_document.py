@@ -229,7 +229,7 @@ def test_no_loss_filter_keeps_examples_with_a_loss_token(document):
 
 def test_packing_says_sftconfig_defaults_are_not_the_trainers(document):
     caveat = changes_by_id(document)["packing"]["caveat"]
-    assert "activation_checkpointing=True" in caveat and "bf16=True" in caveat
+    assert "activation_checkpointing" in caveat and "bf16=True" in caveat
     assert "entropy and token accuracy" in caveat  # TRL's own step cost, not promised
 
 
@@ -324,3 +324,27 @@ def test_order_changes_ranks_by_measured_saving_with_ties_and_decisions():
     assert ordered[0]["tied"] and ordered[1]["tied"] and not ordered[2]["tied"]
     assert [c["decision"] for c in ordered[:3]] == [RECOMMENDED, TIES_WITH_RANDOM, SLOWER]
     assert [c["recommended"] for c in ordered] == [True, False, False, False, False]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_every_pasted_sftconfig_keeps_the_runs_own_checkpointing(checkpointing):
+    """TRL's SFTConfig defaults to checkpointing on: a snippet that stated TRL's default turned
+    recomputation on for a run without it (the bench realized packing at -21.7% against +0.2%
+    promised). Each change's SFTConfig states the run's value, the checkpointing change alone
+    its flip."""
+    from probes.apply.libraries import CHECKPOINTING, sft_current_names
+
+    if not sft_current_names():
+        pytest.skip("the installed TRL sets no checkpointing default")
+    training = {**TRAINING, "gradient_checkpointing": checkpointing}
+    document = apply.recommendations_document(
+        bucket_recommendation(),
+        training,
+        apply_libraries.installed_libraries(),
+        verify=False,
+    )
+    assert document["baseline"]["sft_config"][CHECKPOINTING] is checkpointing
+    sft_changes = [c for c in document["changes"] if c.get("applies") and c.get("sft_config")]
+    assert "packing" in {c["id"] for c in sft_changes}
+    for change in sft_changes:
+        assert change["sft_config"][CHECKPOINTING] is checkpointing, change["id"]

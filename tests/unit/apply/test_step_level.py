@@ -53,3 +53,27 @@ def test_the_padding_free_settings_line_names_the_flattening_collator():
     assert "data_collator=DataCollatorWithFlattening()" in settings_line(flat, baseline)
     eager = changes["attention_eager"]
     assert "data_collator" not in settings_line(eager, baseline)
+
+
+def test_the_runs_checkpointing_comes_from_what_the_stages_saw():
+    from probes.apply.changes import run_checkpointing
+
+    priced_off = [{"strategy": "gradient_checkpointing_on"}, {"strategy": "attention_eager"}]
+    priced_on = [{"strategy": "gradient_checkpointing_off"}]
+    assert run_checkpointing(priced_off) is False  # the replay turned it on: the run had it off
+    assert run_checkpointing(priced_on) is True
+    assert run_checkpointing(None) is None and run_checkpointing([]) is None
+    # the trainer's step as the padding stage recorded it wins over the replay's changes
+    assert run_checkpointing(priced_off, {"gradient_checkpointing": True}) is True
+    assert run_checkpointing(None, {"gradient_checkpointing": False}) is False
+
+
+def test_a_checkpointed_runs_changes_keep_it_on_and_the_flip_turns_it_off():
+    base = Baseline(2, 8, 4096, 100, 40_000, 900, gradient_checkpointing=True)
+    priced = step_changes(StepConfig(True, "sdpa"), 2, 8)
+    provenance = [
+        {"strategy": c.strategy, "title": c.title, "settings": c.settings} for c in priced
+    ]
+    changes = {c["id"]: c for c in step_level_changes(provenance, base)}
+    assert changes["gradient_checkpointing_off"]["sft_config"]["activation_checkpointing"] is False
+    assert changes["attention_eager"]["sft_config"]["activation_checkpointing"] is True

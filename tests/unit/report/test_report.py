@@ -1128,3 +1128,21 @@ def test_the_first_screen_warns_when_the_machine_was_busy_while_timing(tmp_path)
     write_json({**control, "instrument": {**instrument, "cv": 0.03}}, paths["replay_control"])
     run_report(paths, out)
     assert "Busy machine" not in out.read_text()
+
+
+def test_the_pasted_settings_keep_the_checkpointing_the_stages_saw():
+    """recommendations.json's training section: the trainer's step as the padding stage recorded
+    it, else the replay's checkpointing change; unknown where neither ran."""
+    from types import SimpleNamespace
+
+    from probes.report.stage import run_training
+
+    cfg = SimpleNamespace(
+        training=SimpleNamespace(micro_batch_size=2, grad_accum=8, max_seq_len=64)
+    )
+    replay = {"replay": {"step_changes": [{"strategy": "gradient_checkpointing_on"}]}}
+    trainer = {"padding": {"trainer": {"step_config": {"gradient_checkpointing": True}}}}
+    assert run_training(cfg, replay)["gradient_checkpointing"] is False
+    assert run_training(cfg, {**replay, **trainer})["gradient_checkpointing"] is True
+    assert run_training(cfg, {})["gradient_checkpointing"] is None
+    assert run_training(cfg, {})["max_seq_len"] == 64
