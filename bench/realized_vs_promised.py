@@ -73,6 +73,7 @@ from realized_beside import (  # noqa: E402
     selected,
 )
 from realized_epochs import rounds, run_realized  # noqa: E402
+from realized_lockstep import lockstep_rounds  # noqa: E402
 from realized_setup import (  # noqa: E402
     IGNORE_INDEX,
     Examples,
@@ -299,15 +300,23 @@ def step_level_changes(estimates: pd.DataFrame, step_changes: list[dict]) -> lis
     return out
 
 
-def run_trainer_epoch(settings: dict[str, Any]) -> dict[str, float]:
-    """One epoch of the bench factory's SFTTrainer built with `settings` (``--trainer sft``);
-    a compiled one (``torch_compile``) from empty compile caches, its compile in the epoch."""
+def epoch_trainer(settings: dict[str, Any], stack: contextlib.ExitStack) -> Any:
+    """The bench factory's SFTTrainer built with `settings` (``--trainer sft``) for one epoch,
+    its output directory on `stack`; a compiled one (``torch_compile``) from empty compile
+    caches, its compile in the epoch."""
     from probes.step.compile import fresh_compiles
     from probes.step.factory import build_trainer, load_factory
 
-    compiled = fresh_compiles() if settings.get("torch_compile") else contextlib.nullcontext()
-    with tempfile.TemporaryDirectory() as out, compiled:
-        trainer = build_trainer(load_factory(FACTORY), {**settings, "output_dir": out})
+    if settings.get("torch_compile"):
+        stack.enter_context(fresh_compiles())
+    out = stack.enter_context(tempfile.TemporaryDirectory())
+    return build_trainer(load_factory(FACTORY), {**settings, "output_dir": out})
+
+
+def run_trainer_epoch(settings: dict[str, Any]) -> dict[str, float]:
+    """One epoch of the bench factory's SFTTrainer built with `settings`, timed by the Trainer."""
+    with contextlib.ExitStack() as stack:
+        trainer = epoch_trainer(settings, stack)
         metrics = trainer.train().metrics
         return {
             "train_runtime": float(metrics["train_runtime"]),
@@ -318,9 +327,13 @@ def run_trainer_epoch(settings: dict[str, Any]) -> dict[str, float]:
 def run_realized_trainer(
     changes: list[dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, list[dict[str, float]]]:
-    """The baseline and every change as the factory builds it with the change's settings."""
+    """The baseline and every change as the factory builds it with the change's settings: on
+    CPU in lockstep (one process each, taking turns step by step: drift shared), on CUDA epoch
+    after epoch in a new order each round (a CUDA context does not survive a fork)."""
     configs = [(pl.BASELINE, {})] + [(c["id"], change_settings(c)) for c in changes]
     run_trainer_epoch({})  # untimed: the process's first trainer pays one-time costs
+    if args.device == "cpu":
+        return lockstep_rounds(configs, lambda _, s, stack: epoch_trainer(s, stack), args.repeats)
     return rounds(configs, lambda _, settings: run_trainer_epoch(settings), args)
 
 
