@@ -77,20 +77,21 @@ def next_turn(progress: dict[int, float]) -> int:
     return min(progress, key=lambda i: (progress[i], i))
 
 
-def lockstep_round(builds: list[Build]) -> list[dict[str, float]]:
-    """One epoch of every trainer `builds` makes, interleaved step by step; the results in the
-    builds' order ({"train_runtime": own seconds, "optimizer_steps"})."""
+def lockstep_round(builds: list[tuple[str, Build]]) -> list[dict[str, float]]:
+    """One epoch of every trainer `builds` makes ((name, build) pairs), interleaved step by
+    step; the results in the builds' order ({"train_runtime": own seconds, "optimizer_steps"})."""
     ctx = mp.get_context("fork")
     pipes, procs = [], []
-    for build in builds:
+    for _, build in builds:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_child, args=(child, build), daemon=True)
+        # not a daemon: a configuration with dataloader workers starts processes of its own
+        proc = ctx.Process(target=_child, args=(child, build))
         proc.start()
         child.close()
         pipes.append(parent)
         procs.append(proc)
     try:
-        return _coordinate(pipes)
+        return _coordinate(pipes, [name for name, _ in builds])
     finally:
         for pipe in pipes:  # a child still waiting for its turn (after another one failed) stops
             with contextlib.suppress(OSError):
@@ -102,13 +103,13 @@ def lockstep_round(builds: list[Build]) -> list[dict[str, float]]:
                 proc.kill()
 
 
-def _coordinate(pipes: list[Any]) -> list[dict[str, float]]:
+def _coordinate(pipes: list[Any], names: list[str]) -> list[dict[str, float]]:
     results: dict[int, dict[str, float]] = {}
     progress: dict[int, float] = {}
     for i, pipe in enumerate(pipes):  # every trainer built (in parallel, untimed) and waiting
         kind, value = pipe.recv()
         if kind != "ready":
-            raise RuntimeError(f"configuration {i} failed before its epoch: {value}")
+            raise RuntimeError(f"{names[i]}: failed before its epoch: {value}")
         progress[i] = 0.0
     while progress:
         i = next_turn(progress)
@@ -120,7 +121,7 @@ def _coordinate(pipes: list[Any]) -> list[dict[str, float]]:
             results[i] = value
             del progress[i]
         else:
-            raise RuntimeError(f"configuration {i} failed in its epoch: {value}")
+            raise RuntimeError(f"{names[i]}: failed in its epoch: {value}")
     return [results[i] for i in range(len(pipes))]
 
 
@@ -134,7 +135,8 @@ def lockstep_rounds(
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in configs}
     for repeat in range(repeats):
         builds = [
-            (lambda stack, name=name, what=what: build(name, what, stack)) for name, what in configs
+            (name, lambda stack, name=name, what=what: build(name, what, stack))
+            for name, what in configs
         ]
         for (name, _), result in zip(configs, lockstep_round(builds), strict=True):
             runs[name].append(result)

@@ -22,7 +22,7 @@ def rows(n: int) -> list[dict[str, list[int]]]:
     return [{"input_ids": [3 + i % 7] * 8, "labels": [3 + i % 7] * 8} for i in range(n)]
 
 
-def tiny_trainer(micro_batch: int, stack) -> transformers.Trainer:
+def tiny_trainer(micro_batch: int, stack, workers: int = 0) -> transformers.Trainer:
     import tempfile
 
     out = stack.enter_context(tempfile.TemporaryDirectory())
@@ -35,6 +35,7 @@ def tiny_trainer(micro_batch: int, stack) -> transformers.Trainer:
         logging_strategy="no",
         disable_tqdm=True,
         use_cpu=True,
+        dataloader_num_workers=workers,
     )
     return transformers.Trainer(
         model=build_model(16, 16), args=args, train_dataset=rows(8), data_collator=collate
@@ -48,8 +49,11 @@ def test_the_turn_goes_to_the_configuration_furthest_behind():
 
 def test_each_trainer_runs_its_whole_epoch_timed_by_its_own_turns():
     torch.set_num_threads(1)
+    # one with a dataloader worker: a configuration's process may start its own
     runs = ls.lockstep_rounds(
-        [("two", 2), ("four", 4)], lambda _, micro, stack: tiny_trainer(micro, stack), repeats=2
+        [("two", (2, 1)), ("four", (4, 0))],
+        lambda _, what, stack: tiny_trainer(what[0], stack, workers=what[1]),
+        repeats=2,
     )
     assert [r["optimizer_steps"] for r in runs["two"]] == [4, 4]
     assert [r["optimizer_steps"] for r in runs["four"]] == [2, 2]
@@ -60,5 +64,5 @@ def test_a_configuration_that_fails_is_named():
     def build(stack):
         raise ValueError("the factory refused")
 
-    with pytest.raises(RuntimeError, match="configuration 1 failed before its epoch.*refused"):
-        ls.lockstep_round([lambda stack: tiny_trainer(2, stack), build])
+    with pytest.raises(RuntimeError, match="refusing: failed before its epoch.*refused"):
+        ls.lockstep_round([("fine", lambda stack: tiny_trainer(2, stack)), ("refusing", build)])
