@@ -29,7 +29,8 @@ from probes.batching import plans as pl
 from probes.contracts import STAGE_OUTPUTS
 from probes.errors import ControlFailedError
 from probes.replay.combined import all_steps, time_combined, with_combined
-from probes.replay.control import run_coverage_control, run_synthetic_control
+from probes.replay.control import run_synthetic_control
+from probes.replay.coverage import run_coverage_control
 from probes.replay.estimate import FitPricing, fit_priced_time
 from probes.replay.outputs import (
     completed_control,

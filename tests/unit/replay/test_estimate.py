@@ -12,7 +12,7 @@ import pytest
 from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.contracts import TRAINING_STATUSES
-from probes.replay.control import SimulatedCost, run_coverage_control
+from probes.replay.coverage import SimulatedCost, run_coverage_control
 from probes.replay.estimate import (
     GregEstimate,
     StrategyDesign,
@@ -267,3 +267,15 @@ def test_a_strategy_the_shared_model_misprices_is_not_retimed_for_it(design):
         units_slow += int(mine.sum())
         units_rest += int((~mine).sum())
     assert flagged_slow / units_slow <= 2 * flagged_rest / units_rest + 0.02
+
+
+def test_the_coverage_control_fails_on_coverage_shown_below_its_threshold_not_on_noise():
+    from probes.replay.coverage import coverage_upper_bound, coverage_verdict
+
+    # 359 of 400 simulated runs: 0.8975 is within the simulation's own error of 0.9
+    assert coverage_upper_bound(0.8975, 400) > 0.9
+    assert coverage_verdict(0.8975, 0.1, 0.9, 0.2, 400) == "passed"
+    # 0.85 of 400 runs is shown below 0.9: the control fails
+    assert coverage_verdict(0.85, 0.1, 0.9, 0.2, 400) == "failed"
+    assert coverage_verdict(0.95, 0.3, 0.9, 0.2, 400) == "uninformative"
+    assert coverage_upper_bound(1.0, 400) == 1.0

@@ -9,7 +9,7 @@ import torch
 from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.contracts import TRAINING_STATUSES
-from probes.replay.control import SimulatedCost
+from probes.replay.coverage import SimulatedCost
 from probes.replay.sequential import (
     build_design,
     first_round_seconds,
