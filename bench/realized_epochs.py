@@ -104,6 +104,8 @@ def run_sft_epoch(change: dict[str, Any], data: Examples, args: argparse.Namespa
     import datasets
     import trl
 
+    from probes.step.changes import checkpointing_field
+
     rows = [
         {
             "input_ids": r["input_ids"],
@@ -112,16 +114,17 @@ def run_sft_epoch(change: dict[str, Any], data: Examples, args: argparse.Namespa
         for r in data.rows
     ]
     with tempfile.TemporaryDirectory() as out:
+        # SFTConfig's defaults are not TrainingArguments' (TRL 1.16: bf16=True,
+        # gradient_checkpointing=True). bf16 comes from precision() (off on CPU: emulated
+        # without bf16 units, no valid timing); checkpointing off under its installed name (no
+        # FutureWarning) unless the change's sft_config states the run's own, as it does
         config = trl.SFTConfig(
-            **epoch_arguments(out, args),
-            completion_only_loss=True,
-            # SFTConfig's defaults are not TrainingArguments' (TRL 1.16: bf16=True,
-            # gradient_checkpointing=True). With the checkpointing default (float32) packing
-            # realized -29.5% against +12.7% promised here: activation recomputation. bf16 comes
-            # from precision() (off on CPU: emulated without bf16 units, no valid timing). The
-            # bench compares like with like, as the packing caveat tells a user to set them
-            gradient_checkpointing=False,
-            **change["sft_config"],
+            **{
+                **epoch_arguments(out, args),
+                "completion_only_loss": True,
+                checkpointing_field(): False,
+                **change["sft_config"],
+            }
         )
         trainer = trl.SFTTrainer(
             model=build_model(args.cap, args.hidden, args.architecture, model_dtype(args)),

@@ -201,6 +201,7 @@ def run_promised(
     provenance = pq_metadata(outputs["estimates"])
     summary["step_changes"] = provenance.get("step_changes", [])
     summary["beside"] = {key: provenance.get(key) or {} for key in ("compile", "optim")}
+    summary["not_measured"] = provenance.get("not_measured") or {}
     return estimates, plans, summary
 
 
@@ -418,6 +419,7 @@ def promise_and_realize(examples: Any, rec: dict, args: argparse.Namespace) -> t
             beside, unpriced = beside_changes(summary["beside"])
             document["changes"] += beside
             unpriced += compile_line(args)
+            unpriced += [f"{name}: {why}" for name, why in summary["not_measured"].items()]
         runnable, skipped = trainer_changes(document)
         changes, left_out = selected(runnable, args.changes)
         skipped += left_out + unpriced

@@ -26,6 +26,7 @@ def build_trainer(settings: dict[str, Any]) -> Any:
     from realized_setup import build_model
 
     from probes.sampler import length_grouped_trainer
+    from probes.step.changes import checkpointing_field
     from probes.trainer import apply_settings
 
     run = json.loads(Path(os.environ["PROBES_BENCH_RUN"]).read_text())
@@ -40,7 +41,7 @@ def build_trainer(settings: dict[str, Any]) -> Any:
         completion_only_loss=True,
         # SFTConfig's own defaults differ from TrainingArguments' (TRL 1.16: bf16 and gradient
         # checkpointing on); the bench's user trains without them
-        gradient_checkpointing=False,
+        **{checkpointing_field(): False},  # the installed name (no FutureWarning)
         bf16=False,
         use_cpu=run["device"] != "cuda",
         learning_rate=run["learning_rate"],

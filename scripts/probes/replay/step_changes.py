@@ -17,6 +17,15 @@ from probes.settings import ReplayConfig, TrainingConfig
 
 LOG = logging.getLogger("probes.replay")
 GPU_ONLY = "GPU only: not measured on this device"
+# bench/realized_vs_promised.py --trainer sft (2-core CPU, 1 torch thread): two workers realized
+# -5 to -9% (an epoch slower) against a promise of about 0: their start-up and the batches'
+# transfer between processes cost more than the collation they take off the step
+WORKERS_ON_CPU = (
+    "not priced on a CPU run: the workers start each epoch and hand every batch between "
+    "processes on the cores the step runs on, which the replay does not time (a 2-core CPU "
+    "bench realized -5 to -9% against a promise of about 0); priced on a GPU, where the host's "
+    "cores are free"
+)
 
 
 @dataclass(frozen=True)
@@ -51,12 +60,15 @@ def add_step_changes(
     runner.switch = switch
     if not replay_cfg.step_changes:
         return StepChanges([], pd.DataFrame(), {})
-    changes = step_changes_for(switch.base, training)
+    changes = step_changes_for(switch.base, training, cpu_only)
     switch.configs = {c.strategy: c.config for c in changes}
     added = change_plans_for(changes, plans, inputs, training, cpu_only, max_len)
     LOG.info("step-level changes: %s (base %s)", [c.strategy for c in changes], switch.base)
     refused = refused_changes(runner.runner, changes, added, inputs)
-    unpriced = {**not_measured(runner.runner, cpu_only), **compile_off(replay_cfg, cpu_only)}
+    unpriced = {
+        **not_measured(runner.runner, cpu_only, switch.base),
+        **compile_off(replay_cfg, cpu_only),
+    }
     return StepChanges(changes, added, unpriced, refused)
 
 
@@ -95,26 +107,34 @@ def step_collator_leak(step: Any, rows: pd.DataFrame) -> str | None:
     return pf.collator_leak(collate([str(i) for i in row["example_ids"]], True))
 
 
-def not_measured(step: Any, cpu_only: bool) -> dict[str, str]:
+def not_measured(step: Any, cpu_only: bool, base: Any = None) -> dict[str, str]:
     """What the replay does not price, with why: what this device cannot run, the loss
     kernels the loaded step cannot be set to (probes.step.loss_changes), and a trainer's
-    installed ``optim`` alternatives (probes.step.optim)."""
+    installed ``optim`` alternatives (probes.step.optim), and on a CPU run the dataloader
+    workers `base` (the step's config) would be priced with (WORKERS_ON_CPU)."""
     from probes.step import changes as sc
     from probes.step.loss_changes import unpriced_losses
     from probes.step.optim import unpriced_optims
 
     device_type = "cpu" if cpu_only else "cuda"
+    workers = sc.workers_changes(base) if cpu_only and base is not None else []
     return {
         **unpriced_losses(step, device_type),
         **unpriced_optims(getattr(step, "trainer", None)),
         **{name: GPU_ONLY for name in sc.gpu_only(device_type)},
+        **{c.strategy: WORKERS_ON_CPU for c in workers},
     }
 
 
-def step_changes_for(base: Any, training: TrainingConfig) -> list[Any]:
+def step_changes_for(base: Any, training: TrainingConfig, cpu_only: bool = False) -> list[Any]:
+    """The step-level changes to price against `base`: on a CPU run without the dataloader
+    workers change (WORKERS_ON_CPU)."""
     from probes.step import changes as sc
 
-    return sc.step_changes(base, int(training.micro_batch_size), int(training.grad_accum))
+    changes = sc.step_changes(base, int(training.micro_batch_size), int(training.grad_accum))
+    if cpu_only:
+        changes = [c for c in changes if not c.strategy.startswith(sc.WORKERS_PREFIX)]
+    return changes
 
 
 def change_plans_for(
