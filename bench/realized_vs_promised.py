@@ -192,6 +192,7 @@ def run_promised(
     # the race times every change to +-5 pp (the bench's tolerance), not the workflow's 20 pp
     # width that only decides faster or slower: a promise is judged against its point
     cfg["replay"]["max_width"] = 2 * TOLERANCE_PP / 100
+    cfg["replay"]["reference_every"] = args.reference_every
     cfg["replay"]["step_changes"] = args.trainer == "sft"
     cfg["replay"]["compile"] = prices_compile(args.changes)  # priced beside its table
     if args.trainer == "sft":  # the promise is the SFTTrainer's own step (probes.step.trainer)
@@ -357,8 +358,21 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="rounds (lockstep on CPU: a realized interval of 2-5 pp)",
+    )
     parser.add_argument("--budget-s", type=float, default=60.0, help="the replay's time budget")
+    parser.add_argument(
+        "--reference-every",
+        type=int,
+        default=2,
+        help="the replay's replay.reference_every (each unit priced against a reference "
+        "micro-batch timed beside it, so the machine's drift over the bench's minutes cancels; "
+        "0: off, the workflow's default)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="200 examples, 2 rounds, 30 s replay")
     parser.add_argument("--out", type=Path, help="also write the table as markdown here")
