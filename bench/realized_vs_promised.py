@@ -143,6 +143,22 @@ def trainer_examples(work: Path, examples: pl.PlanExamples, args: argparse.Names
     )
 
 
+def write_gate(work: Path, model_dir: Path, args: argparse.Namespace) -> None:
+    """gate.json for the replay: the workflow's own mask gate on the bench model (about 2 s),
+    so packing and the padding-free changes are raced where the gate keeps documents apart
+    (transformers gives sdpa and eager a block-diagonal mask from the restarting position_ids)."""
+    from probes.config import load_config
+    from probes.mask.gate import run_gate
+
+    cfg = load_config()
+    source = str(model_dir / "config.json")
+    training = {**cfg["training"], **training_section(args)}
+    _, gate, _ = run_gate(json.loads(Path(source).read_text()), cfg["mask"], training, source)
+    if not gate["passed"]:
+        raise SystemExit(f"the mask gate failed on the bench model: {gate['violations'][:1]}")
+    (work / "gate.json").write_text(json.dumps(gate, default=str))
+
+
 def run_promised(
     work: Path, examples: pl.PlanExamples, rec: dict[str, Any], args: argparse.Namespace
 ) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, Any]]:
@@ -165,13 +181,7 @@ def run_promised(
         seed=args.seed,
     )
     plans.to_parquet(work / "plans.parquet")
-    # The bench times packing, so the replay must not mark it invalid: a packed scenario with no
-    # violation. Not a check: the bench model (sdpa on a flattened row, as TRL's padding-free
-    # packing without FlashAttention) lets documents attend to each other, in the replay and in
-    # SFTTrainer alike. The workflow's mask gate is what checks it for a real run.
-    (work / "gate.json").write_text(
-        json.dumps({"scenarios": [{"scenario": "packed", "violations": 0}]})
-    )
+    write_gate(work, model_dir, args)
     inputs = {
         "plans": work / "plans.parquet",
         "lengths": work / "lengths.parquet" if args.trainer == "sft" else args.lengths,
