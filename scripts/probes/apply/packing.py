@@ -40,9 +40,10 @@ def packing_plan(base: Baseline, n_bins: int) -> dict[str, Any]:
 SFT_DEFAULTS_CAVEAT = (
     "SFTConfig defaults to checkpointing on and bf16=True (TRL 1.16), unlike "
     "TrainingArguments: the snippet states your run's checkpointing as activation_checkpointing "
-    "where the probes saw it (TRL's default where they did not); keep bf16 at your run's value, "
-    "or the step changes more than the packing (bench/realized_vs_promised.py, a small Llama on "
-    "CPU: packing with TRL's checkpointing default realized -21.7% against +0.2% promised)"
+    "where the probes saw it (TRL's default where they did not) and leaves bf16 to your run's "
+    "value, which you keep, or the step changes more than the packing (with TRL's checkpointing "
+    "default, packing realized -21.7% against +0.2% promised: bench/realized_vs_promised.py, a "
+    "small Llama on CPU)"
 )
 # TRL 1.16's SFTTrainer computes per-token entropy and top-1 accuracy in its loss and logs them
 # with a .item() each micro-batch, a cost no setting turns off and the replay (the user's
