@@ -180,6 +180,37 @@ def overall_verdict(verdicts: Mapping[str, str]) -> str:
     return "uninformative" if "uninformative" in verdicts.values() else "passed"
 
 
+DESCRIPTION = (
+    "timings simulated from a known cost (rows*T, rows*T^2, loss tokens, loss tokens x length, "
+    "documents: terms the working model lacks; a paired change at its measured ratio to the "
+    "baseline) with noise at the measured CV and a share of preempted timings (10-40% slow) "
+    "through the replay's outlier rule, sampled with the real run's allocation and priced by the "
+    "same estimator; the share of 95% saving intervals covering the exact saving, per strategy, "
+    "at the width the run reported (intervals wider than max_width make it uninformative)"
+)
+
+
+def simulated_estimates(
+    design: Design,
+    known: KnownPlans,
+    takes: Mapping[tuple[str, int], int],
+    cost: SimulatedCost,
+    noise: tuple[float, float, Mapping[str, float], int],
+    rng: np.random.Generator,
+) -> dict[str, GregEstimate]:
+    """One simulated rerun of the replay: the real allocation's units at their known cost with
+    timing noise (`noise`: the CV, the share of preempted timings, each strategy's unexplained
+    spread, the optimizer timings), through the outlier rule and the estimator."""
+    cv, spike_share, unit_noise, optimizer_timings = noise
+    designs, truth = simulated_designs(design, known, takes, cv, spike_share, rng)
+    designs = with_unit_noise(designs, unit_noise, rng)
+    designs = retime_simulated(designs, truth, cv, spike_share, rng)
+    opt = cost.optimizer_s * np.maximum(
+        1.0 + cv * rng.standard_normal(max(optimizer_timings, 2)), 0.05
+    )
+    return greg_estimate_all(designs, opt, cv, 4.0)[0]
+
+
 def run_coverage_control(
     design: Design,
     takes: Mapping[tuple[str, int], int],
@@ -211,14 +242,9 @@ def run_coverage_control(
     exact_saving = {n: 1.0 - known.exact[n] / known.exact[base] for n in known.exact}
     hits = dict.fromkeys(known.exact, 0)
     widths: dict[str, list[float]] = {n: [] for n in known.exact}
+    noise = (cv, spike_share, unit_noise or {}, optimizer_timings)
     for _ in range(replications):
-        designs, truth = simulated_designs(design, known, takes, cv, spike_share, rng)
-        designs = with_unit_noise(designs, unit_noise or {}, rng)
-        designs = retime_simulated(designs, truth, cv, spike_share, rng)
-        opt = cost.optimizer_s * np.maximum(
-            1.0 + cv * rng.standard_normal(max(optimizer_timings, 2)), 0.05
-        )
-        estimates, _ = greg_estimate_all(designs, opt, cv, 4.0)
+        estimates = simulated_estimates(design, known, takes, cost, noise, rng)
         for name, est in estimates.items():
             hits[name] += int(covers(est, exact_saving[name]))
             widths[name].append(est.saving_high - est.saving_low)
@@ -231,15 +257,7 @@ def run_coverage_control(
     verdict = overall_verdict(verdicts)
     return {
         "name": "replay_intervals_cover_the_exact_saving",
-        "description": (
-            "timings simulated from a known cost (rows*T, rows*T^2, loss tokens, loss tokens x "
-            "length, documents: terms the working model lacks; a paired change at its measured "
-            "ratio to the baseline) with noise at the measured CV and a share of preempted "
-            "timings (10-40% slow) through the replay's outlier rule, sampled with the real "
-            "run's allocation and priced by the same estimator; the share of 95% saving "
-            "intervals covering the exact saving, per strategy, at the width the run reported "
-            "(intervals wider than max_width make it uninformative)"
-        ),
+        "description": DESCRIPTION,
         "expected": {
             "coverage_min": threshold,
             # failed where the simulation shows coverage below coverage_min: the Wilson 95%
