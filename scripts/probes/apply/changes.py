@@ -18,7 +18,7 @@ from probes.apply.libraries import (
     HF_BATCH_REBALANCE,
     HF_GROUP_BY_LENGTH,
     sampling_kwargs,
-    sft_current_names,
+    sft_checkpointing,
 )
 from probes.apply.snippets import call_text, config_snippets, snippet
 from probes.batching import orders
@@ -64,11 +64,11 @@ class Baseline:
 
     def sft_config(self) -> dict[str, Any]:
         # SFTConfig's max_length defaults to 1024: state the run's own, or TRL truncates; and
-        # the run's checkpointing, or TRL's default turns recomputation on (sft_current_names)
+        # the run's checkpointing, or TRL's default turns recomputation on (sft_checkpointing)
         return {
             **self.training_arguments(),
             "max_length": self.max_seq_len,
-            **sft_current_names(self.gradient_checkpointing),
+            **sft_checkpointing(self.gradient_checkpointing),
         }
 
 

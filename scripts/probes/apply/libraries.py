@@ -81,7 +81,7 @@ def installed_libraries() -> dict[str, Any]:
     return libraries
 
 
-def sft_current_names(checkpointing: bool | None = None) -> dict[str, Any]:
+def sft_checkpointing(checkpointing: bool | None = None) -> dict[str, Any]:
     """SFTConfig kwargs that keep a pasted SFTConfig off deprecated names and off TRL's own
     checkpointing default: TRL (1.16) sets ``gradient_checkpointing=True``, which transformers
     5.25 resolves as the deprecated alias with a FutureWarning on every construction, and which

@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from probes.apply.changes import Baseline, sweep_estimate, tokens_per_update_entry
-from probes.apply.libraries import sft_current_names
 from probes.apply.snippets import config_snippets
 from probes.batching.packing import packed_batch_shape
 
@@ -110,10 +109,9 @@ def packing_change(
     sft = {
         "packing": True,
         "packing_strategy": TRL_PACKING_STRATEGY,
-        "max_length": base.max_seq_len,
+        **base.sft_config(),  # the run's max_length and checkpointing, not TRL's defaults
         "per_device_train_batch_size": plan["per_device_train_batch_size"],
         "gradient_accumulation_steps": plan["gradient_accumulation_steps"],
-        **sft_current_names(base.gradient_checkpointing),  # the run's, not TRL's default
     }
     random = recommendation.get("random") or {}
     return {

@@ -1,6 +1,6 @@
 """Every pasted setting uses the installed libraries' current names: constructing each
 snippet's TrainingArguments / SFTConfig raises no FutureWarning or DeprecationWarning
-(probes.apply.libraries.verify_snippet refuses one, sft_current_names avoids TRL's)."""
+(probes.apply.libraries.verify_snippet refuses one, sft_checkpointing avoids TRL's)."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_the_check_refuses_a_deprecated_name():
 
 
 def test_sftconfig_states_trls_checkpointing_default_under_its_current_name():
-    names = libraries.sft_current_names()
+    names = libraries.sft_checkpointing()
     if not names:
         pytest.skip("the installed libraries need no current-name setting")
     default = next(

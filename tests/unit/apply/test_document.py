@@ -332,9 +332,9 @@ def test_every_pasted_sftconfig_keeps_the_runs_own_checkpointing(checkpointing):
     recomputation on for a run without it (the bench realized packing at -21.7% against +0.2%
     promised). Each change's SFTConfig states the run's value, the checkpointing change alone
     its flip."""
-    from probes.apply.libraries import CHECKPOINTING, sft_current_names
+    from probes.apply.libraries import CHECKPOINTING, sft_checkpointing
 
-    if not sft_current_names():
+    if not sft_checkpointing():
         pytest.skip("the installed TRL sets no checkpointing default")
     training = {**TRAINING, "gradient_checkpointing": checkpointing}
     document = apply.recommendations_document(
