@@ -129,20 +129,44 @@ def lockstep_rounds(
     configs: list[tuple[str, Any]],
     build: Callable[[str, Any, contextlib.ExitStack], Any],
     repeats: int,
+    first_round: int = 0,
 ) -> dict[str, list[dict[str, float]]]:
     """`repeats` lockstep rounds of one epoch of every configuration: {name: [result per round]}
-    (the shape realized_epochs.rounds returns)."""
+    (the shape realized_epochs.rounds returns), each result with its "round" (from
+    `first_round`), which pairs a change's epoch with the baseline's of the same round."""
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in configs}
-    for repeat in range(repeats):
+    for repeat in range(first_round, first_round + repeats):
         builds = [
             (name, lambda stack, name=name, what=what: build(name, what, stack))
             for name, what in configs
         ]
         for (name, _), result in zip(configs, lockstep_round(builds), strict=True):
-            runs[name].append(result)
+            runs[name].append({**result, "round": repeat})
             print(
-                f"  round {repeat + 1}/{repeats} {name:<26s} "
+                f"  round {repeat + 1} {name:<26s} "
                 f"{result['train_runtime']:7.2f} s, {result['optimizer_steps']} steps (lockstep)",
                 flush=True,
             )
+    return runs
+
+
+def rounds_until_narrow(
+    configs: list[tuple[str, Any]],
+    build: Callable[[str, Any, contextlib.ExitStack], Any],
+    repeats: int,
+    too_wide: Callable[[dict[str, list[dict[str, float]]]], list[str]],
+    extra_rounds: int,
+) -> dict[str, list[dict[str, float]]]:
+    """`repeats` lockstep rounds of every configuration, then up to `extra_rounds` more of the
+    first (the baseline) and the configurations `too_wide` still names (their realized interval
+    too wide to tell a miss), so more timing goes where the verdict is still open."""
+    runs = lockstep_rounds(configs, build, repeats)
+    for extra in range(extra_rounds):
+        wide = set(too_wide(runs))
+        if not wide:
+            break
+        again = [configs[0]] + [c for c in configs[1:] if c[0] in wide]
+        print(f"  extra round {extra + 1}/{extra_rounds}: {', '.join(sorted(wide))}", flush=True)
+        for name, results in lockstep_rounds(again, build, 1, repeats + extra).items():
+            runs[name] += results
     return runs

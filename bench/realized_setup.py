@@ -167,3 +167,73 @@ class Examples:
 
     def filter(self, keep: Any) -> Examples:
         return Examples([row for row in self.rows if keep(row)])
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    """bench/realized_vs_promised.py's command line (`--quick`: fewer examples and rounds)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--lengths", type=Path, default=Path("results/padding/lengths.parquet"))
+    parser.add_argument(
+        "--recommendation", type=Path, default=Path("results/bucket/recommendation.json")
+    )
+    parser.add_argument("--examples", type=int, default=400)
+    parser.add_argument("--cap", type=int, default=256, help="every length capped here (tokens)")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--grad-accum", type=int, default=8)
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="rounds (lockstep on CPU: a realized interval of 2-5 pp)",
+    )
+    parser.add_argument(
+        "--extra-rounds",
+        type=int,
+        default=3,
+        help="with --trainer sft on CPU: up to this many more rounds of the baseline and the "
+        "changes whose realized interval is still wider than 10 pp",
+    )
+    parser.add_argument("--budget-s", type=float, default=90.0, help="the replay's time budget")
+    parser.add_argument(
+        "--reference-every",
+        type=int,
+        default=2,
+        help="the replay's replay.reference_every (each unit priced against a reference "
+        "micro-batch timed beside it, so the machine's drift over the bench's minutes cancels; "
+        "0: off, the workflow's default)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="200 examples, 2 rounds (no extra), 30 s replay: the changes two rounds cannot "
+        "decide are undecided",
+    )
+    parser.add_argument("--out", type=Path, help="also write the table as markdown here")
+    parser.add_argument(
+        "--changes",
+        help="comma-separated change ids to realize (default: every change the run prices, the "
+        "optim alternatives included with --trainer sft); naming torch_compile or "
+        "torch_compile_pad_to_multiple_of_64 turns on the replay's compile pricing "
+        "(replay.compile): cold CPU compiles take minutes a graph, so it is off by default",
+    )
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument(
+        "--trainer",
+        choices=["harness", "sft"],
+        default="harness",
+        help="sft: the promise is the replay through a trl.SFTTrainer factory "
+        "(bench/sft_factory.py), its step-level changes included, and every configuration is "
+        "realized by that factory's trainer with the change's settings",
+    )
+    parser.add_argument(
+        "--architecture",
+        type=Path,
+        help="a model directory whose config.json to train (random init), e.g. the default "
+        "Gemma on a GPU; default: the small Llama",
+    )
+    args = parser.parse_args()
+    if args.quick:
+        args.examples, args.repeats, args.budget_s, args.extra_rounds = 200, 2, 30.0, 0
+    return args

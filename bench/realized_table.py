@@ -29,18 +29,45 @@ def realized_interval(times: np.ndarray, base_times: np.ndarray) -> tuple[float,
     return 1.0 - float(np.exp(logs.mean() + half)), 1.0 - float(np.exp(logs.mean() - half))
 
 
+def paired_times(
+    results: list[dict[str, float]], base: list[dict[str, float]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """A configuration's epoch times and the baseline's of the same rounds (a result without a
+    "round" is paired by position)."""
+    base_by_round = {r.get("round", i): r["train_runtime"] for i, r in enumerate(base)}
+    pairs = [
+        (r["train_runtime"], base_by_round[r.get("round", i)])
+        for i, r in enumerate(results)
+        if r.get("round", i) in base_by_round
+    ]
+    times, base_times = zip(*pairs, strict=True) if pairs else ((), ())
+    return np.asarray(times, dtype=float), np.asarray(base_times, dtype=float)
+
+
+def too_wide_changes(runs: dict[str, list[dict[str, float]]]) -> list[str]:
+    """The changes whose realized interval is wider than 2 × TOLERANCE_PP (or not known yet):
+    too wide for the three-way rule to tell a miss of TOLERANCE_PP."""
+    wide = []
+    for name, results in runs.items():
+        if name == pl.BASELINE:
+            continue
+        low, high = realized_interval(*paired_times(results, runs[pl.BASELINE]))
+        if not (high - low <= 2 * TOLERANCE_PP / 100):
+            wide.append(name)
+    return wide
+
+
 def table_rows(
     document: dict[str, Any], estimates: pd.DataFrame, runs: dict[str, list[dict[str, float]]]
 ) -> list[dict[str, Any]]:
     """One row per realized configuration: promised (replay) and realized (Trainer) savings."""
-    base_times = np.array([r["train_runtime"] for r in runs[pl.BASELINE]])
     by_id = {c["id"]: c for c in document["changes"]}
     replay_s = dict(zip(estimates["strategy"], estimates["estimated_time_s"], strict=True))
     from probes.report.sections.replay import CHANGE_STRATEGY
 
     rows = []
     for name, results in runs.items():
-        times = np.array([r["train_runtime"] for r in results])
+        times, base_times = paired_times(results, runs[pl.BASELINE])
         per_round = 1.0 - times / base_times
         change = by_id.get(name, {})
         strategy = pl.BASELINE if name == pl.BASELINE else CHANGE_STRATEGY.get(name)

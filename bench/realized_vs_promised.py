@@ -73,7 +73,7 @@ from realized_beside import (  # noqa: E402
     selected,
 )
 from realized_epochs import rounds, run_realized  # noqa: E402
-from realized_lockstep import lockstep_rounds  # noqa: E402
+from realized_lockstep import rounds_until_narrow  # noqa: E402
 from realized_setup import (  # noqa: E402
     IGNORE_INDEX,
     Examples,
@@ -81,11 +81,12 @@ from realized_setup import (  # noqa: E402
     load_subset,
     model_dtype,
     model_words,
+    parse_args,
     subset_recommendation,
     training_section,
     vocab_size,
 )
-from realized_table import TOLERANCE_PP, markdown, table_rows  # noqa: E402
+from realized_table import TOLERANCE_PP, markdown, table_rows, too_wide_changes  # noqa: E402
 from trainer_harness import LEARNING_RATE  # noqa: E402
 
 from probes.apply.document import order_changes, recommendations_document  # noqa: E402
@@ -348,70 +349,16 @@ def run_realized_trainer(
     configs = [(pl.BASELINE, {})] + [(c["id"], change_settings(c)) for c in changes]
     run_trainer_epoch({})  # untimed: the process's first trainer pays one-time costs
     if args.device == "cpu":
-        return lockstep_rounds(configs, lambda _, s, stack: epoch_trainer(s, stack), args.repeats)
+        return rounds_until_narrow(
+            configs, lambda _, s, stack: epoch_trainer(s, stack), args.repeats,
+            too_wide_changes, args.extra_rounds,
+        )  # fmt: skip
     return rounds(configs, lambda _, settings: run_trainer_epoch(settings), args)
 
 
 # ---------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lengths", type=Path, default=Path("results/padding/lengths.parquet"))
-    parser.add_argument(
-        "--recommendation", type=Path, default=Path("results/bucket/recommendation.json")
-    )
-    parser.add_argument("--examples", type=int, default=400)
-    parser.add_argument("--cap", type=int, default=256, help="every length capped here (tokens)")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--grad-accum", type=int, default=8)
-    parser.add_argument(
-        "--repeats",
-        type=int,
-        default=5,
-        help="rounds (lockstep on CPU: a realized interval of 2-5 pp)",
-    )
-    parser.add_argument("--budget-s", type=float, default=60.0, help="the replay's time budget")
-    parser.add_argument(
-        "--reference-every",
-        type=int,
-        default=2,
-        help="the replay's replay.reference_every (each unit priced against a reference "
-        "micro-batch timed beside it, so the machine's drift over the bench's minutes cancels; "
-        "0: off, the workflow's default)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="200 examples, 2 rounds, 30 s replay")
-    parser.add_argument("--out", type=Path, help="also write the table as markdown here")
-    parser.add_argument(
-        "--changes",
-        help="comma-separated change ids to realize (default: every change the run prices, the "
-        "optim alternatives included with --trainer sft); naming torch_compile or "
-        "torch_compile_pad_to_multiple_of_64 turns on the replay's compile pricing "
-        "(replay.compile): cold CPU compiles take minutes a graph, so it is off by default",
-    )
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument(
-        "--trainer",
-        choices=["harness", "sft"],
-        default="harness",
-        help="sft: the promise is the replay through a trl.SFTTrainer factory "
-        "(bench/sft_factory.py), its step-level changes included, and every configuration is "
-        "realized by that factory's trainer with the change's settings",
-    )
-    parser.add_argument(
-        "--architecture",
-        type=Path,
-        help="a model directory whose config.json to train (random init), e.g. the default "
-        "Gemma on a GPU; default: the small Llama",
-    )
-    args = parser.parse_args()
-    if args.quick:
-        args.examples, args.repeats, args.budget_s = 200, 2, 30.0
-    return args
 
 
 def data_line(examples: Any, args: argparse.Namespace, load: tuple[float, ...]) -> str:
@@ -456,6 +403,12 @@ def promise_and_realize(examples: Any, rec: dict, args: argparse.Namespace) -> t
     return document, estimates, runs, skipped
 
 
+def extra_words(args: argparse.Namespace) -> str:
+    if args.trainer != "sft" or args.device != "cpu" or not args.extra_rounds:
+        return ""
+    return f" (up to {args.extra_rounds} more for a change whose realized interval is over 10 pp)"
+
+
 def table_header(
     examples: Any, args: argparse.Namespace, load: tuple[float, ...], started: float
 ) -> str:
@@ -469,13 +422,13 @@ def table_header(
         f"{args.device}{', 1 thread' if args.device == 'cpu' else ''}; {trainer}"
         f"{examples.lengths.size} real chitchat lengths capped at {args.cap}; micro "
         f"{args.micro_batch_size} × grad_accum {args.grad_accum}; {args.repeats} rounds of one "
-        f"epoch each (transformers.Trainer train_runtime); load "
+        f"epoch each{extra_words(args)} (transformers.Trainer train_runtime); load "
         f"{load[0]:.2f} → {os.getloadavg()[0]:.2f}; total {time.perf_counter() - started:.0f} s."
     )
 
 
 def main() -> int:
-    args = parse_args()
+    args = parse_args(__doc__.split("\n\n")[0])
     for path in (args.lengths, args.recommendation):
         if not path.is_file():
             print(f"{path}: no such file; run `snakemake --cores 2 bucket_sweep` first, or pass it")

@@ -66,3 +66,23 @@ def test_a_configuration_that_fails_is_named():
 
     with pytest.raises(RuntimeError, match="refusing: failed before its epoch.*refused"):
         ls.lockstep_round([("fine", lambda stack: tiny_trainer(2, stack)), ("refusing", build)])
+
+
+def test_extra_rounds_time_the_baseline_and_the_changes_still_too_wide():
+    torch.set_num_threads(1)
+    asked = []
+
+    def too_wide(runs):
+        asked.append({n: len(r) for n, r in runs.items()})
+        return ["four"] if len(asked) == 1 else []
+
+    runs = ls.rounds_until_narrow(
+        [("base", 2), ("two", 2), ("four", 4)],
+        lambda _, micro_batch, stack: tiny_trainer(micro_batch, stack),
+        repeats=2,
+        too_wide=too_wide,
+        extra_rounds=3,
+    )
+    assert asked == [{"base": 2, "two": 2, "four": 2}, {"base": 3, "two": 2, "four": 3}]
+    assert [r["round"] for r in runs["four"]] == [0, 1, 2]
+    assert [r["round"] for r in runs["two"]] == [0, 1]

@@ -53,3 +53,34 @@ def test_each_change_gets_the_three_way_verdict_with_its_realized_interval():
     wide["random"] = two["random"]
     rows = {r["change"]: r for r in bench.table_rows(document, estimates, wide)}
     assert rows["close"]["verdict"] == "undecided"  # two rounds that disagree: too wide to tell
+
+
+def test_extra_rounds_pair_with_the_baseline_of_the_same_round():
+    bench = bench_module()
+    import realized_table as rt
+
+    def run(times, rounds):
+        return [
+            {"train_runtime": t, "optimizer_steps": 10, "round": r}
+            for t, r in zip(times, rounds, strict=True)
+        ]
+
+    # the baseline ran rounds 0-5; "wide" had extra rounds 4 and 5, "done" only rounds 0-3
+    base = [10.0, 12.0, 10.0, 12.0, 20.0, 10.0]
+    runs = {
+        "random": run(base, range(6)),
+        "done": run([9.0, 10.8, 9.0, 10.8], range(4)),
+        "wide": run([9.0, 9.0, 11.0, 11.0, 18.0, 9.0], range(6)),
+    }
+    times, base_times = rt.paired_times(runs["done"], runs["random"])
+    assert list(base_times) == base[:4]  # not the extra rounds' baseline epochs
+    low, high = rt.realized_interval(times, base_times)
+    assert abs(low - 0.1) < 1e-9 and abs(high - 0.1) < 1e-9  # the same 10% every round
+    assert rt.too_wide_changes(runs) == ["wide"]
+    document = {"changes": [{"id": "done", "measured_saving": 0.1, "saving_ci_low": 0.08,
+                             "saving_ci_high": 0.12}]}  # fmt: skip
+    import pandas as pd
+
+    estimates = pd.DataFrame({"strategy": ["random"], "estimated_time_s": [10.0]})
+    rows = {r["change"]: r for r in bench.table_rows(document, estimates, runs)}
+    assert abs(rows["done"]["realized"] - 0.1) < 1e-9

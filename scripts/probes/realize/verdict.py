@@ -3,9 +3,11 @@ not, which part of the step differed.
 
 Three words, one rule (``RULE``, stated once in the report):
 
-- agrees: the realized saving lies inside the promised 95% interval and within `agree_within`
-  (±5 pp by default) of the promised saving, and its own 95% interval is at most twice
-  `agree_within` wide (narrow enough to tell a miss of that size);
+- agrees: the realized saving's 95% interval meets the promised one, the realized saving lies
+  within `agree_within` (±5 pp by default) of the promised saving, and its own interval is at
+  most twice `agree_within` wide (narrow enough to tell a miss of that size). Meeting, not the
+  realized point inside: a promise measured to a third of a point (an optimizer step priced in
+  alternating turns) cannot hold a realized epoch's own spread of a point or two;
 - disagrees: it fails that test and its realized 95% interval excludes the promised saving;
 - undecided: anything else: the realized interval still holds the promise but is too wide to
   confirm it (too few steps), or a figure is missing.
@@ -27,8 +29,9 @@ from dataclasses import dataclass
 AGREES, DISAGREES, UNDECIDED = "agrees", "disagrees", "undecided"
 VERDICTS = (AGREES, DISAGREES, UNDECIDED)
 RULE = (
-    "**agrees**: the realized saving lies inside the promised 95% interval and within ±{pp:g} pp "
-    "of the promised saving, and its own 95% interval is at most {width:g} pp wide; "
+    "**agrees**: the realized saving's 95% interval meets the promised one, the realized saving "
+    "is within ±{pp:g} pp of the promised saving, and its own interval is at most {width:g} pp "
+    "wide; "
     "**disagrees**: it fails that test and its realized 95% interval excludes the promised saving; "
     "**undecided**: anything else (the realized interval holds the promise but is too wide to "
     "tell: too few real steps)"
@@ -87,16 +90,18 @@ def verdict(
     realized_high: float | None = None,
 ) -> str:
     """AGREES, DISAGREES or UNDECIDED by RULE. `low`, `high`: the promised 95% interval;
-    `realized_low`, `realized_high`: the realized one (without it, a miss of the point test is
-    DISAGREES and a hit AGREES: the old two-way reading, kept for callers that lack it)."""
+    `realized_low`, `realized_high`: the realized one (without it, the realized point inside the
+    promised interval and within `agree_within` AGREES, else DISAGREES: the two-way reading, kept
+    for callers that lack it)."""
     values = (realized, promised, low, high)
     if not all(v is not None and math.isfinite(v) for v in values):
         return UNDECIDED
-    hit = low <= realized <= high and abs(realized - promised) <= agree_within + 1e-12
+    close = abs(realized - promised) <= agree_within + 1e-12
     interval = (realized_low, realized_high)
     if not all(v is not None and math.isfinite(v) for v in interval):
-        return AGREES if hit else DISAGREES
+        return AGREES if close and low <= realized <= high else DISAGREES
     r_low, r_high = interval
+    hit = close and r_low <= high and low <= r_high  # the two intervals meet
     if hit and not too_wide(r_low, r_high, agree_within):
         return AGREES
     if not hit and not r_low <= promised <= r_high:

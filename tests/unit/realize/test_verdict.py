@@ -42,6 +42,17 @@ def test_disagrees_when_the_realized_interval_excludes_the_promise():
     assert _three_way(0.16, 0.15, 0.17) == DISAGREES  # inside it, but 6 pp off
 
 
+def test_a_promise_narrower_than_the_realized_spread_agrees_where_the_intervals_meet():
+    # the bench's optimizer change: priced in alternating turns to a third of a point, realized
+    # over whole epochs with a spread of a point or two (the realized point outside the promise)
+    optim = (-0.005, -0.007, -0.004)
+    assert verdict(-0.020, *optim, 0.05, realized_low=-0.038, realized_high=-0.001) == AGREES
+    # the intervals apart: a real miss, however small
+    assert verdict(0.010, *optim, 0.05, realized_low=0.002, realized_high=0.018) == DISAGREES
+    # the intervals meet, but the realized saving is 6 pp off
+    assert verdict(-0.065, *optim, 0.05, realized_low=-0.10, realized_high=0.0) == UNDECIDED
+
+
 def test_undecided_when_the_realized_interval_holds_the_promise_but_is_too_wide():
     # the old "disagrees (but the realized interval holds the promise)": too few steps to tell
     assert _three_way(0.05, -0.10, 0.30) == UNDECIDED
