@@ -1,13 +1,21 @@
 """The replay's outlier screen: which timed units to time again, by their relative residuals
-under the working model (probes.replay.greg) fitted over every strategy's units."""
+under the working model (probes.replay.greg) fitted over every strategy's units, and timing
+them again (retime)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pandas as pd
 
 from probes.replay.greg import StrategyDesign, fit_working_model
+from probes.step.timing import OK
+
+if TYPE_CHECKING:
+    from probes.replay.timing import ReplaySettings
 
 # A unit timed once whose relative residual lies this many robust spreads (1.4826 × MAD) from
 # the rest is timed twice more and priced at the median of its three timings: on the default CPU
@@ -48,3 +56,36 @@ def unit_residuals(designs: Mapping[str, StrategyDesign]) -> dict[str, np.ndarra
         relative = (designs[n].y - predicted) / np.maximum(np.abs(predicted), 1e-12)
         out[n] = relative - (float(np.median(relative)) if relative.size else 0.0)
     return out
+
+
+def retime(
+    runner: Any, steps: pd.DataFrame, labels: pd.Index, settings: ReplaySettings
+) -> tuple[pd.DataFrame, list[float]]:
+    """Time the flagged units until each has OUTLIER_TIMINGS timings (one pass at a time, so
+    their repeats are not back to back) and price each at the runner's statistic of them (the
+    median); a unit whose timing fails (out of memory) keeps that status and is not retried."""
+    from probes.replay.timing import run_sample  # torch: not for the estimator's light imports
+
+    steps = steps.copy()
+    optimizer: list[float] = []
+    quiet = dataclasses.replace(settings, warmup=0)
+    while len(labels):
+        again, opt = run_sample(runner, steps.loc[labels], quiet)
+        optimizer.extend(opt.tolist())
+        for label in labels:
+            for column in ("times_s", "raw_times_s"):
+                if column in again:
+                    steps.at[label, column] = list(steps.at[label, column]) + list(
+                        again.at[label, column]
+                    )
+            if again.at[label, "status"] != OK:
+                steps.at[label, "status"] = again.at[label, "status"]
+        counts = steps.loc[labels, "times_s"].map(len)
+        ok = steps.loc[labels, "status"] == OK  # a unit that failed again is not retried
+        labels = counts.index[(counts < OUTLIER_TIMINGS) & ok]
+    steps["timings"] = steps["times_s"].map(len)
+    steps["time_s"] = [
+        float(runner.reduce(t)) if s == OK and len(t) else float("nan")
+        for t, s in zip(steps["times_s"], steps["status"], strict=True)
+    ]
+    return steps, optimizer

@@ -16,6 +16,7 @@ Stops: "decision" (every valid change decided), "budget" (another round would pa
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from probes.replay.estimate import (
     outlier_units,
     unit_residuals,
 )
+from probes.replay.outliers import retime
 from probes.replay.strata import (
     MIN_PER_STRATUM,
     grow_allocation,
@@ -44,6 +46,7 @@ from probes.replay.strata import (
     proxy_spread,
     strategy_weights,
     stratum_orders,
+    wider_first,
     widest_first,
 )
 from probes.replay.timing import MICRO_BATCH, ReplaySettings, run_sample
@@ -324,37 +327,6 @@ def outlier_index(design: Design, steps: pd.DataFrame, cv: float) -> pd.Index:
     return pd.Index(np.concatenate(labels)[flagged])
 
 
-def retime(
-    runner: Any, steps: pd.DataFrame, labels: pd.Index, settings: ReplaySettings
-) -> tuple[pd.DataFrame, list[float]]:
-    """Time the flagged units until each has OUTLIER_TIMINGS timings (one pass at a time, so
-    their repeats are not back to back) and price each at the runner's statistic of them (the
-    median); a unit whose timing fails (out of memory) keeps that status and is not retried."""
-    steps = steps.copy()
-    optimizer: list[float] = []
-    quiet = dataclasses.replace(settings, warmup=0)
-    while len(labels):
-        again, opt = run_sample(runner, steps.loc[labels], quiet)
-        optimizer.extend(opt.tolist())
-        for label in labels:
-            for column in ("times_s", "raw_times_s"):
-                if column in again:
-                    steps.at[label, column] = list(steps.at[label, column]) + list(
-                        again.at[label, column]
-                    )
-            if again.at[label, "status"] != OK:
-                steps.at[label, "status"] = again.at[label, "status"]
-        counts = steps.loc[labels, "times_s"].map(len)
-        ok = steps.loc[labels, "status"] == OK  # a unit that failed again is not retried
-        labels = counts.index[(counts < OUTLIER_TIMINGS) & ok]
-    steps["timings"] = steps["times_s"].map(len)
-    steps["time_s"] = [
-        float(runner.reduce(t)) if s == OK and len(t) else float("nan")
-        for t, s in zip(steps["times_s"], steps["status"], strict=True)
-    ]
-    return steps, optimizer
-
-
 @dataclass(frozen=True)
 class SequentialResult:
     steps: pd.DataFrame
@@ -408,7 +380,9 @@ def run_sequential(
         if elapsed + per_unit * round_size > budget_s:
             stopped_by = "budget"
             break
-        takes = next_takes(design, done, estimates, timed.steps, cv, undecided, round_size)
+        takes = next_takes(
+            design, done, estimates, timed.steps, cv, undecided, round_size, settings.max_width
+        )
     steps = timed.steps.reset_index(drop=True)
     steps["run_order"] = np.arange(len(steps))
     record = {
@@ -491,14 +465,15 @@ def next_takes(
     cv: float,
     undecided: Sequence[str],
     round_size: int,
+    max_width: float = math.inf,
 ) -> dict[Key, int]:
     """The next round's allocation: `round_size` more units where they pay most, by each
     stratum's size × the residual spread just measured, per second of timing, among the
-    undecided changes (`undecided`) and the baseline beside them."""
+    undecided changes (`undecided`) and the baseline beside them, those wider than `max_width`
+    first (widest_first)."""
     totals = {n: e.time_s for n, e in estimates.items()}
-    weights = widest_first(
-        strategy_weights(totals, undecided, others_weight=0.0), estimates, undecided
-    )
+    focus = wider_first(estimates, undecided, max_width)
+    weights = widest_first(strategy_weights(totals, focus, others_weight=0.0), estimates, focus)
     spreads = spreads_from(design, estimates, steps, cv)
     costs = unit_costs(design, steps)
     grown = grow_allocation(done, design.sizes, spreads, weights, round_size, costs)
