@@ -104,6 +104,7 @@ def table_rows(
                     r_low,
                     r_high,
                 ),  # fmt: skip
+                "rounds": int(len(times)),
                 "trainer_epoch_s": float(times.mean()),
                 "trainer_epoch_sd_s": float(times.std(ddof=1)) if len(times) > 1 else 0.0,
                 "replay_epoch_s": None if replayed is None else float(replayed),
@@ -155,4 +156,23 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
             f"| {replayed} | {r['trainer_epoch_s']:.2f} ± {r['trainer_epoch_sd_s']:.2f} "
             f"| {extra} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", verdict_line(rows)]) + "\n"
+
+
+def verdict_line(rows: list[dict[str, Any]]) -> str:
+    """How many changes agree, disagree and are undecided, naming the undecided ones with their
+    rounds: what more timing would decide (a --quick run's two rounds decide few)."""
+    changes = [r for r in rows if r["change"] != pl.BASELINE]
+    count = {v: sum(r["verdict"] == v for r in changes) for v in vd.VERDICTS}
+    line = (
+        f"Verdicts: {count[vd.AGREES]} agree, {count[vd.DISAGREES]} disagree, "
+        f"{count[vd.UNDECIDED]} undecided of {len(changes)}."
+    )
+    undecided = [f"{r['change']} ({r['rounds']} rounds)" for r in changes
+                 if r["verdict"] == vd.UNDECIDED]  # fmt: skip
+    if undecided:
+        line += (
+            " Undecided: " + ", ".join(undecided) + ": the realized interval holds the promise "
+            "but is too wide to confirm it; more rounds (--repeats, --extra-rounds) would decide."
+        )
+    return line

@@ -53,6 +53,8 @@ def test_each_change_gets_the_three_way_verdict_with_its_realized_interval():
     wide["random"] = two["random"]
     rows = {r["change"]: r for r in bench.table_rows(document, estimates, wide)}
     assert rows["close"]["verdict"] == "undecided"  # two rounds that disagree: too wide to tell
+    text = bench.markdown(list(rows.values()), "header")
+    assert "0 agree, 0 disagree, 2 undecided of 2. Undecided: close (2 rounds), far (2" in text
 
 
 def test_extra_rounds_pair_with_the_baseline_of_the_same_round():

@@ -16,7 +16,6 @@ Stops: "decision" (every valid change decided), "budget" (another round would pa
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,7 +45,6 @@ from probes.replay.strata import (
     proxy_spread,
     strategy_weights,
     stratum_orders,
-    wider_first,
     widest_first,
 )
 from probes.replay.timing import MICRO_BATCH, ReplaySettings, run_sample
@@ -323,7 +321,8 @@ def outlier_index(design: Design, steps: pd.DataFrame, cv: float) -> pd.Index:
     labels = [ok.index[ok["strategy"] == n] for n in names]
     relative = np.concatenate([residuals[n] for n in names])
     timings = np.concatenate([designs[n].timings for n in names])
-    flagged = outlier_units(relative, timings, cv)
+    groups = np.concatenate([np.full(len(residuals[n]), i) for i, n in enumerate(names)])
+    flagged = outlier_units(relative, timings, cv, groups)
     return pd.Index(np.concatenate(labels)[flagged])
 
 
@@ -380,9 +379,7 @@ def run_sequential(
         if elapsed + per_unit * round_size > budget_s:
             stopped_by = "budget"
             break
-        takes = next_takes(
-            design, done, estimates, timed.steps, cv, undecided, round_size, settings.max_width
-        )
+        takes = next_takes(design, done, estimates, timed.steps, cv, undecided, round_size)
     steps = timed.steps.reset_index(drop=True)
     steps["run_order"] = np.arange(len(steps))
     record = {
@@ -465,15 +462,14 @@ def next_takes(
     cv: float,
     undecided: Sequence[str],
     round_size: int,
-    max_width: float = math.inf,
 ) -> dict[Key, int]:
     """The next round's allocation: `round_size` more units where they pay most, by each
     stratum's size × the residual spread just measured, per second of timing, among the
-    undecided changes (`undecided`) and the baseline beside them, those wider than `max_width`
-    first (widest_first)."""
+    undecided changes (`undecided`) and the baseline beside them."""
     totals = {n: e.time_s for n, e in estimates.items()}
-    focus = wider_first(estimates, undecided, max_width)
-    weights = widest_first(strategy_weights(totals, focus, others_weight=0.0), estimates, focus)
+    weights = widest_first(
+        strategy_weights(totals, undecided, others_weight=0.0), estimates, undecided
+    )
     spreads = spreads_from(design, estimates, steps, cv)
     costs = unit_costs(design, steps)
     grown = grow_allocation(done, design.sizes, spreads, weights, round_size, costs)

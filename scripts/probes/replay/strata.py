@@ -266,22 +266,6 @@ def strategy_weights(
     return weights
 
 
-def wider_first(
-    estimates: Mapping[str, Any], undecided: Sequence[str], max_width: float
-) -> list[str]:
-    """The undecided changes the next round times: those whose saving interval is wider than
-    `max_width` while any is (an interval at the contracted width comes before deciding a tie:
-    on the default run four changes ended 20.4-22.3 pp wide while the last rounds went to ties
-    15-19 pp wide); else every undecided one. A change not yet estimated counts as wide."""
-
-    def width(name: str) -> float:
-        e = estimates.get(name)
-        return math.inf if e is None else float(e.saving_high - e.saving_low)
-
-    wide = [n for n in undecided if not width(n) <= max_width]
-    return wide or list(undecided)
-
-
 def widest_first(
     weights: Mapping[str, float], estimates: Mapping[str, Any], undecided: Sequence[str]
 ) -> dict[str, float]:

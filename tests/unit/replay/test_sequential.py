@@ -326,17 +326,3 @@ def test_the_next_round_weights_each_undecided_change_by_its_width():
     assert weights["wide"] == 1.0 and weights["random"] == 5.0
     assert weights["narrow"] == pytest.approx((0.3 / 1.2) ** 2)
     assert widest_first({"a": 2.0}, {}, ["a"]) == {"a": 2.0}
-
-
-def test_the_changes_wider_than_max_width_come_first():
-    from types import SimpleNamespace
-
-    from probes.replay.strata import wider_first
-
-    def interval(low, high):
-        return SimpleNamespace(saving_low=low, saving_high=high)
-
-    estimates = {"wide": interval(-0.1, 0.12), "tie": interval(-0.1, 0.08)}
-    assert wider_first(estimates, ["wide", "tie"], 0.2) == ["wide"]
-    assert wider_first(estimates, ["tie", "new"], 0.2) == ["new"]  # not estimated yet: wide
-    assert wider_first(estimates, ["tie"], 0.2) == ["tie"]  # none too wide: every undecided one
