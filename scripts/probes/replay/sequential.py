@@ -321,8 +321,7 @@ def outlier_index(design: Design, steps: pd.DataFrame, cv: float) -> pd.Index:
     labels = [ok.index[ok["strategy"] == n] for n in names]
     relative = np.concatenate([residuals[n] for n in names])
     timings = np.concatenate([designs[n].timings for n in names])
-    groups = np.concatenate([np.full(len(residuals[n]), i) for i, n in enumerate(names)])
-    flagged = outlier_units(relative, timings, cv, groups)
+    flagged = outlier_units(relative, timings, cv)
     return pd.Index(np.concatenate(labels)[flagged])
 
 
