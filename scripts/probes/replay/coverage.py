@@ -26,6 +26,7 @@ from probes.replay.estimate import (
     outlier_units,
     unit_residuals,
 )
+from probes.replay.outliers import strategy_labels
 from probes.replay.sequential import Design
 
 
@@ -121,6 +122,7 @@ def retime_simulated(
         np.concatenate([residuals[n] for n in names]),
         np.concatenate([designs[n].timings for n in names]),
         cv,
+        strategy_labels(residuals),
     )
     out, start = {}, 0
     for name in names:

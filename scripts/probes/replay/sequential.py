@@ -36,7 +36,7 @@ from probes.replay.estimate import (
     outlier_units,
     unit_residuals,
 )
-from probes.replay.outliers import retime
+from probes.replay.outliers import retime, strategy_labels
 from probes.replay.strata import (
     MIN_PER_STRATUM,
     grow_allocation,
@@ -321,7 +321,7 @@ def outlier_index(design: Design, steps: pd.DataFrame, cv: float) -> pd.Index:
     labels = [ok.index[ok["strategy"] == n] for n in names]
     relative = np.concatenate([residuals[n] for n in names])
     timings = np.concatenate([designs[n].timings for n in names])
-    flagged = outlier_units(relative, timings, cv)
+    flagged = outlier_units(relative, timings, cv, strategy_labels(residuals))
     return pd.Index(np.concatenate(labels)[flagged])
 
 

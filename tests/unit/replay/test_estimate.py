@@ -87,7 +87,8 @@ def test_census_is_exact_whatever_the_model(design):
     for name, plan in design.plans.items():
         exact = cost.micro_batch_s(plan).sum() + 0.2 * plan["optimizer_step_index"].nunique()
         assert estimates[name].time_s == pytest.approx(exact, rel=1e-9)
-        assert estimates[name].ci_high_s - estimates[name].ci_low_s == pytest.approx(0, abs=1e-9)
+        # the model's misfit cannot be told from timing noise, which a census still carries
+        assert estimates[name].ci_low_s <= exact <= estimates[name].ci_high_s
 
 
 def test_wrong_model_costs_width_not_bias(design):
@@ -279,3 +280,18 @@ def test_the_coverage_control_fails_on_coverage_shown_below_its_threshold_not_on
     assert coverage_verdict(0.85, 0.1, 0.9, 0.2, 400) == "failed"
     assert coverage_verdict(0.95, 0.3, 0.9, 0.2, 400) == "uninformative"
     assert coverage_upper_bound(1.0, 400) == 1.0
+
+
+def test_units_noisier_than_the_instrument_are_covered_at_a_large_sampling_fraction(design):
+    """Half of every stratum timed, one strategy's units 12% noisier than the instrument's 3%
+    (timing noise, as on a busy CPU). The timed half still carries that noise, and its units
+    are noise, not outliers to time again: counted as a population spread under the others'
+    outlier limit, that strategy was covered in 0.62 of runs, and the control failed."""
+    takes = {key: max(2, size // 2) for key, size in design.sizes.items()}
+    noisy = "length_grouped"
+    report = run_coverage_control(
+        design, takes, 0.03, 20, 300, seed=1, unit_noise={noisy: 0.12}, max_width=1.0
+    )
+    assert report["observed"]["coverage"][noisy] >= 0.85, report["observed"]
+    assert report["verdict"] == "passed", report["observed"]
+
