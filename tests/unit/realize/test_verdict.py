@@ -39,7 +39,9 @@ def test_agrees_on_a_narrow_realized_interval_near_the_promise():
 
 def test_disagrees_when_the_realized_interval_excludes_the_promise():
     assert _three_way(0.05, 0.02, 0.08) == DISAGREES  # outside the promised interval
-    assert _three_way(0.16, 0.15, 0.17) == DISAGREES  # inside it, but 6 pp off
+    assert _three_way(0.14, 0.13, 0.15) == DISAGREES  # outside it, and 8 pp off
+    # 6 pp off but inside the promised interval: a promise 15 pp wide cannot be checked to 5 pp
+    assert _three_way(0.16, 0.15, 0.17) == UNDECIDED
 
 
 def test_a_promise_narrower_than_the_realized_spread_agrees_where_the_intervals_meet():

@@ -294,4 +294,3 @@ def test_units_noisier_than_the_instrument_are_covered_at_a_large_sampling_fract
     )
     assert report["observed"]["coverage"][noisy] >= 0.85, report["observed"]
     assert report["verdict"] == "passed", report["observed"]
-
