@@ -30,7 +30,7 @@ from probes.contracts import STAGE_OUTPUTS
 from probes.errors import ControlFailedError
 from probes.replay.combined import all_steps, time_combined, with_combined
 from probes.replay.control import run_synthetic_control
-from probes.replay.coverage import run_coverage_control
+from probes.replay.coverage import paired_spread, run_coverage_control
 from probes.replay.estimate import FitPricing, fit_priced_time
 from probes.replay.outputs import (
     completed_control,
@@ -384,7 +384,8 @@ def coverage_control(
 
 def unexplained_spread(design: Any, steps: pd.DataFrame, cv: float) -> dict[str, float]:
     """Per strategy, the relative spread of its timed units the working model leaves beyond
-    the instrument's CV (robust: 1.4826 × MAD of the centred residuals, in quadrature)."""
+    the instrument's CV (robust: 1.4826 × MAD of the centred residuals, in quadrature); for a
+    paired change, its pairs' spread (coverage.paired_spread)."""
     from probes.replay.estimate import unit_residuals
     from probes.replay.sequential import strategy_designs
 
@@ -397,6 +398,11 @@ def unexplained_spread(design: Any, steps: pd.DataFrame, cv: float) -> dict[str,
             continue
         spread = 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
         out[name] = math.sqrt(max(spread**2 - cv**2, 0.0))
+    for name in set(design.paired) & set(designs):  # priced by their pairs: their spread
+        if pl.BASELINE in designs:
+            spread = paired_spread(designs[name], designs[pl.BASELINE], cv)
+            if spread is not None:
+                out[name] = spread
     return out
 
 

@@ -294,3 +294,26 @@ def test_units_noisier_than_the_instrument_are_covered_at_a_large_sampling_fract
     )
     assert report["observed"]["coverage"][noisy] >= 0.85, report["observed"]
     assert report["verdict"] == "passed", report["observed"]
+
+
+def test_a_paired_change_is_simulated_with_its_pairs_spread():
+    """Checkpointing's cost ratio varies with the shape (1.2x at long rows, 1.5x at short): the
+    shared working model reads that as noise, its pairs do not. The coverage control simulates
+    a paired change with the spread of its pairs' log ratios beyond both timings' noise."""
+    from probes.replay.coverage import paired_spread
+
+    rng = np.random.default_rng(0)
+    base_y = rng.uniform(0.05, 1.0, 40)
+    ratio = 1.5 - 0.3 * (base_y - 0.05) / 0.95  # shape-dependent, fixed per micro-batch
+    noise = 0.04
+    change_y = base_y * ratio * np.exp(noise * rng.standard_normal(40))
+
+    def strategy(y):
+        n = len(y)
+        return StrategyDesign(np.zeros((n, 1)), np.zeros(n, int), 1, np.zeros(n, int),
+                              np.zeros((n, 1)), y, np.ones(n), units=np.arange(n))  # fmt: skip
+
+    spread = paired_spread(strategy(change_y), strategy(base_y), cv=0.0)
+    assert 0.5 * noise < spread < 0.15 + noise  # the ratio varies, the shapes (20x) do not enter
+    assert paired_spread(strategy(change_y[:2]), strategy(base_y[:2]), cv=0.0) is None
+    assert paired_spread(strategy(change_y), strategy(base_y), cv=1.0) == 0.0  # all instrument
