@@ -206,15 +206,17 @@ def replay_summary(
 
 
 def decision_power(sequential: Any, settings: Any, key: str) -> dict[str, Any]:
-    """For each change left undecided, from its measured spread: the units that would bring its
-    95% saving interval to ±decide_within (n·(half-width / target)², the interval's width
-    shrinking as 1/√n) and the seconds they cost at its own and the baseline's measured unit
-    times; the sum, and the config key that buys them."""
+    """For each change left undecided, from its measured spread: the units that would decide it
+    (its interval's width shrinking as 1/√n, n·(half-width / target)²: the target the larger of
+    |saving|, where the interval excludes 0, and decide_within − |saving|, where it lies inside
+    ±decide_within; at most max_width / 2) and the seconds they cost at its own and the
+    baseline's measured unit times; the sum, and the config key that buys them. A fixed ±5 pp
+    target said "about 0 s more" for ties already 9 pp wide that sat near a boundary."""
     steps = sequential.steps
     ok = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == "OK")]
     unit_s = ok.groupby("strategy")["time_s"].mean().to_dict()
     counts = ok.groupby("strategy").size().to_dict()
-    target = max(float(settings.decide_within), 1e-3)
+    within = max(float(settings.decide_within), 1e-3)
     per_change = {}
     for name, est in sequential.estimates.items():
         if name == pl.BASELINE or not is_open(est, settings.decide_within, settings.max_width):
@@ -223,16 +225,21 @@ def decision_power(sequential: Any, settings: Any, key: str) -> dict[str, Any]:
         n = int(counts.get(name, 0))
         if not (n and math.isfinite(half)):
             continue
-        more = max(math.ceil(n * (half / target) ** 2) - n, 0)
+        centre = abs(0.5 * (est.saving_high + est.saving_low))
+        target = min(max(centre, within - centre, 1e-3), 0.5 * float(settings.max_width))
+        more = max(math.ceil(n * (half / target) ** 2 - 1e-9) - n, 1)
         cost = unit_s.get(name, 0.0) + unit_s.get(pl.BASELINE, 0.0)
-        per_change[name] = {"units": more, "seconds": more * cost, "half_width": half}
+        per_change[name] = {
+            "units": more, "seconds": more * cost, "half_width": half, "target": target
+        }  # fmt: skip
     total = float(sum(v["seconds"] for v in per_change.values()))
     return {
         "undecided": sorted(per_change),
         "seconds_to_decide": total,
         "per_change": per_change,
-        "target_half_width": target,
+        "target_half_width": within,
         "key": key,
-        "rule": "units to bring each undecided change's interval to +-decide_within: "
-        "n x (half-width / target)^2, at its own and the baseline's measured unit times",
+        "rule": "units to decide each undecided change: n x (half-width / target)^2 (target: "
+        "the larger of |saving| and decide_within - |saving|), at its own and the baseline's "
+        "measured unit times",
     }

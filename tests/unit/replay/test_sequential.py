@@ -253,8 +253,10 @@ def test_a_unit_that_fails_when_timed_again_ends_the_retiming_with_its_status(pl
 
 
 def test_the_power_record_prices_what_would_decide_each_undecided_change():
-    """An undecided change at ±20 pp on 4 units needs 4·(20/5)² = 64 units for ±5 pp: 60 more,
-    at its own and the baseline's unit times; a decided change and the baseline need none."""
+    """An undecided change at 10% ± 20 pp on 4 units excludes 0 at ±10 pp: 4·(20/10)² = 16 units,
+    12 more, at its own and the baseline's unit times; a tie at 0 ± 6 pp decides inside ±5 pp
+    (2 more); one at 4.3% ± 4.5 pp needs one more to exclude 0; a decided change and the
+    baseline need none."""
     from types import SimpleNamespace
 
     from probes.replay.estimate import GregEstimate
@@ -267,18 +269,30 @@ def test_the_power_record_prices_what_would_decide_each_undecided_change():
         {
             "kind": "micro_batch",
             "status": "OK",
-            "strategy": [pl.BASELINE] * 4 + ["open"] * 4 + ["decided"] * 4,
-            "time_s": [1.0] * 4 + [2.0] * 4 + [1.0] * 4,
+            "strategy": [pl.BASELINE] * 4
+            + ["open"] * 4
+            + ["decided"] * 4
+            + ["tie"] * 4
+            + ["edge"] * 4,
+            "time_s": [1.0] * 4 + [2.0] * 4 + [1.0] * 12,
         }
     )
-    estimates = {pl.BASELINE: est(0, 0), "open": est(-0.1, 0.3), "decided": est(0.2, 0.3)}
+    estimates = {
+        pl.BASELINE: est(0, 0),
+        "open": est(-0.1, 0.3),
+        "decided": est(0.2, 0.3),
+        "tie": est(-0.06, 0.06),
+        "edge": est(-0.002, 0.088),
+    }
     settings = ReplaySettings(3, 2, 100, ACCUM, decide_within=0.05, max_width=0.2)
     power = decision_power(
         SimpleNamespace(steps=steps, estimates=estimates), settings, "replay.cpu.budget_s"
     )
-    assert power["undecided"] == ["open"]
-    assert power["per_change"]["open"]["units"] == 60
-    assert power["seconds_to_decide"] == pytest.approx(60 * 3.0)
+    assert power["undecided"] == ["edge", "open", "tie"]
+    assert {n: v["units"] for n, v in power["per_change"].items()} == {
+        "open": 12, "tie": 2, "edge": 1
+    }  # fmt: skip
+    assert power["seconds_to_decide"] == pytest.approx(12 * 3.0 + 2 * 2.0 + 1 * 2.0)
     assert power["key"] == "replay.cpu.budget_s"
 
 

@@ -981,8 +981,9 @@ def test_the_first_screen_states_the_power_line_once(tmp_path):
     run_report(paths, out)
     summary = " ".join(section(out.read_text(), "Summary").split())
     assert summary.count("**Power:**") == 1
-    assert "2 changes undecided at this budget; timing them to ±5 pp would take about 9 min" in (
-        summary
+    assert (
+        "2 changes undecided at this budget; deciding them (an interval that excludes 0, or lies "
+        "within ±5 pp) would take about 9 min" in summary
     )
     assert "more on this device (raise `replay.cpu.budget_s`, now 2 min)" in summary
     write_json({**control, "stopping": {**FIRST_ROUND, "power": {**power, "undecided": []}}},
