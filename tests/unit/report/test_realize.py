@@ -87,3 +87,20 @@ def test_a_realized_interval_that_holds_the_promise_but_is_too_wide_is_undecided
     check = realize["by_strategy"]["packing"]
     assert check["verdict"] == "undecided"
     assert "realize.sample_steps" in check["next_action"]
+
+
+def test_a_promise_too_wide_to_check_asks_for_replay_timing_not_real_steps():
+    """A realized interval 4 pp wide, 8 pp off a promise 40 pp wide that holds it: more real
+    steps cannot decide it, a narrower promise can."""
+    from probes.report.sections.realize import realized_check
+
+    row = {
+        "verdict": "undecided",
+        "realized_saving": 0.20,
+        "realized_saving_ci_low": 0.18,
+        "realized_saving_ci_high": 0.22,
+        "sampled_steps": 8,
+    }
+    assert "replay.cpu.budget_s" in realized_check(row, cpu_only=True)["next_action"]
+    wide = {**row, "realized_saving_ci_low": 0.05, "realized_saving_ci_high": 0.35}
+    assert "realize.cpu_budget_s" in realized_check(wide, cpu_only=True)["next_action"]
