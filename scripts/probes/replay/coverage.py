@@ -23,10 +23,9 @@ from probes.replay.estimate import (
     StrategyDesign,
     auxiliaries,
     greg_estimate_all,
-    outlier_units,
-    unit_residuals,
 )
-from probes.replay.outliers import strategy_labels
+from probes.replay.greg import twin_pairs
+from probes.replay.outliers import flagged_units, robust_spread
 from probes.replay.sequential import Design
 
 
@@ -112,13 +111,10 @@ def paired_spread(change: StrategyDesign, base: StrategyDesign, cv: float) -> fl
     against the shared working model instead, checkpointing's shape-dependent cost read as 30%
     noise and its simulated intervals were 32 pp wide against 14 pp reported). None under 3
     pairs."""
-    where = {int(u): i for i, u in enumerate(base.units)}
-    pairs = [(i, where[int(u)]) for i, u in enumerate(change.units) if int(u) in where]
-    if len(pairs) < 3:
+    mine, theirs = twin_pairs(change, base)
+    if mine.size < 3:
         return None
-    mine, theirs = (np.array(v, dtype=np.int64) for v in zip(*pairs, strict=True))
-    logs = np.log(change.y[mine] / np.maximum(base.y[theirs], 1e-12))
-    spread = 1.4826 * float(np.median(np.abs(logs - np.median(logs))))
+    spread = robust_spread(np.log(change.y[mine] / np.maximum(base.y[theirs], 1e-12)))
     return math.sqrt(max(spread**2 - 2 * cv**2, 0.0))
 
 
@@ -129,22 +125,13 @@ def retime_simulated(
     spike_share: float,
     rng: np.random.Generator,
 ) -> dict[str, Any]:
-    """The replay's outlier rule on simulated timings: the units estimate.outlier_units flags get
+    """The replay's outlier rule on simulated timings: the units outliers.outlier_units flags get
     OUTLIER_TIMINGS timings in all (new noise on their exact cost) and their median."""
 
-    names = list(designs)
-    residuals = unit_residuals(designs)
-    flagged = outlier_units(
-        np.concatenate([residuals[n] for n in names]),
-        np.concatenate([designs[n].timings for n in names]),
-        cv,
-        strategy_labels(residuals),
-    )
-    out, start = {}, 0
-    for name in names:
-        d = designs[name]
-        mine = flagged[start : start + d.y.size]
-        start += d.y.size
+    flagged = flagged_units(designs, cv)
+    out = {}
+    for name, d in designs.items():
+        mine = flagged[name]
         if not mine.any():
             out[name] = d
             continue

@@ -227,6 +227,17 @@ class PairedRatio:
     pairs: int
 
 
+def twin_pairs(change: StrategyDesign, base: StrategyDesign) -> tuple[np.ndarray, np.ndarray]:
+    """Indices (into the change's and the baseline's timed units) of the micro-batches both
+    timed: a paired change's units and their baseline twins."""
+    where = {int(u): i for i, u in enumerate(base.units)}
+    pairs = [(i, where[int(u)]) for i, u in enumerate(change.units) if int(u) in where]
+    if not pairs:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    mine, theirs = zip(*pairs, strict=True)
+    return np.array(mine, dtype=np.int64), np.array(theirs, dtype=np.int64)
+
+
 def paired_ratio(
     change: StrategyDesign, base: StrategyDesign, cv: float, cv_df: float
 ) -> PairedRatio:
@@ -235,12 +246,10 @@ def paired_ratio(
     Σ_h N_h² [(1 − f_h) S²_z,h + f_h σ²_ε,h] / n_h / X², z = y_change − R·y_base, S²_z pooled
     relative to y_base over all pairs (n − 1 df), σ_ε the instrument's noise of both timings, or
     S_z where that is larger (the module docstring)."""
-    where = {int(u): i for i, u in enumerate(base.units)}
-    pairs = [(i, where[int(u)]) for i, u in enumerate(change.units) if int(u) in where]
-    if len(pairs) < 2:
+    mine, theirs = twin_pairs(change, base)
+    if mine.size < 2:
         nan = float("nan")
-        return PairedRatio(nan, nan, nan, nan, (), len(pairs))
-    mine, theirs = (np.array(v, dtype=np.int64) for v in zip(*pairs, strict=True))
+        return PairedRatio(nan, nan, nan, nan, (), int(mine.size))
     y_c, y_b, stratum = change.y[mine], base.y[theirs], change.stratum[mine]
     timings = 0.5 * (change.timings[mine] + base.timings[theirs])
     sizes = np.bincount(change.plan_stratum)
@@ -249,7 +258,7 @@ def paired_ratio(
     den = sum(float(sizes[h]) * float(y_b[stratum == h].mean()) for h in strata)
     ratio = num / den
     relative = (y_c - ratio * y_b) / np.maximum(y_b, 1e-12)
-    n = len(pairs)
+    n = int(mine.size)
     sigma2 = float(np.sum(relative**2)) / max(n - 1, 1)
     sampling, noise, spread = 0.0, 0.0, 0.0
     for h in strata:

@@ -26,40 +26,40 @@ OUTLIER_TIMINGS = 3
 
 
 def outlier_units(
-    relative: np.ndarray, timings: np.ndarray, cv: float, groups: np.ndarray | None = None
-) -> np.ndarray:
-    """Mask of the units to time again: relative residual (e/ŷ) beyond OUTLIER_SPREADS robust
-    spreads (never inside the instrument's own 3 × CV), and fewer than OUTLIER_TIMINGS timings
-    so far. The spread is all units', or a unit's own strategy's (`groups`: one label per unit)
-    where that is larger and it has 8 units: a strategy whose every unit is noisier than the
-    rest carries noise, not outliers. Flagged against the others' spread, a third of its units
-    were timed again and came back clean while its interval kept the width of the rest: the
-    coverage control found padding-free eager covered in 0.67-0.78 of runs on the trainer bench
-    (12% unit noise among strategies at 4-7%), 0.91 with its own spread."""
-    relative = np.asarray(relative, dtype=np.float64)
-    if relative.size < 8:
-        return np.zeros(relative.size, dtype=bool)
-    spread = np.full(relative.size, robust_spread(relative))
-    if groups is not None:
-        groups = np.asarray(groups)
-        for label in np.unique(groups):
-            mine = groups == label
-            if mine.sum() >= 8:
-                spread[mine] = np.maximum(spread[mine], robust_spread(relative[mine]))
-    limit = np.maximum(OUTLIER_SPREADS * spread, 3.0 * cv)
-    centre = float(np.median(relative))
-    return (np.abs(relative - centre) > limit) & (np.asarray(timings) < OUTLIER_TIMINGS)
+    residuals: Mapping[str, np.ndarray], timings: Mapping[str, np.ndarray], cv: float
+) -> dict[str, np.ndarray]:
+    """Per strategy, the mask of its units to time again: relative residual (e/ŷ) beyond
+    OUTLIER_SPREADS robust spreads (never inside the instrument's own 3 × CV), and fewer than
+    OUTLIER_TIMINGS timings so far. The spread is all units', or the strategy's own where that is
+    larger and it has 8 units: a strategy whose every unit is noisier than the rest carries noise,
+    not outliers. Flagged against the others' spread, a third of its units were timed again and
+    came back clean while its interval kept the width of the rest: the coverage control found
+    padding-free eager covered in 0.67-0.78 of runs on the trainer bench (12% unit noise among
+    strategies at 4-7%), 0.91 with its own spread."""
+    pooled = np.concatenate([np.asarray(v, dtype=np.float64) for v in residuals.values()] or [[]])
+    if pooled.size < 8:
+        return {n: np.zeros(len(v), dtype=bool) for n, v in residuals.items()}
+    centre, spread = float(np.median(pooled)), robust_spread(pooled)
+    out = {}
+    for name, relative in residuals.items():
+        relative = np.asarray(relative, dtype=np.float64)
+        own = robust_spread(relative) if relative.size >= 8 else 0.0
+        limit = max(OUTLIER_SPREADS * max(spread, own), 3.0 * cv)
+        out[name] = (np.abs(relative - centre) > limit) & (
+            np.asarray(timings[name]) < OUTLIER_TIMINGS
+        )
+    return out
+
+
+def flagged_units(designs: Mapping[str, StrategyDesign], cv: float) -> dict[str, np.ndarray]:
+    """outlier_units over the strategies' timed units (their residuals by unit_residuals)."""
+    return outlier_units(unit_residuals(designs), {n: d.timings for n, d in designs.items()}, cv)
 
 
 def robust_spread(values: np.ndarray) -> float:
     """1.4826 × the median absolute deviation: a normal spread that outliers do not move."""
+    values = np.asarray(values, dtype=np.float64)
     return 1.4826 * float(np.median(np.abs(values - np.median(values))))
-
-
-def strategy_labels(residuals: Mapping[str, np.ndarray]) -> np.ndarray:
-    """One label per unit of the strategies' residuals concatenated in order (outlier_units'
-    `groups`)."""
-    return np.concatenate([np.full(len(v), i) for i, v in enumerate(residuals.values())])
 
 
 def unit_residuals(designs: Mapping[str, StrategyDesign]) -> dict[str, np.ndarray]:

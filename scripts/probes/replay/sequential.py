@@ -33,10 +33,8 @@ from probes.replay.estimate import (
     auxiliaries,
     greg_estimate_all,
     open_strategies,
-    outlier_units,
-    unit_residuals,
 )
-from probes.replay.outliers import retime, strategy_labels
+from probes.replay.outliers import flagged_units, retime
 from probes.replay.strata import (
     MIN_PER_STRATUM,
     grow_allocation,
@@ -311,18 +309,13 @@ def spreads_from(
 
 
 def outlier_index(design: Design, steps: pd.DataFrame, cv: float) -> pd.Index:
-    """Index labels (in `steps`) of the timed units estimate.outlier_units flags."""
+    """Index labels (in `steps`) of the timed units outliers.outlier_units flags."""
     ok = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == OK)]
     designs = strategy_designs(design, steps)
     if not designs:
         return pd.Index([])
-    residuals = unit_residuals(designs)
-    names = list(designs)
-    labels = [ok.index[ok["strategy"] == n] for n in names]
-    relative = np.concatenate([residuals[n] for n in names])
-    timings = np.concatenate([designs[n].timings for n in names])
-    flagged = outlier_units(relative, timings, cv, strategy_labels(residuals))
-    return pd.Index(np.concatenate(labels)[flagged])
+    flagged = flagged_units(designs, cv)
+    return pd.Index(np.concatenate([ok.index[ok["strategy"] == n][flagged[n]] for n in designs]))
 
 
 @dataclass(frozen=True)

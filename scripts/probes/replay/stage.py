@@ -387,6 +387,7 @@ def unexplained_spread(design: Any, steps: pd.DataFrame, cv: float) -> dict[str,
     the instrument's CV (robust: 1.4826 × MAD of the centred residuals, in quadrature); for a
     paired change, its pairs' spread (coverage.paired_spread)."""
     from probes.replay.estimate import unit_residuals
+    from probes.replay.outliers import robust_spread
     from probes.replay.sequential import strategy_designs
 
     designs = strategy_designs(design, steps)
@@ -394,15 +395,12 @@ def unexplained_spread(design: Any, steps: pd.DataFrame, cv: float) -> dict[str,
         return {}
     out = {}
     for name, residual in unit_residuals(designs).items():
-        if residual.size < 3:
-            continue
-        spread = 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
-        out[name] = math.sqrt(max(spread**2 - cv**2, 0.0))
-    for name in set(design.paired) & set(designs):  # priced by their pairs: their spread
-        if pl.BASELINE in designs:
+        if name in design.paired and pl.BASELINE in designs:  # priced by its pairs
             spread = paired_spread(designs[name], designs[pl.BASELINE], cv)
             if spread is not None:
                 out[name] = spread
+        elif residual.size >= 3:
+            out[name] = math.sqrt(max(robust_spread(residual) ** 2 - cv**2, 0.0))
     return out
 
 

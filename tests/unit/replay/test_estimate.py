@@ -257,11 +257,8 @@ def test_a_strategy_the_shared_model_misprices_is_not_retimed_for_it(design):
         designs[slow] = dataclasses.replace(designs[slow], y=1.3 * designs[slow].y)
         residuals = unit_residuals(designs)
         names = list(designs)
-        flags = outlier_units(
-            np.concatenate([residuals[n] for n in names]),
-            np.concatenate([designs[n].timings for n in names]),
-            cv=0.02,
-        )
+        by_name = outlier_units(residuals, {n: designs[n].timings for n in names}, cv=0.02)
+        flags = np.concatenate([by_name[n] for n in names])
         mine = np.concatenate([np.full(designs[n].y.size, n == slow) for n in names])
         flagged_slow += int(flags[mine].sum())
         flagged_rest += int(flags[~mine].sum())

@@ -228,12 +228,25 @@ def test_a_preempted_unit_is_timed_again_and_priced_at_the_median(plans):
 def test_outlier_units_flags_only_a_far_residual_with_few_timings():
     from probes.replay.estimate import outlier_units
 
-    relative = np.array([0.01, -0.02, 0.015, 0.0, -0.01, 0.02, -0.015, 0.005, 0.3])
-    flagged = outlier_units(relative, np.ones(relative.size), cv=0.01)
-    assert flagged.tolist() == [False] * 8 + [True]
-    timed_thrice = np.r_[np.ones(8), 3]
-    assert not outlier_units(relative, timed_thrice, cv=0.01).any()
-    assert not outlier_units(relative, np.ones(relative.size), cv=0.2).any()  # within 3 × CV
+    relative = {"a": np.array([0.01, -0.02, 0.015, 0.0, -0.01, 0.02, -0.015, 0.005, 0.3])}
+    once = {"a": np.ones(9)}
+    assert outlier_units(relative, once, cv=0.01)["a"].tolist() == [False] * 8 + [True]
+    assert not outlier_units(relative, {"a": np.r_[np.ones(8), 3]}, cv=0.01)["a"].any()
+    assert not outlier_units(relative, once, cv=0.2)["a"].any()  # within 3 × CV
+
+
+def test_a_strategy_noisy_throughout_is_judged_by_its_own_spread():
+    """Units of a strategy 12% noisy among strategies at 1%: against the pooled spread a third
+    of them would be timed again; against its own, only the one far outlier."""
+    from probes.replay.estimate import outlier_units
+
+    rng = np.random.default_rng(0)
+    quiet = 0.01 * rng.standard_normal(80)
+    noisy = 0.12 * rng.standard_normal(30)
+    noisy[0] = 1.5
+    flags = outlier_units({"quiet": quiet, "noisy": noisy},
+                          {"quiet": np.ones(80), "noisy": np.ones(30)}, cv=0.01)  # fmt: skip
+    assert flags["noisy"].tolist() == [True] + [False] * 29
 
 
 class FailsOnRetimeRunner(SpikyRunner):
