@@ -34,11 +34,10 @@ VERDICTS = (AGREES, DISAGREES, UNDECIDED)
 RULE = (
     "**agrees**: the realized saving's 95% interval meets the promised one, the realized saving "
     "is within ±{pp:g} pp of the promised saving, and its own interval is at most {width:g} pp "
-    "wide; "
-    "**disagrees**: it fails that test, its realized 95% interval excludes the promised saving "
-    "and the realized saving lies outside the promised interval; **undecided**: anything else "
-    "(one side's interval holds the other's saving but is too wide to tell: too few real steps, "
-    "or a promise too wide to check)"
+    "wide; **disagrees**: it fails that test, its realized 95% interval excludes the promised "
+    "saving and the realized saving lies outside the promised interval; **undecided**: anything "
+    "else (one side's interval holds the other's saving but is too wide to tell: too few real "
+    "steps, or a promise too wide to check)"
 )
 BASELINE_ROLE, CHANGE_ROLE = "baseline", "change"
 PHASES = ("micro_batch", "optimizer", "rest")

@@ -70,7 +70,9 @@ def realize_section(
         "checked": len(changes),
         # the Summary marks every other change it lists as not checked by real training steps
         "checked_titles": [r["title"] for r in changes],
-        "by_strategy": {str(r["strategy"]): realized_check(r, cpu_only) for r in changes},
+        "by_strategy": {
+            str(r["strategy"]): realized_check(r, cpu_only, agree_within) for r in changes
+        },
         "cpu_only": cpu_only,
         "more_steps": more_steps_setting(cpu_only),
         "sample_steps": summary.get("sample_steps"),
@@ -102,7 +104,9 @@ def narrow_enough(low: Any, high: Any, agree_within: float = 0.05) -> bool:
     return not vd.too_wide(float(low), float(high), agree_within)
 
 
-def realized_check(row: Mapping[str, Any], cpu_only: bool) -> dict[str, Any]:
+def realized_check(
+    row: Mapping[str, Any], cpu_only: bool, agree_within: float = 0.05
+) -> dict[str, Any]:
     """One checked change as the first screen and recommendations.json carry it: the verdict, the
     realized saving with its interval, and what to do where the check could not decide."""
     saving, low, high = (
@@ -110,12 +114,12 @@ def realized_check(row: Mapping[str, Any], cpu_only: bool) -> dict[str, Any]:
     )
     text = f"{fmt_pct(saving)} [{fmt_pct(low)}, {fmt_pct(high)}]"
     action = None
-    if row["verdict"] == vd.UNDECIDED and narrow_enough(low, high):
+    if row["verdict"] == vd.UNDECIDED and narrow_enough(low, high, agree_within):
         # the realized side can tell a 5 pp miss: the promise is what is too wide to check
         replay_key = "replay.cpu.budget_s" if cpu_only else "replay.budget_s"
         action = f"raise `{replay_key}` (the promise is too wide to check to the rule's width)"
     elif row["verdict"] == vd.UNDECIDED:
-        needed = steps_to_decide(row)
+        needed = steps_to_decide(row, agree_within)
         action = f"raise `{more_steps_setting(cpu_only)}` (more real steps" + (
             f": about {needed} a configuration would decide it, {int(row['sampled_steps'])} now)"
             if needed
