@@ -1,6 +1,6 @@
 """bench/realized_vs_promised.py's data, model and settings: the seeded subset of the real
-lengths, the small random-init Llama (or an architecture's own), and what every timed epoch
-sets (the model's own dtype, no autocast, one epoch, no logging)."""
+lengths, the small random-init Llama (or an architecture's own), what every timed epoch sets
+(the model's own dtype, no autocast, one epoch, no logging), and its command line."""
 
 from __future__ import annotations
 
