@@ -6,8 +6,11 @@ one takes several temporaries of that size. glibc serves every block above its m
 faults in and zeroes every page again: measured at 2 x 16,384 on the 27B config, 4.7 million
 page faults and 15 s of system time out of 57 s. With mmap disabled and trimming off for the
 duration, freed blocks stay in the heap and the next allocation reuses pages already mapped.
-Values are untouched (this only changes where memory comes from); on leaving, the settings go
-back to glibc's defaults and the free top of the heap is returned to the system.
+Values are untouched (this only changes where memory comes from); on leaving, the settings are
+glibc's documented defaults and the free top of the heap is returned to the system. Defaults set
+through mallopt are fixed ones (glibc then stops raising its thresholds with the blocks it
+sees), so every later block above 128 KiB is a fresh mmap: a process that times training steps
+must not run the gate first (the workflow runs it in its own rule, the trainer bench forks it).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ log = logging.getLogger("probes.mask.gate")
 
 M_TRIM_THRESHOLD = -1  # mallopt parameters from glibc's malloc.h
 M_MMAP_MAX = -4
-DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's documented defaults, restored on exit
+DEFAULT_TRIM_THRESHOLD = 128 * 1024  # glibc's documented defaults, set (fixed) on exit
 DEFAULT_MMAP_MAX = 65536
 NO_TRIM = 2**31 - 1  # the largest int mallopt takes: no trim below 2 GiB of free heap top
 
