@@ -1,5 +1,6 @@
 """Promised vs realized: the verdict and what differed."""
 
+import numpy as np
 import pytest
 
 from probes.realize.steps import phase_durations
@@ -53,6 +54,26 @@ def test_a_promise_narrower_than_the_realized_spread_agrees_where_the_intervals_
     assert verdict(0.010, *optim, 0.05, realized_low=0.002, realized_high=0.018) == DISAGREES
     # the intervals meet, but the realized saving is 6 pp off
     assert verdict(-0.065, *optim, 0.05, realized_low=-0.10, realized_high=0.0) == UNDECIDED
+
+
+def test_disagrees_only_where_the_difference_is_outside_its_own_interval():
+    # the trainer bench's padding-free eager: each interval rules out the other's point, but
+    # 5.2 pp apart on half-widths of 4 and 5 pp is inside the difference's interval (6.4 pp)
+    promise = (-0.200, -0.250, -0.150)
+    assert verdict(-0.148, *promise, 0.05, realized_low=-0.188, realized_high=-0.108) == UNDECIDED
+    assert verdict(-0.130, *promise, 0.05, realized_low=-0.170, realized_high=-0.090) == DISAGREES
+
+
+def test_two_equal_savings_measured_equally_well_disagree_one_time_in_twenty():
+    """Each side's interval ruling out the other's point called 17% of such pairs disagreeing."""
+    rng = np.random.default_rng(0)
+    half = 0.04  # both intervals +-4 pp: a standard error of 2.04 pp each
+    se = half / 1.959964
+    calls = [
+        verdict(r, p, p - half, p + half, 0.05, realized_low=r - half, realized_high=r + half)
+        for p, r in rng.normal(-0.15, se, size=(4000, 2))
+    ]
+    assert 0.035 < calls.count(DISAGREES) / len(calls) < 0.065
 
 
 def test_undecided_when_the_realized_interval_holds_the_promise_but_is_too_wide():
