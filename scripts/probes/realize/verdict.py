@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 AGREES, DISAGREES, UNDECIDED = "agrees", "disagrees", "undecided"
 VERDICTS = (AGREES, DISAGREES, UNDECIDED)
@@ -83,9 +84,13 @@ def rule_text(agree_within: float = 0.05) -> str:
     return RULE.format(pp=100 * agree_within, width=200 * agree_within)
 
 
-def too_wide(realized_low: float, realized_high: float, agree_within: float = 0.05) -> bool:
-    """A realized interval wider than 2 × agree_within cannot tell a miss of agree_within."""
-    return realized_high - realized_low > 2 * agree_within + 1e-12
+def too_wide(realized_low: Any, realized_high: Any, agree_within: float = 0.05) -> bool:
+    """A realized interval wider than 2 × agree_within cannot tell a miss of agree_within; one
+    with a bound missing (not a finite number) tells nothing."""
+    bounds = (realized_low, realized_high)
+    if not all(isinstance(v, int | float) and math.isfinite(v) for v in bounds):
+        return True
+    return float(realized_high) - float(realized_low) > 2 * agree_within + 1e-12
 
 
 def verdict(

@@ -124,3 +124,10 @@ def test_phase_durations_attribute_each_segment_to_the_mark_that_ends_it():
     marks += [("micro_batch", 2.2), ("optimizer", 2.7)]
     phases = phase_durations(marks)
     assert phases == pytest.approx({"micro_batch": 2.0, "optimizer": 0.5, "rest": 0.2})
+
+
+def test_an_interval_with_a_bound_missing_is_too_wide_to_tell():
+    from probes.realize.verdict import too_wide
+
+    assert not too_wide(0.10, 0.18) and too_wide(0.10, 0.21)
+    assert too_wide(float("nan"), 0.18) and too_wide(0.10, None) and too_wide(-np.inf, 0.0)
