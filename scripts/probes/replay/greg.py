@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -225,6 +225,9 @@ class PairedRatio:
     df: float
     parts: tuple[tuple[float, float], ...]  # of the ratio's variance
     pairs: int
+    # S_z,h per stratum (seconds): the spread of y_change − R·y_base that the design allocates
+    # by, the pooled relative spread × the stratum's baseline level
+    strata_sd: dict[int, float] = field(default_factory=dict)
 
 
 def twin_pairs(change: StrategyDesign, base: StrategyDesign) -> tuple[np.ndarray, np.ndarray]:
@@ -279,7 +282,11 @@ def paired_ratio(
     )
     df = satterthwaite(parts)
     low, high = log_interval(ratio, math.sqrt(sum(v for v, _ in parts)), df)
-    return PairedRatio(ratio, low, high, df, parts, n)
+    strata_sd = {
+        int(h): math.sqrt(sigma2 * float(np.mean(base.y[base.stratum == h] ** 2)))
+        for h in np.unique(base.stratum)
+    }
+    return PairedRatio(ratio, low, high, df, parts, n, strata_sd)
 
 
 def _fitted_designs(designs: Mapping[str, StrategyDesign]) -> list[str]:
@@ -390,7 +397,7 @@ def _paired_estimate(
     return GregEstimate(
         time_s, low_s, high_s, 1.0 - time_s / base_s, 1.0 - epoch(pair.high) / base_s,
         1.0 - epoch(pair.low) / base_s, pair.df, pair.ratio * base.model_s,
-        pair.ratio * base.correction_s, base.out_of_range_share, base.strata_residual_sd,
+        pair.ratio * base.correction_s, base.out_of_range_share, pair.strata_sd,
     )  # fmt: skip
 
 

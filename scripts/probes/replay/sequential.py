@@ -212,11 +212,16 @@ def initial_takes(
 
 
 def unit_costs(design: Design, steps: pd.DataFrame) -> dict[Key, float]:
-    """Seconds a unit of each stratum took to time (its mean; the overall mean where none)."""
+    """Seconds a unit of each stratum took to time (its mean; the overall mean where none); a
+    paired change's unit with its baseline twin's, which it needs beside it."""
     ok = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == OK)]
     means = ok.groupby(["strategy", "stratum"])["time_s"].mean().to_dict()
     overall = float(ok["time_s"].mean()) if len(ok) else 1.0
-    return {key: max(float(means.get(key, overall)), 1e-9) for key in design.sizes}
+    own = {key: max(float(means.get(key, overall)), 1e-9) for key in design.sizes}
+    return {
+        (name, h): cost + (own.get((pl.BASELINE, h), 0.0) if name in design.paired else 0.0)
+        for (name, h), cost in own.items()
+    }
 
 
 def new_units(
@@ -457,10 +462,13 @@ def next_takes(
 ) -> dict[Key, int]:
     """The next round's allocation: `round_size` more units where they pay most, by each
     stratum's size × the residual spread just measured, per second of timing, among the
-    undecided changes (`undecided`) and the baseline beside them."""
+    undecided changes (`undecided`) and the baseline beside them (as much as the unpaired ones
+    need it; a paired change's units bring their twins)."""
     totals = {n: e.time_s for n, e in estimates.items()}
     weights = widest_first(
-        strategy_weights(totals, undecided, others_weight=0.0), estimates, undecided
+        strategy_weights(totals, undecided, others_weight=0.0, paired=design.paired),
+        estimates,
+        undecided,
     )
     spreads = spreads_from(design, estimates, steps, cv)
     costs = unit_costs(design, steps)

@@ -6,7 +6,7 @@ probes.replay.estimate, by how many there really are); within a stratum the samp
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -254,11 +254,15 @@ def strategy_weights(
     valid: Sequence[str],
     baseline: str = pl.BASELINE,
     others_weight: float = 0.25,
+    paired: Collection[str] = (),
 ) -> dict[str, float]:
-    """1/T² (relative variance), × the number of other valid strategies for the baseline (its
-    variance enters every saving), × `others_weight` for a strategy not in `valid` (invalid
-    anyway; 0 once decided)."""
-    others = max(sum(1 for n in totals if n != baseline and n in valid), 1)
+    """1/T² (relative variance), × the number of other valid unpaired strategies for the
+    baseline (its variance enters each of their savings; a `paired` change's saving is its ratio
+    on the same micro-batches, which the baseline's own sample does not narrow), × `others_weight`
+    for a strategy not in `valid` (invalid anyway; 0 once decided)."""
+    changes = [n for n in totals if n != baseline and n in valid]
+    unpaired = sum(1 for n in changes if n not in paired)
+    others = unpaired if changes else 1  # with no change to decide, the baseline's own
     weights = {}
     for name, total in totals.items():
         factor = others if name == baseline else (1.0 if name in valid else others_weight)
@@ -270,9 +274,9 @@ def widest_first(
     weights: Mapping[str, float], estimates: Mapping[str, Any], undecided: Sequence[str]
 ) -> dict[str, float]:
     """Each undecided change's weight × its saving interval's width² (relative to the widest):
-    the stratum spreads Neyman allocates by are the baseline's for a paired change, whose own
-    uncertainty is its pairs' (a checkpointing change at -28% [-99%, +18%] on 4 pairs got no
-    unit of the next round on the default run while changes 20 pp wide got four)."""
+    the round goes first to the changes furthest from a decision, whatever their unit spreads
+    (a checkpointing change at -28% [-99%, +18%] on 4 pairs got no unit of the next round on
+    the default run while changes 20 pp wide got four)."""
     widths = {
         n: estimates[n].saving_high - estimates[n].saving_low
         for n in undecided

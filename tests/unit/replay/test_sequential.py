@@ -353,3 +353,58 @@ def test_the_next_round_weights_each_undecided_change_by_its_width():
     assert weights["wide"] == 1.0 and weights["random"] == 5.0
     assert weights["narrow"] == pytest.approx((0.3 / 1.2) ** 2)
     assert widest_first({"a": 2.0}, {}, ["a"]) == {"a": 2.0}
+
+
+def test_the_baseline_is_weighted_for_the_unpaired_changes_only():
+    """A paired change's saving is its ratio on the same micro-batches: the baseline's own
+    sample does not narrow it, so once only paired changes are open the baseline gets no weight
+    of its own (its units come as their twins)."""
+    from probes.replay.strata import strategy_weights
+
+    totals = {pl.BASELINE: 1.0, "packing": 1.0, "checkpointing": 1.0}
+    both = strategy_weights(totals, ["packing", "checkpointing"], paired={"checkpointing"})
+    assert both[pl.BASELINE] == 1.0 and both["checkpointing"] == 1.0
+    alone = strategy_weights(totals, ["checkpointing"], others_weight=0.0, paired={"checkpointing"})
+    assert alone[pl.BASELINE] == 0.0 and alone["packing"] == 0.0
+    assert strategy_weights(totals, ["packing", "checkpointing"])[pl.BASELINE] == 2.0
+    assert strategy_weights({pl.BASELINE: 1.0}, [])[pl.BASELINE] == 1.0  # nothing else to decide
+
+
+class SlowerChangeRunner(KnownCostRunner):
+    """Checkpointing's micro-batches cost 1.3x the baseline's."""
+
+    def time_micro_batch(self, row, busy=False):
+        result = super().time_micro_batch(row, busy)
+        if row.strategy == "gradient_checkpointing_on":
+            result["time_s"] *= 1.3
+            result["times_s"] = [result["time_s"]]
+        return result
+
+
+def test_an_open_paired_change_gets_the_next_round_with_its_twins(plans):
+    """The default run's case: checkpointing (paired) the widest open change; the next round
+    goes to its pairs, each unit priced with its twin's time and allocated by its pairs' own
+    spread, not to baseline units it cannot use."""
+    from probes.replay.estimate import greg_estimate_all
+    from probes.replay.sequential import next_takes, strategy_designs, unit_costs
+    from probes.replay.timing import run_sample
+
+    change = plans[plans["strategy"] == pl.BASELINE].assign(strategy="gradient_checkpointing_on")
+    design = build_design(pd.concat([plans, change], ignore_index=True), 2, seed=0)
+    takes = {k: min(v, 3) for k, v in design.sizes.items()}
+    runner = SlowerChangeRunner(SimulatedCost.scaled_to(plans), 0.15, [0.0])
+    units = new_units(design, takes, {}, np.random.default_rng(0))
+    settings = ReplaySettings(2, 3, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    steps, _ = run_sample(runner, units, settings)
+    estimates, _ = greg_estimate_all(strategy_designs(design, steps), np.array([0.1]), 0.15, 4.0)
+    pair = estimates["gradient_checkpointing_on"]
+    assert pair.strata_residual_sd != estimates[pl.BASELINE].strata_residual_sd
+    costs = unit_costs(design, steps)
+    for h in (0, 1):
+        twin = costs[(pl.BASELINE, h)]
+        assert costs[("gradient_checkpointing_on", h)] > twin  # its own 1.3x and the twin's
+    grown = next_takes(design, takes, estimates, steps, 0.15, ["gradient_checkpointing_on"], 12)
+    added = {n: sum(v - takes[k] for k, v in grown.items() if k[0] == n) for n in design.plans}
+    assert added["gradient_checkpointing_on"] == 12
+    assert added[pl.BASELINE] <= 12  # only the twins the new pairs need
+    assert sum(added.values()) - added[pl.BASELINE] == 12
