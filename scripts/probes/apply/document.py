@@ -294,7 +294,7 @@ def with_checks(
             entry["realized"] = {k: check.get(k) for k in keys}
             entry["realized"]["next_action"] = check.get("next_action")
         mem = (memory or {}).get(strategy) if strategy else None
-        keys = ("verdict", "peak_gib", "headroom_gib")
+        keys = ("verdict", "peak_gib", "headroom_gib", "text")
         entry["memory"] = {k: mem.get(k) for k in keys} if mem else {"verdict": "not predicted"}
         if entry["memory"]["verdict"] == DOES_NOT_FIT:  # never recommended as it is (issue 28)
             entry["recommended"], entry["not_recommended_because"] = False, NOT_FITTING

@@ -16,6 +16,7 @@ from probes.report.sections.verdicts import (
     beside_view,
     decision_word,
     memory_check,
+    next_action,
     not_timed_word,
     timed_step,
     verdicts_section,
@@ -221,6 +222,30 @@ def test_memory_column_reads_the_memory_stage_when_it_ran():
     assert memory_check(frame, "global_sort")["text"] == "unknown: no shape"
     assert memory_check(frame, "random_no_idle")["text"] == "not predicted"
     assert memory_check(None, "packing")["text"] == "not predicted"
+
+
+def test_a_combined_change_is_judged_by_its_parts_memory():
+    """The memory stage predicts each change alone, before the replay chooses the combination:
+    a part that does not fit keeps the combination from being applied as it is; parts that fit
+    leave it not predicted, with the largest part's peak."""
+    frame = pd.DataFrame(
+        {
+            "strategy": ["packing", "attention_eager", "micro_batch_size_4", "global_sort"],
+            "predicted_peak_gib": [13.9, 24.2, 150.0, 20.0],
+            "headroom_gib": [125.1, 114.8, -11.0, None],
+            "verdict": ["fits", "fits", "does not fit", "unknown"],
+            "reason": ["", "", "", "no shape"],
+        }
+    )
+    both_fit = memory_check(frame, "packing+attention_eager")
+    assert both_fit["verdict"] == "not predicted"
+    assert both_fit["text"] == "not predicted together; each part fits (largest peak 24.2 GiB)"
+    one_does_not = memory_check(frame, "packing+micro_batch_size_4")
+    assert one_does_not["verdict"] == "does not fit"
+    assert "its part micro_batch_size_4 does not" in one_does_not["text"]
+    assert next_action(None, one_does_not, True).startswith("do not apply")
+    assert memory_check(frame, "global_sort+attention_eager")["text"] == "not predicted"
+    assert memory_check(frame, "padding_free_sdpa+attention_eager")["text"] == "not predicted"
 
 
 def test_a_change_that_does_not_fit_is_not_to_be_applied():

@@ -114,9 +114,10 @@ def memory_text(memory: Mapping[str, Any] | None) -> str:
     peak, headroom = finite(memory.get("peak_gib")), finite(memory.get("headroom_gib"))
     if verdict == "fits" and headroom is not None:
         return f"fits, {headroom:.1f} GiB headroom"
-    if verdict == "does not fit" and peak is not None:
-        return f"**does not fit** (peak {peak:.1f} GiB): do not apply it as it is"
-    return verdict
+    if verdict == "does not fit":
+        said = memory.get("text") or (f"**does not fit** (peak {peak:.1f} GiB)" if peak else "")
+        return f"{said or '**does not fit**'}: do not apply it as it is"
+    return str(memory.get("text") or verdict)
 
 
 def caveat_clauses(caveat: Any) -> list[str]:

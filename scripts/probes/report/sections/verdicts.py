@@ -23,6 +23,7 @@ from probes.realize import verdict as vd
 from probes.realize.scope import never_checked
 from probes.report.format import finite, fmt_bytes, fmt_count, fmt_pct, fmt_seconds
 from probes.report.sections.shared import timed_parts
+from probes.step import combined as cb
 
 # the memory stage's table (probes.memory): key in the report's inputs, and its verdict words
 MEMORY_TABLE = "memory_changes"
@@ -51,11 +52,16 @@ def memory_target(jsons: Mapping[str, Any], not_run: Mapping[str, str]) -> str |
 
 def memory_check(frame: pd.DataFrame | None, strategy: str) -> dict[str, Any]:
     """One change's memory verdict: fits (with headroom), does not fit (with its peak), unknown
-    (with the stage's reason), or not predicted (no memory table, or no row for the change)."""
+    (with the stage's reason), or not predicted (no memory table, or no row for the change; a
+    combined change the memory stage did not see is judged by its parts: combined_memory)."""
     if frame is None:
         return {"verdict": NOT_PREDICTED, "text": NOT_PREDICTED}
     rows = frame[frame["strategy"].astype(str) == strategy]
     if rows.empty:
+        if cb.is_combined(strategy):
+            parsed = cb.parse(strategy)
+            names = [parsed.batching, *parsed.steps]
+            return combined_memory(names, [memory_check(frame, n) for n in names])
         return {"verdict": NOT_PREDICTED, "text": NOT_PREDICTED}
     row = rows.iloc[0]
     verdict = str(row.get("verdict") or UNKNOWN)
@@ -68,6 +74,23 @@ def memory_check(frame: pd.DataFrame | None, strategy: str) -> dict[str, Any]:
         reason = str(row.get("reason") or "").strip()
         verdict, text = UNKNOWN, UNKNOWN + (f": {reason[:60]}" if reason else "")
     return {"verdict": verdict, "text": text, "peak_gib": peak, "headroom_gib": headroom}
+
+
+def combined_memory(names: list[str], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A combined change's memory from its parts' (the memory stage predicts each change alone,
+    before the replay chooses the combination): a part that does not fit makes it not fit as far
+    as predicted (never recommended as it is); parts that all fit leave it not predicted, with
+    the largest part's peak for scale."""
+    missing = [n for n, p in zip(names, parts, strict=True) if p["verdict"] == DOES_NOT_FIT]
+    if missing:
+        peak = max(finite(p.get("peak_gib")) or 0.0 for p in parts)
+        text = f"**does not fit** as predicted: its part {missing[0]} does not"
+        return {"verdict": DOES_NOT_FIT, "text": text, "peak_gib": peak, "headroom_gib": None}
+    peaks = [finite(p.get("peak_gib")) for p in parts]
+    if all(p["verdict"] == FITS for p in parts) and all(v is not None for v in peaks):
+        text = f"{NOT_PREDICTED} together; each part fits (largest peak {max(peaks):.1f} GiB)"
+        return {"verdict": NOT_PREDICTED, "text": text}
+    return {"verdict": NOT_PREDICTED, "text": NOT_PREDICTED}
 
 
 def next_action(
