@@ -469,6 +469,7 @@ def next_takes(
         strategy_weights(totals, undecided, others_weight=0.0, paired=design.paired),
         estimates,
         undecided,
+        paired=design.paired,
     )
     spreads = spreads_from(design, estimates, steps, cv)
     costs = unit_costs(design, steps)

@@ -350,9 +350,34 @@ def test_the_next_round_weights_each_undecided_change_by_its_width():
     estimates = {"wide": interval(-1.0, 0.2), "narrow": interval(-0.1, 0.2), "random": None}
     weights = widest_first({"wide": 1.0, "narrow": 1.0, "random": 5.0}, estimates,
                            ["wide", "narrow"])  # fmt: skip
-    assert weights["wide"] == 1.0 and weights["random"] == 5.0
+    assert weights["wide"] == 1.0
     assert weights["narrow"] == pytest.approx((0.3 / 1.2) ** 2)
+    assert weights["random"] == pytest.approx(5.0 * (1.0 + (0.3 / 1.2) ** 2) / 2)
     assert widest_first({"a": 2.0}, {}, ["a"]) == {"a": 2.0}
+
+
+def test_the_baseline_is_weighted_as_far_as_the_changes_it_narrows_are_wide():
+    """The baseline's weight (one share per unpaired change) takes the mean of their width
+    factors: unscaled, it took 10-11 of the 12 units of the round after the first in the AVX2
+    runs while every change kept its 4. A paired change's factor does not count (its ratio is
+    on its own pairs)."""
+    from types import SimpleNamespace
+
+    from probes.replay.strata import widest_first
+
+    def interval(low, high):
+        return SimpleNamespace(saving_low=low, saving_high=high)
+
+    estimates = {"wide": interval(-0.2, 0.2), "narrow": interval(-0.1, 0.1),
+                 "pair": interval(-0.1, 0.1), pl.BASELINE: interval(0.0, 0.0)}  # fmt: skip
+    weights = {"wide": 1.0, "narrow": 1.0, "pair": 1.0, pl.BASELINE: 2.0}
+    scaled = widest_first(weights, estimates, ["wide", "narrow", "pair"], paired={"pair"})
+    assert scaled["wide"] == 1.0 and scaled["narrow"] == pytest.approx(0.25)
+    assert scaled["pair"] == pytest.approx(0.25)
+    assert scaled[pl.BASELINE] == pytest.approx(2.0 * (1.0 + 0.25) / 2)
+    # only paired changes open: the baseline keeps what strategy_weights gave it (none)
+    alone = widest_first({"pair": 1.0, pl.BASELINE: 0.0}, estimates, ["pair"], paired={"pair"})
+    assert alone[pl.BASELINE] == 0.0
 
 
 def test_the_baseline_is_weighted_for_the_unpaired_changes_only():
