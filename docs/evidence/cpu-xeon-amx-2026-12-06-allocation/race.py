@@ -31,7 +31,7 @@ class Runner:
 cost = SimulatedCost.scaled_to(plans)
 out = []
 for seed in range(int(sys.argv[3])):
-    design = build_design(plans, 3, seed=seed)
+    design = build_design(plans, int(os.environ.get('STRATA', 3)), seed=seed)
     clock = [0.0]
     settings = ReplaySettings(3, 6, 100, 8, seed=seed, warmup=0, busy_samples_per_stratum=0)
     r = run_sequential(Runner(cost, UNIT_NOISE, clock, seed), design, settings, list(design.strategies),
