@@ -87,12 +87,23 @@ def time_combined(
     unit: tuple[float, float],
     progress: bool,
     cpu_note: str | None = None,
+    overrun_s: float = 0.0,
 ) -> CombinedResult:
     """Choose, build, time and price the combined configuration (or say why not); `cpu_note`
-    is the CPU run's label every row of the table carries."""
+    is the CPU run's label every row of the table carries; `overrun_s`: how far the race ran
+    past its share of the stage's budget, which comes out of this one's (a race that spent it
+    all leaves none: on a slowing 2-core host the rule took 149 s of its 120 s with it)."""
     replay_cfg = cfg.replay
     if not replay_cfg.combined:
         return not_run("replay.combined is false")
+    section = replay_cfg.cpu if plan.cpu_only else replay_cfg
+    budget_s = float(section.combined_budget_s) - max(float(overrun_s), 0.0)
+    if budget_s <= 0:
+        key = "replay.cpu.budget_s" if plan.cpu_only else "replay.budget_s"
+        return not_run(
+            f"the race before it spent the replay's budget, its {section.combined_budget_s:g} s "
+            f"included ({overrun_s:.0f} s past its own share): raise `{key}`"
+        )
     switch = getattr(runner, "switch", None)
     if switch is None or not step_changes:
         return not_run("no step-level change was priced")
@@ -106,8 +117,6 @@ def time_combined(
     pair = combination_plan(combination, chosen, plan, inputs, cfg.training)
     switch.configs[combination.name] = cb.merged_config(switch.base, chosen)
     settings = plan.settings
-    section = replay_cfg.cpu if plan.cpu_only else replay_cfg
-    budget_s = float(section.combined_budget_s)
     design, sizing = sized_design(pair, settings, unit, budget_s, settings.seed + 5)
     LOG.info("combined configuration %s: timing it beside the baseline", combination.name)
     result = run_sequential(

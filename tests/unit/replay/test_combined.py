@@ -127,3 +127,26 @@ def realize_combined(tmp_path, run, name: str) -> pd.DataFrame:
     outputs = {k: tmp_path / "realize" / k for k in rz.OUTPUT_KEYS}
     rz.run_realize(inputs, outputs, workflow_config(**sections, realize=realize), tmp_path)
     return pd.read_parquet(outputs["realized"])
+
+
+def test_a_race_that_spent_the_combined_budget_leaves_it_unmeasured():
+    """The combined configuration's budget is inside the stage's: a race that ran past its own
+    share by that much leaves it none (on a slowing host the rule took 149 s of its 120 s),
+    and the record says which key buys it; a smaller overrun only shortens it."""
+    from types import SimpleNamespace
+
+    from conftest import workflow_config
+    from probes.replay.combined import time_combined
+
+    cfg = workflow_config()
+    plan = SimpleNamespace(cpu_only=True)
+    spent = cfg.replay.cpu.combined_budget_s + 0.5
+    result = time_combined(None, plan, pd.DataFrame(), [], {}, cfg, None, (0.0, 1.0), (1.0, 1.0),
+                           False, overrun_s=spent)  # fmt: skip
+    assert result.record["measured"] is False
+    assert "spent the replay's budget" in result.record["why"]
+    assert "`replay.cpu.budget_s`" in result.record["why"]
+    # within its budget the check passes on to the next (here: no runner to switch configs)
+    short = time_combined(None, plan, pd.DataFrame(), [], {}, cfg, None, (0.0, 1.0), (1.0, 1.0),
+                          False, overrun_s=1.0)  # fmt: skip
+    assert short.record["why"] == "no step-level change was priced"
