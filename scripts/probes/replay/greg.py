@@ -397,7 +397,8 @@ def _paired_estimate(
     return GregEstimate(
         time_s, low_s, high_s, 1.0 - time_s / base_s, 1.0 - epoch(pair.high) / base_s,
         1.0 - epoch(pair.low) / base_s, pair.df, pair.ratio * base.model_s,
-        pair.ratio * base.correction_s, base.out_of_range_share, pair.strata_sd,
+        pair.ratio * base.correction_s, base.out_of_range_share,
+        pair.strata_sd or base.strata_residual_sd,  # under 2 pairs: no spread of its own yet
     )  # fmt: skip
 
 

@@ -433,3 +433,24 @@ def test_an_open_paired_change_gets_the_next_round_with_its_twins(plans):
     assert added["gradient_checkpointing_on"] == 12
     assert added[pl.BASELINE] <= 12  # only the twins the new pairs need
     assert sum(added.values()) - added[pl.BASELINE] == 12
+
+
+def test_a_paired_change_with_one_pair_is_allocated_by_the_baselines_spread(plans):
+    """Under two pairs a paired change has no spread of its own: the design reads the
+    baseline's, not the instrument's floor, so the change is not starved of units."""
+    from probes.replay.estimate import greg_estimate_all
+    from probes.replay.sequential import strategy_designs
+    from probes.replay.timing import run_sample
+
+    change = plans[plans["strategy"] == pl.BASELINE].assign(strategy="gradient_checkpointing_on")
+    design = build_design(pd.concat([plans, change], ignore_index=True), 2, seed=0)
+    takes = {k: (1 if k == ("gradient_checkpointing_on", 0) else 0)
+             if k[0] == "gradient_checkpointing_on" else min(v, 3)
+             for k, v in design.sizes.items()}  # fmt: skip
+    runner = SlowerChangeRunner(SimulatedCost.scaled_to(plans), 0.1, [0.0])
+    units = new_units(design, takes, {}, np.random.default_rng(0))
+    settings = ReplaySettings(2, 3, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    steps, _ = run_sample(runner, units, settings)
+    estimates, _ = greg_estimate_all(strategy_designs(design, steps), np.array([0.1]), 0.1, 4.0)
+    pair = estimates["gradient_checkpointing_on"]
+    assert pair.strata_residual_sd == estimates[pl.BASELINE].strata_residual_sd != {}
