@@ -12,6 +12,7 @@ from probes.report.format import finite
 from probes.report.load import not_run_reason
 from probes.report.sections.replay import change_measurement, tokens_not_time
 from probes.report.sections.shared import not_run_section, stage_text
+from probes.report.sections.verdicts import DOES_NOT_FIT
 
 
 def apply_section(
@@ -108,16 +109,11 @@ def change_entry(
 
 
 def memory_text(memory: Mapping[str, Any] | None) -> str:
-    """A change's memory verdict in words (recommendations.json's `memory`)."""
+    """A change's memory verdict in words: recommendations.json's `memory`, whose text the first
+    screen's memory column wrote (verdicts.memory_check, the one home of these words)."""
     memory = memory or {}
-    verdict = str(memory.get("verdict") or "not predicted")
-    peak, headroom = finite(memory.get("peak_gib")), finite(memory.get("headroom_gib"))
-    if verdict == "fits" and headroom is not None:
-        return f"fits, {headroom:.1f} GiB headroom"
-    if verdict == "does not fit":
-        said = memory.get("text") or (f"**does not fit** (peak {peak:.1f} GiB)" if peak else "")
-        return f"{said or '**does not fit**'}: do not apply it as it is"
-    return str(memory.get("text") or verdict)
+    said = str(memory.get("text") or memory.get("verdict") or "not predicted")
+    return f"{said}: do not apply it as it is" if memory.get("verdict") == DOES_NOT_FIT else said
 
 
 def caveat_clauses(caveat: Any) -> list[str]:
