@@ -93,16 +93,14 @@ def time_combined(
     is the CPU run's label every row of the table carries; `overrun_s`: how far the race ran
     past its share of the stage's budget, which comes out of this one's (a race that spent it
     all leaves none: on a slowing 2-core host the rule took 149 s of its 120 s with it)."""
-    replay_cfg = cfg.replay
-    if not replay_cfg.combined:
+    stage = plan.stage
+    if not stage.combined:
         return not_run("replay.combined is false")
-    section = replay_cfg.cpu if plan.cpu_only else replay_cfg
-    budget_s = float(section.combined_budget_s) - max(float(overrun_s), 0.0)
+    budget_s = stage.combined_budget_s - max(float(overrun_s), 0.0)
     if budget_s <= 0:
-        key = "replay.cpu.budget_s" if plan.cpu_only else "replay.budget_s"
         return not_run(
-            f"the race before it spent the replay's budget, its {section.combined_budget_s:g} s "
-            f"included ({overrun_s:.0f} s past its own share): raise `{key}`"
+            f"the race before it spent the replay's budget, its {stage.combined_budget_s:g} s "
+            f"included ({overrun_s:.0f} s past its own share): raise `{stage.budget_key}`"
         )
     switch = getattr(runner, "switch", None)
     if switch is None or not step_changes:
@@ -121,7 +119,7 @@ def time_combined(
     LOG.info("combined configuration %s: timing it beside the baseline", combination.name)
     result = run_sequential(
         runner, design, settings, [pl.BASELINE, combination.name], cv[0], cv[1],
-        budget_s, 0, int(section.round_size), progress=progress,
+        budget_s, 0, stage.round_size, progress=progress,
         per_strategy=sizing["strata"] * settings.samples_per_stratum,
     )  # fmt: skip
     result.record["first_round"] = sizing

@@ -17,7 +17,7 @@ from probes.replay.estimate import FitPricing, is_open, strategy_table
 from probes.replay.prepare import CPU_NOTE, ReplayPlan
 from probes.replay.step_changes import StepChanges
 from probes.replay.timing import MICRO_BATCH, OPTIMIZER_STEP
-from probes.settings import ReplayConfig, WorkflowConfig
+from probes.settings import WorkflowConfig
 
 # the log's summary: each strategy's estimate, saving and rank
 SUMMARY_COLUMNS = (
@@ -89,7 +89,6 @@ def completed_control(
     sequential: Any,
     combined: Any,
     plan: ReplayPlan,
-    replay_cfg: ReplayConfig,
 ) -> dict[str, Any]:
     """replay_control.json: the positive control with the coverage control, the instrument, the
     stopping record and the combined configuration's, one row per check for the report."""
@@ -97,19 +96,14 @@ def completed_control(
         coverage=coverage, instrument=instrument, stopping=sequential.record,
         combined=combined.record,
     )  # fmt: skip
-    section = replay_cfg.cpu if plan.cpu_only else replay_cfg
     control["stopping"]["power"] = {
-        **decision_power(
-            sequential,
-            plan.settings,
-            "replay.cpu.budget_s" if plan.cpu_only else "replay.budget_s",
-        ),
-        "configured_budget_s": float(section.budget_s),
+        **decision_power(sequential, plan.settings, plan.stage.budget_key),
+        "configured_budget_s": plan.stage.budget_s,
     }
     control["checks"] = control_checks(control, coverage)
     control["observed"]["cpu_only"] = plan.cpu_only
     # the report shows and applies the threshold the replay used (its one home: the config)
-    control["host_bound_threshold"] = float(replay_cfg.host_bound_threshold)
+    control["host_bound_threshold"] = plan.settings.host_bound_threshold
     return control
 
 
@@ -165,28 +159,15 @@ def steps_table(
     return all_steps
 
 
-def fit_table_row(
-    fit: Any,
-    micro: int,
-    loss_share: float,
-    cpu_only: bool,
-    max_len: int,
-    replay_cfg: ReplayConfig,
-) -> dict[str, Any]:
+def fit_table_row(fit: Any, plan: ReplayPlan, loss_share: float) -> dict[str, Any]:
     """replay_fit.parquet's one row: the fit with its intervals, and what it was measured on."""
     fit_row = fit.as_row()
-    fit_cfg = replay_cfg.fit
     fit_row.update(
-        rows=micro,
+        rows=plan.micro,
         loss_share=loss_share,
-        cpu_only=cpu_only,
-        max_seq_len=max_len,
-        lengths_source=(
-            "configured"
-            if (fit_cfg.cpu_lengths if cpu_only else fit_cfg.lengths)
-            else f"quantiles {fit_cfg.low_quantile}..1 of random's padded micro-batch "
-            f"length, up to max_seq_len {max_len}"
-        ),
+        cpu_only=plan.cpu_only,
+        max_seq_len=plan.max_len,
+        lengths_source=plan.stage.fit_lengths_source,
         time_basis="forward + backward of one micro-batch (optimizer step excluded)",
     )
     return fit_row

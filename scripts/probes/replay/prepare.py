@@ -1,7 +1,8 @@
 """The replay's preparation, before any timing: the device and dtype, the bucket stage's plans
-(rebuilt at a CPU rehearsal's scaled lengths), the sampling settings, the scaling fit's
-lengths, and the strategies the mask gate rules out (``prepare`` -> ``ReplayPlan``;
-``invalid_strategies``)."""
+(rebuilt at a CPU rehearsal's scaled lengths), the settings (the one reading of ``cfg.replay``,
+resolved for the device: ``ReplaySettings`` for sampling and timing, ``StageSettings`` for the
+rest), the scaling fit's lengths, and the strategies the mask gate rules out (``prepare`` ->
+``ReplayPlan``; ``invalid_strategies``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,13 @@ from probes.batching import plans as pl
 from probes.errors import ProbeError
 from probes.io import read_json, read_provenance
 from probes.replay.timing import ReplaySettings
-from probes.settings import ReplayConfig, TrainingConfig, WorkflowConfig
+from probes.settings import (
+    ReplayConfig,
+    ReplayControlConfig,
+    ReplayCoverageConfig,
+    TrainingConfig,
+    WorkflowConfig,
+)
 from probes.step import fit as ft
 
 LOG = logging.getLogger("probes.replay")
@@ -139,6 +146,67 @@ def fit_lengths_for(
     )
 
 
+def fit_lengths_source(cfg: ReplayConfig, max_seq_len: int, cpu_only: bool) -> str:
+    """Where the scaling fit's lengths came from (replay_fit.parquet says it)."""
+    fit_cfg = cfg.fit
+    if fit_cfg.cpu_lengths if cpu_only else fit_cfg.lengths:
+        return "configured"
+    return (
+        f"quantiles {fit_cfg.low_quantile}..1 of random's padded micro-batch length, up to "
+        f"max_seq_len {max_seq_len}"
+    )
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """The replay's keys beyond sampling and timing (ReplaySettings), read once and resolved
+    for the device (``replay.cpu.*`` on CPU): every part of the stage reads these, none the
+    config."""
+
+    budget_s: float
+    budget_key: str  # the key that buys more timing on this device (the power line names it)
+    combined: bool
+    combined_budget_s: float  # 0 where combined is false
+    round_size: int
+    plan_to_budget: bool
+    repeats: int
+    threads: int | None  # timing threads on CPU (None: the machine's)
+    fit_repeats: int
+    fit_lengths_source: str
+    instrument_repeats: int
+    reference_every: int
+    step_changes: bool
+    compile: bool
+    coverage: ReplayCoverageConfig
+    control: ReplayControlConfig
+    control_sampling: ReplaySettings
+
+
+def stage_settings(
+    cfg: ReplayConfig, grad_accum: int, max_seq_len: int, cpu_only: bool
+) -> StageSettings:
+    section = cfg.cpu if cpu_only else cfg
+    return StageSettings(
+        budget_s=float(section.budget_s),
+        budget_key="replay.cpu.budget_s" if cpu_only else "replay.budget_s",
+        combined=bool(cfg.combined),
+        combined_budget_s=float(section.combined_budget_s) if cfg.combined else 0.0,
+        round_size=int(section.round_size),
+        plan_to_budget=bool(cfg.plan_to_budget),
+        repeats=int(cfg.repeats),
+        threads=cfg.cpu.threads if cpu_only else None,
+        fit_repeats=int(cfg.cpu.fit_repeats if cpu_only else cfg.fit.repeats),
+        fit_lengths_source=fit_lengths_source(cfg, max_seq_len, cpu_only),
+        instrument_repeats=int(cfg.instrument_repeats),
+        reference_every=int(cfg.reference_every),
+        step_changes=bool(cfg.step_changes),
+        compile=bool(getattr(cfg, "compile", False)),
+        coverage=cfg.coverage,
+        control=cfg.control,
+        control_sampling=control_settings(cfg, grad_accum),
+    )
+
+
 @dataclass
 class ReplayPlan:
     """What the stage knows before any timing: the device, the plans it replays (rehearsed
@@ -152,6 +220,7 @@ class ReplayPlan:
     micro: int
     grad_accum: int
     fit_lengths: list[int]
+    stage: StageSettings
 
 
 def prepare(inputs: Mapping[str, Any], cfg: WorkflowConfig) -> ReplayPlan:
@@ -174,6 +243,7 @@ def prepare(inputs: Mapping[str, Any], cfg: WorkflowConfig) -> ReplayPlan:
         micro=int(training.micro_batch_size),
         grad_accum=grad_accum,
         fit_lengths=fit_lengths_for(plans, replay_cfg, max_len, cpu_only),
+        stage=stage_settings(replay_cfg, grad_accum, max_len, cpu_only),
     )
     LOG.info(
         "replay on %s%s: %d strategies, %d micro-batches; fit lengths %s",

@@ -44,7 +44,6 @@ from probes.replay.prepare import (
     CPU_NOTE,
     ReplayError,
     ReplayPlan,
-    control_settings,
     invalid_strategies,
     prepare,
     replay_dtype,
@@ -65,7 +64,7 @@ from probes.replay.timing import (
     measure_instrument,
     median_row,
 )
-from probes.settings import ReplayConfig, WorkflowConfig
+from probes.settings import WorkflowConfig
 from probes.stage import all_or_nothing
 from probes.step.idle import check_idle_card
 from probes.step.load import load_step
@@ -86,18 +85,18 @@ def load_replay_step(
 ) -> tuple[ReplayRunner, StepChanges, tuple[torch.dtype, str], dict[str, Any]]:
     """The step (the user's trainer or harness) in the profiled dtype, its step-level changes
     added to the plans."""
-    replay_cfg = cfg.replay
+    stage = plan.stage
     if plan.cpu_only:
-        torch.set_num_threads(timing_threads(replay_cfg.cpu.threads))
+        torch.set_num_threads(timing_threads(stage.threads))
     torch.manual_seed(plan.settings.seed)
     dtype = replay_dtype(cfg.profile.dtype, plan.device)
     step, vocab_size, pad_id, described = load_step(
         cfg, model_path, plan.device, dtype[0], plan.max_len if plan.cpu_only else None,
         plan.settings.seed,
     )  # fmt: skip
-    runner = ReplayRunner(step, vocab_size, pad_id, plan.settings.seed, int(replay_cfg.repeats))
+    runner = ReplayRunner(step, vocab_size, pad_id, plan.settings.seed, stage.repeats)
     changes = add_step_changes(
-        runner, plan.plans, inputs, cfg.training, replay_cfg, plan.cpu_only, plan.max_len
+        runner, plan.plans, inputs, cfg.training, stage, plan.cpu_only, plan.max_len
     )
     if changes:
         plan.plans = pd.concat([plan.plans, changes.plans], ignore_index=True)
@@ -110,28 +109,25 @@ def measure_model(
     """The scaling fit over the data's own lengths and the instrument's own spread on random's
     median micro-batch (the model is warm from the fit): (fit, its points, loss share,
     instrument)."""
-    replay_cfg, settings = cfg.replay, plan.settings
+    stage, settings = plan.stage, plan.settings
     random_plan = plan.plans[plan.plans["strategy"] == pl.BASELINE]
     loss_share = float(random_plan["loss_tokens"].sum()) / float(random_plan["real_tokens"].sum())
     if cfg.training.loss_on == "all":
         loss_share = 1.0
-    fit_repeats = int(replay_cfg.cpu.fit_repeats if plan.cpu_only else replay_cfg.fit.repeats)
     fit, fit_points = measure_fit(
-        runner, plan.fit_lengths, plan.micro, loss_share, fit_repeats, settings.seed,
+        runner, plan.fit_lengths, plan.micro, loss_share, stage.fit_repeats, settings.seed,
         settings.bootstrap_resamples,
     )  # fmt: skip
     LOG.info("fit %s: a=%.3g b=%.3g c=%.3g", fit.fit.method, fit.fit.a, fit.fit.b, fit.fit.c)
     reference = median_row(plan.plans, pl.BASELINE)
     instrument = measure_instrument(
-        runner, reference, int(replay_cfg.instrument_repeats), max(settings.warmup, 1)
+        runner, reference, stage.instrument_repeats, max(settings.warmup, 1)
     )
     LOG.info("instrument CV %.3f over %d identical micro-batches", instrument["cv"],
              instrument["repeats"])  # fmt: skip
-    if int(replay_cfg.reference_every) > 0 and instrument["mean_s"] > 0:
-        runner.reference = Reference(
-            reference, float(instrument["mean_s"]), int(replay_cfg.reference_every)
-        )
-        instrument["reference"] = REFERENCE_RULE.format(every=int(replay_cfg.reference_every))
+    if stage.reference_every > 0 and instrument["mean_s"] > 0:
+        runner.reference = Reference(reference, float(instrument["mean_s"]), stage.reference_every)
+        instrument["reference"] = REFERENCE_RULE.format(every=stage.reference_every)
     return fit, fit_points, loss_share, instrument
 
 
@@ -191,7 +187,6 @@ def fit_unit_seconds(plans: pd.DataFrame, pricing: FitPricing) -> dict[str, floa
 def time_plans(
     runner: ReplayRunner,
     plan: ReplayPlan,
-    replay_cfg: ReplayConfig,
     invalid: dict[str, str],
     cv: tuple[float, float],
     unit: tuple[float, float],
@@ -202,15 +197,11 @@ def time_plans(
     """The sequential design over the valid strategies the budget can decide (the others are
     added to `invalid`, each with what deciding it would take: strata.affordable_changes):
     (design, result); its strata as many as the budget affords the first round."""
-    settings = plan.settings
-    section = replay_cfg.cpu if plan.cpu_only else replay_cfg
+    settings, stage = plan.settings, plan.stage
     # the budget is the stage's: what loading, the controls and the fit spent is gone, and the
     # combined configuration's own budget comes out of it
-    combined_s = float(section.combined_budget_s) if replay_cfg.combined else 0.0
-    budget_s = max(float(section.budget_s) - spent_s - combined_s, 0.0)
-    plans = plans_to_time(
-        plan, invalid, (unit, cv[0], budget_s), pricing, replay_cfg.plan_to_budget
-    )
+    budget_s = max(stage.budget_s - spent_s - stage.combined_budget_s, 0.0)
+    plans = plans_to_time(plan, invalid, (unit, cv[0], budget_s), pricing, stage.plan_to_budget)
     design, sizing = sized_design(plans, settings, unit, budget_s, settings.seed)
     if sizing["strata"] < sizing["strata_configured"]:
         LOG.info("first round: %d of %d strata per strategy (predicted %.0f s; budget_s %.0f s)",
@@ -219,7 +210,7 @@ def time_plans(
     valid = [name for name in design.strategies if name not in invalid]
     sequential = run_sequential(
         runner, design, settings, valid, cv[0], cv[1], budget_s, 0,
-        int(section.round_size), progress=progress,
+        stage.round_size, progress=progress,
         per_strategy=sizing["strata"] * settings.samples_per_stratum,
     )  # fmt: skip
     sequential.record["first_round"] = sizing
@@ -247,12 +238,9 @@ def run_replay(
     if missing:
         raise ReplayError(f"replay: missing path(s) for {missing}")
     started = time.perf_counter()
-    replay_cfg = cfg.replay
     plan = prepare(inputs, cfg)
     # the positive control first: cheap, and a broken estimator must not cost a GPU run
-    control = synthetic_control_first(
-        plan.plans, replay_cfg, plan.grad_accum, plan.fit_lengths, plan.micro
-    )
+    control = synthetic_control_first(plan)
     invalid = invalid_strategies(inputs)
     idle = check_idle_card(cfg.profile.idle, plan.device, card_probe, sleep)
     runner, changes, dtype, described = load_replay_step(plan, cfg, inputs, model_path)
@@ -266,7 +254,7 @@ def run_replay(
     invalid = dict(invalid)  # time_plans adds the changes the budget cannot decide
     pricing = FitPricing(fit.fit, plan.micro, fit.low, fit.high)
     design, sequential = time_plans(
-        runner, plan, replay_cfg, invalid, (cv, cv_df), unit, pricing, progress,
+        runner, plan, invalid, (cv, cv_df), unit, pricing, progress,
         time.perf_counter() - started,
     )  # fmt: skip
     table = price(plan, sequential, invalid, fit, cv, changes, cfg.training.max_seq_len)
@@ -279,15 +267,11 @@ def run_replay(
     )  # fmt: skip
     table = with_combined(table, combined)
     # the coverage control: the same design and estimator on simulated timings of known cost
-    coverage = coverage_control(
-        design, sequential, cv, len(sequential.optimizer_times), replay_cfg, plan.settings.seed
-    )
-    control = completed_control(
-        control, coverage, instrument, sequential, combined, plan, replay_cfg
-    )
+    coverage = coverage_control(design, sequential, cv, plan)
+    control = completed_control(control, coverage, instrument, sequential, combined, plan)
     provenance = replay_provenance(cfg, plan, dtype, described, changes, idle, started)
-    provenance.update(priced_beside(runner, plan.plans, cfg.training, replay_cfg, table))
-    fit_row = fit_table_row(fit, plan.micro, loss_share, plan.cpu_only, plan.max_len, replay_cfg)
+    provenance.update(priced_beside(runner, plan.plans, cfg.training, plan.stage, table))
+    fit_row = fit_table_row(fit, plan, loss_share)
     steps = steps_table(
         all_steps(sequential.steps, combined), sequential.optimizer_times, fit_points
     )
@@ -312,20 +296,14 @@ def timed_plans(design: Any, combined: Any) -> pd.DataFrame:
     return table
 
 
-def synthetic_control_first(
-    plans: pd.DataFrame,
-    replay_cfg: ReplayConfig,
-    grad_accum: int,
-    fit_lengths: list[int],
-    micro: int,
-) -> dict[str, Any]:
+def synthetic_control_first(plan: ReplayPlan) -> dict[str, Any]:
     """The busy-wait harness of known cost through the whole estimator; raises when it fails."""
-    control_cfg = replay_cfg.control
+    control_cfg = plan.stage.control
     control = run_synthetic_control(
-        plans,
-        control_settings(replay_cfg, grad_accum),
-        fit_lengths,
-        micro,
+        plan.plans,
+        plan.stage.control_sampling,
+        plan.fit_lengths,
+        plan.micro,
         fit_repeats=int(control_cfg.fit_repeats),
         saving_tolerance=float(control_cfg.saving_tolerance),
         fit_tolerance=float(control_cfg.fit_tolerance),
@@ -347,26 +325,19 @@ def passed_or_raise(result: dict[str, Any], line: str, failure: str) -> dict[str
     return result
 
 
-def coverage_control(
-    design: Any,
-    sequential: Any,
-    cv: float,
-    n_optimizer_steps: int,
-    replay_cfg: ReplayConfig,
-    seed: int,
-) -> dict[str, Any]:
+def coverage_control(design: Any, sequential: Any, cv: float, plan: ReplayPlan) -> dict[str, Any]:
     """The same design and estimator on simulated timings of known cost at the measured CV;
     raises when fewer than `replay.coverage.threshold` of the 95% intervals cover."""
-    coverage_cfg = replay_cfg.coverage
+    coverage_cfg = plan.stage.coverage
     coverage = run_coverage_control(
         design,
         sequential.takes,
         max(cv, float(coverage_cfg.min_cv)),
-        n_optimizer_steps,
+        len(sequential.optimizer_times),
         int(coverage_cfg.replications),
-        seed + 3,
+        plan.settings.seed + 3,
         float(coverage_cfg.threshold),
-        max_width=float(replay_cfg.max_width),
+        max_width=plan.settings.max_width,
         factors=paired_factors(sequential.estimates, design.paired),
         unit_noise=unexplained_spread(design, sequential.steps, cv),
     )

@@ -7,13 +7,16 @@ import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
 from probes.batching import plans as pl
 from probes.io import read_json, read_provenance
-from probes.settings import ReplayConfig, TrainingConfig
+from probes.settings import TrainingConfig
+
+if TYPE_CHECKING:
+    from probes.replay.prepare import StageSettings
 
 LOG = logging.getLogger("probes.replay")
 GPU_ONLY = "GPU only: not measured on this device"
@@ -48,7 +51,7 @@ def add_step_changes(
     plans: pd.DataFrame,
     inputs: Mapping[str, Any],
     training: TrainingConfig,
-    replay_cfg: ReplayConfig,
+    stage: StageSettings,
     cpu_only: bool,
     max_len: int,
 ) -> StepChanges:
@@ -58,7 +61,7 @@ def add_step_changes(
 
     switch = sc.StepSwitch(runner.runner)
     runner.switch = switch
-    if not replay_cfg.step_changes:
+    if not stage.step_changes:
         return StepChanges([], pd.DataFrame(), {})
     changes = step_changes_for(switch.base, training, cpu_only)
     switch.configs = {c.strategy: c.config for c in changes}
@@ -67,7 +70,7 @@ def add_step_changes(
     refused = refused_changes(runner.runner, changes, added, inputs)
     unpriced = {
         **not_measured(runner.runner, cpu_only, switch.base),
-        **compile_off(replay_cfg, cpu_only),
+        **compile_off(stage, cpu_only),
     }
     return StepChanges(changes, added, unpriced, refused)
 
@@ -170,20 +173,20 @@ def priced_beside(
     runner: Any,
     plans: pd.DataFrame,
     training: TrainingConfig,
-    replay_cfg: ReplayConfig,
+    stage: StageSettings,
     table: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
     """What the replay's provenance carries beside its table: {"compile": compile_record,
     "optim": optim_record} (each {} where it does not apply), compile's saving a share of
     `table`'s baseline epoch estimate. The stage's one call."""
     return {
-        "compile": compile_record(runner, plans, training, replay_cfg, table),
-        "optim": optim_record(runner, plans, training, replay_cfg),
+        "compile": compile_record(runner, plans, training, stage, table),
+        "optim": optim_record(runner, plans, training, stage),
     }
 
 
 def optim_record(
-    runner: Any, plans: pd.DataFrame, training: TrainingConfig, replay_cfg: ReplayConfig
+    runner: Any, plans: pd.DataFrame, training: TrainingConfig, stage: StageSettings
 ) -> dict[str, Any]:
     """Each installed optim alternative against the trainer's own, in alternating turns on the
     baseline's median micro-batch (probes.step.optim.time_optimizers); {} on the harness path
@@ -192,7 +195,7 @@ def optim_record(
 
     step = runner.runner
     trainer = getattr(step, "trainer", None)
-    if trainer is None or not replay_cfg.step_changes:
+    if trainer is None or not stage.step_changes:
         return {}
     own = optim.current_optim(trainer.args)
     names = [n for n in optim.installed_optims() if n != own]
@@ -216,11 +219,11 @@ COMPILE_REPEATS = 3  # eager / compiled pairs per shape
 COMPILE_MEMORY = "not predicted: the memory stage's fake tensors do not run compiled graphs"
 
 
-def compile_off(replay_cfg: ReplayConfig, cpu_only: bool) -> dict[str, str]:
+def compile_off(stage: StageSettings, cpu_only: bool) -> dict[str, str]:
     """torch_compile and its companion listed as not timed, naming the key, where it is off."""
     from probes.step import compile as cp
 
-    if getattr(replay_cfg, "compile", False):
+    if stage.compile:
         return {}
     why = cp.OFF_ON_CPU if cpu_only else f"not timed: {cp.ENABLE_KEY} is false; set it to price it"
     return {cp.COMPILE_STRATEGY: why, f"{cp.PAD_MULTIPLE_PREFIX}{PAD_MULTIPLE}": why}
@@ -230,7 +233,7 @@ def compile_record(
     runner: Any,
     plans: pd.DataFrame,
     training: TrainingConfig,
-    replay_cfg: ReplayConfig,
+    stage: StageSettings,
     table: pd.DataFrame | None = None,
 ) -> dict[str, Any]:
     """torch_compile priced on the baseline's plan, and with the collator's pad_to_multiple_of
@@ -242,7 +245,7 @@ def compile_record(
     from probes.step import cold
     from probes.step import compile as cp
 
-    if not getattr(replay_cfg, "compile", False):
+    if not stage.compile:
         return {}
     base = plans[plans["strategy"] == pl.BASELINE]
     grad_accum = int(training.grad_accum)

@@ -137,9 +137,10 @@ def test_a_race_that_spent_the_combined_budget_leaves_it_unmeasured():
 
     from conftest import workflow_config
     from probes.replay.combined import time_combined
+    from probes.replay.prepare import stage_settings
 
     cfg = workflow_config()
-    plan = SimpleNamespace(cpu_only=True)
+    plan = SimpleNamespace(cpu_only=True, stage=stage_settings(cfg.replay, 2, 64, cpu_only=True))
     spent = cfg.replay.cpu.combined_budget_s + 0.5
     result = time_combined(None, plan, pd.DataFrame(), [], {}, cfg, None, (0.0, 1.0), (1.0, 1.0),
                            False, overrun_s=spent)  # fmt: skip
