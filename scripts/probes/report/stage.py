@@ -12,6 +12,7 @@ from typing import Any
 
 from probes.apply import changes as apply_changes
 from probes.apply import document as apply
+from probes.apply.libraries import verify_document
 from probes.config import REPO_ROOT
 from probes.io import run_metadata
 from probes.report.load import ReportInputError, load_inputs, not_run_reason
@@ -63,6 +64,8 @@ def recommendations_document(
         **{c["id"]: c["id"] for c in document["changes"] if c.get("step_level")},
     }
     document["changes"] += combined_changes(loaded, document, strategy_of)
+    if verify:  # every pasted snippet is constructed against the installed libraries
+        verify_document(document)
     strategy_of.update({c["id"]: c["id"] for c in document["changes"] if c.get("combined_of")})
     # the report's order: by the replay's measured saving (Summary and "Apply it" agree)
     measurements = {

@@ -1147,3 +1147,30 @@ def test_the_pasted_settings_keep_the_checkpointing_the_stages_saw():
     assert run_training(cfg, {**replay, **trainer})["gradient_checkpointing"] is True
     assert run_training(cfg, {})["gradient_checkpointing"] is None
     assert run_training(cfg, {})["max_seq_len"] == 64
+
+
+def test_every_pasted_step_level_snippet_is_verified_against_the_installed_libraries(tmp_path):
+    """The step-level changes join recommendations.json after the batching ones were verified:
+    they are constructed against the installed transformers / TRL too, never left "not
+    checked"."""
+    pytest.importorskip("trl")
+    from probes.report.stage import recommendations_document
+    from probes.step.changes import StepConfig, step_changes
+
+    loaded = load.load_inputs(write_results(tmp_path / "results"))
+    priced = step_changes(StepConfig(False, "sdpa", "nll", 0), 2, 8)
+    loaded["provenance"]["replay"] = {
+        "step_changes": [
+            {"strategy": c.strategy, "title": c.title, "settings": c.settings} for c in priced
+        ]
+    }
+    document = recommendations_document(loaded, TRAINING_SECTION)
+    step_level = [c for c in document["changes"] if c.get("step_level")]
+    assert {c["id"] for c in step_level} >= {"gradient_checkpointing_on", "loss_dft"}
+    for change in step_level:
+        assert change["verified"] is True, (change["id"], change.get("verification"))
+    unverified = [c["id"] for c in document["changes"] if c["applies"] and "verification" not in c]
+    assert unverified == []
+
+
+TRAINING_SECTION = {"micro_batch_size": 2, "grad_accum": 8, "max_seq_len": 4096}
