@@ -105,14 +105,13 @@ def test_a_stage_whose_command_fails_names_it_and_writes_nothing(tmp_path):
 
 def emitted_sft_builds() -> list[dict]:
     """Every setting recommendations.json can emit for an SFTTrainer (probes.apply: batching,
-    step-level, combined; model_init_kwargs as the model keys), grouped into as few builds as
+    step-level, combined; model_kwargs as the model keys), grouped into as few builds as
     hold each key once: one build per value a key takes (three: micro-batch 2, 1 and 4)."""
     from unit.apply.test_current_names import every_change
 
     pairs: list[tuple[str, object]] = []
     for change in every_change():
-        sft = dict(change.get("sft_config") or {})
-        sft.update(sft.pop("model_init_kwargs", None) or {})
+        sft = {**(change.get("sft_config") or {}), **(change.get("model_kwargs") or {})}
         pairs += [p for p in sft.items() if p not in pairs]
     builds: list[dict] = []
     for key, value in pairs:

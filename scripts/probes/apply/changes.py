@@ -460,8 +460,9 @@ def step_level_changes(
 ) -> list[dict[str, Any]]:
     """The replay's step-level changes (probes.step.changes, its provenance's ``step_changes``)
     as settings that paste: TrainingArguments / SFTConfig fields, or the model's
-    ``attn_implementation`` (``from_pretrained``; SFTConfig's ``model_init_kwargs`` where the
-    trainer loads the model by name)."""
+    ``attn_implementation`` (``model_kwargs``: ``from_pretrained``'s, the one home for both
+    trainers; not SFTConfig's ``model_init_kwargs``, which SFTTrainer ignores, with a warning,
+    for the loaded model the snippets pass; `trl sft` takes them as flags)."""
     out = []
     for change in step_changes or []:
         settings = dict(change.get("settings") or {})
@@ -479,7 +480,6 @@ def step_level_changes(
         sft = {**base.sft_config(), **settings, **sft_only, **sft_flat}
         model_line = [f"# profile.harness_options: {harness!r}"] if harness else []
         if attention:
-            sft["model_init_kwargs"] = {"attn_implementation": attention}
             model_line = [
                 "model = AutoModelForCausalLM.from_pretrained(model_dir, "
                 f"attn_implementation={attention!r})"
@@ -495,6 +495,7 @@ def step_level_changes(
                 "how": str(change.get("title") or change["strategy"]),
                 "training_arguments": ta,
                 "sft_config": sft,
+                "model_kwargs": {"attn_implementation": attention} if attention else None,
                 "sampler": None,
                 "snippets": config_snippets(
                     ta,

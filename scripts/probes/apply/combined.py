@@ -93,6 +93,10 @@ def combined_change(
             step_snippets = [(s.get("snippets") or {}).get(library) or {} for s in steps]
             snippets[library] = merged_snippet(snippets[library], step_snippets, kwargs, library)
         entry["snippets"] = snippets
+    model_kwargs = {
+        k: v for c in (batching, *steps) for k, v in (c.get("model_kwargs") or {}).items()
+    }
+    entry["model_kwargs"] = model_kwargs or None
     entry["expressible_in_training_arguments"] = bool(
         batching.get("expressible_in_training_arguments")
     ) and all(s.get("expressible_in_training_arguments") for s in steps)

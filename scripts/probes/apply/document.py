@@ -7,6 +7,8 @@ recommended bucket size, transformers' built-in ``group_by_length`` at its fixed
 - ``training_arguments``: kwargs for ``transformers.TrainingArguments`` (None where the plain
   Trainer cannot express the change);
 - ``sft_config``: kwargs for ``trl.SFTConfig`` (a TrainingArguments subclass);
+- ``model_kwargs``: ``from_pretrained`` kwargs where a step-level change sets the model's own
+  (its attention implementation), else None;
 - ``snippet``: Python that pastes (imports, the arguments, the trainer line);
 - ``tokens_per_update``: real tokens per optimizer step before and after, with batch size and
   ``gradient_accumulation_steps`` adjusted where the change alters them (packing);

@@ -117,8 +117,8 @@ def step_changes(base: StepConfig, micro: int, grad_accum: int) -> list[StepChan
                     ATTENTION_PREFIX + name,
                     f"attention implementation {name}",
                     dataclasses.replace(base, attn_implementation=name),
-                    # from_pretrained's kwarg (probes.trainer.model_kwargs; SFTConfig's
-                    # model_init_kwargs where the trainer loads the model by name)
+                    # from_pretrained's kwarg (probes.trainer.model_kwargs; recommendations.json's
+                    # model_kwargs)
                     {"attn_implementation": name},
                 )
             )

@@ -31,7 +31,8 @@ def test_the_combination_pastes_its_parts_settings_together():
     grouped = next(c for c in changes if c["id"] == "length_grouped")
     sft = entry["sft_config"]
     assert sft["per_device_train_batch_size"] == 4 and sft["gradient_accumulation_steps"] == 4
-    assert sft["model_init_kwargs"] == {"attn_implementation": "eager"}
+    assert entry["model_kwargs"] == {"attn_implementation": "eager"}
+    assert "model_init_kwargs" not in sft
     for key, value in grouped["sft_config"].items():  # the batching change's own settings kept
         if key not in ("per_device_train_batch_size", "gradient_accumulation_steps"):
             assert sft[key] == value, key

@@ -32,7 +32,11 @@ def test_each_step_level_change_pastes_and_says_what_differs():
     transformers.TrainingArguments(output_dir="x", **gc["training_arguments"])  # it constructs
     eager = changes["attention_eager"]
     assert "attn_implementation='eager'" in settings_line(eager, baseline)
-    assert eager["sft_config"]["model_init_kwargs"] == {"attn_implementation": "eager"}
+    # the model's own setting: from_pretrained's, never SFTConfig's model_init_kwargs (which
+    # SFTTrainer ignores, with a warning, for the loaded model the snippet passes it)
+    assert eager["model_kwargs"] == {"attn_implementation": "eager"}
+    assert "model_init_kwargs" not in eager["sft_config"]
+    assert "attn_implementation='eager'" in eager["snippets"]["trl"]["text"]
     micro = changes["micro_batch_size_4"]
     line = settings_line(micro, baseline)
     assert "per_device_train_batch_size=4" in line and "gradient_accumulation_steps=4" in line

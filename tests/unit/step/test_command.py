@@ -321,7 +321,7 @@ def emitted_settings() -> dict[str, dict]:
         if change.get("training_arguments") is None:  # TRL's only (packing), or not applicable
             assert change.get("sft_config") or not change.get("applies"), change["id"]
             continue
-        model = (change.get("sft_config") or {}).get("model_init_kwargs") or {}
+        model = change.get("model_kwargs") or {}
         wanted = {**change["training_arguments"], **model}
         if wanted not in found.values():
             found[change["id"]] = wanted

@@ -165,7 +165,7 @@ def test_what_it_pastes_constructs():
     (pasted,) = step_level_changes(provenance, base)
     assert "padding_free" not in pasted["training_arguments"]
     assert pasted["sft_config"]["padding_free"] is True
-    assert pasted["sft_config"]["model_init_kwargs"] == {"attn_implementation": "eager"}
+    assert pasted["model_kwargs"] == {"attn_implementation": "eager"}
     assert not pasted["expressible_in_training_arguments"]
     assert "DataCollatorWithFlattening()" in pasted["snippets"]["transformers"]["text"]
     transformers.TrainingArguments(output_dir="x", **pasted["training_arguments"])
@@ -184,7 +184,7 @@ def test_an_sft_trainer_accepts_what_it_pastes(tiny_model_dir):
     change = change_named("padding_free_sdpa")
     provenance = [{"strategy": change.strategy, "title": change.title, "settings": change.settings}]
     (pasted,) = step_level_changes(provenance, Baseline(2, 8, 4096, 100, 40_000, 900))
-    sft = {k: v for k, v in pasted["sft_config"].items() if k != "model_init_kwargs"}
+    sft = pasted["sft_config"]  # as pasted: the model's attention is from_pretrained's
     assert sft["max_length"] is None and "truncate" in pasted["caveat"]
     assert pasted["drop_no_loss_examples"] and "drop_no_loss_examples" not in sft
     args = trl.SFTConfig(output_dir="unused", use_cpu=True, bf16=False, report_to="none", **sft)
