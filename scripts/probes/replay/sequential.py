@@ -213,7 +213,8 @@ def initial_takes(
 
 def unit_costs(design: Design, steps: pd.DataFrame) -> dict[Key, float]:
     """Seconds a unit of each stratum took to time (its mean; the overall mean where none); a
-    paired change's unit with its baseline twin's, which it needs beside it."""
+    paired change's unit with its baseline twin's, which it needs beside it unless the baseline
+    has it already (strata.grow_allocation's twins)."""
     ok = steps[(steps["kind"] == MICRO_BATCH) & (steps["status"] == OK)]
     means = ok.groupby(["strategy", "stratum"])["time_s"].mean().to_dict()
     overall = float(ok["time_s"].mean()) if len(ok) else 1.0
@@ -473,5 +474,10 @@ def next_takes(
     )
     spreads = spreads_from(design, estimates, steps, cv)
     costs = unit_costs(design, steps)
-    grown = grow_allocation(done, design.sizes, spreads, weights, round_size, costs)
+    twins = {
+        (name, h): ((pl.BASELINE, h), costs[(pl.BASELINE, h)])
+        for (name, h) in design.sizes
+        if name in design.paired and (pl.BASELINE, h) in costs
+    }
+    grown = grow_allocation(done, design.sizes, spreads, weights, round_size, costs, twins)
     return with_twins(design, grown)

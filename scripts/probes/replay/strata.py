@@ -117,15 +117,20 @@ def grow_allocation(
     weight: dict[str, float],
     extra: int,
     cost: dict[tuple[str, int], float] | None = None,
+    twins: Mapping[tuple[str, int], tuple[tuple[str, int], float]] | None = None,
 ) -> dict[tuple[str, int], int]:
     """`extra` more units, one at a time where they cut Σ_s weight_s · V_s most per second of
     timing, V_s = Σ_h N_h² S_h² (1/n_h − 1/N_h) (Neyman's allocation by stratum size × spread,
     / √cost when a unit's timing cost differs, greedily, across strategies; weight carries 1/T_s²
     and how often a strategy's variance is counted). A stratum first gets MIN_PER_STRATUM (or
-    all of it)."""
+    all of it). `twins`: a paired change's stratum -> (the baseline's, the seconds of its unit):
+    the change's units are a prefix of the baseline's order, so its `cost` (its own time and its
+    twin's) drops by the twin's where the baseline already has that unit, and a unit that needs
+    a new twin brings it."""
     out = dict(takes)
     for key, size in sizes.items():
         out[key] = max(out.get(key, 0), min(size, MIN_PER_STRATUM))
+    twins = twins or {}
     for _ in range(extra):
         best, gain = None, 0.0
         for key, size in sizes.items():
@@ -133,13 +138,30 @@ def grow_allocation(
             if n >= size:
                 continue
             g = weight[key[0]] * size * size * spread[key] ** 2 * (1.0 / n - 1.0 / (n + 1))
-            g /= cost[key] if cost else 1.0
+            g /= next_unit_cost(key, out, cost, twins) if cost else 1.0
             if g > gain:
                 best, gain = key, g
         if best is None:
             break
         out[best] += 1
+        twin = twins.get(best)
+        if twin is not None and out.get(twin[0], 0) < out[best]:
+            out[twin[0]] = out[best]
     return out
+
+
+def next_unit_cost(
+    key: tuple[str, int],
+    takes: Mapping[tuple[str, int], int],
+    cost: Mapping[tuple[str, int], float],
+    twins: Mapping[tuple[str, int], tuple[tuple[str, int], float]],
+) -> float:
+    """The seconds the next unit of `key` costs: without its twin's where the baseline already
+    has the unit it pairs with (grow_allocation)."""
+    twin = twins.get(key)
+    if twin is not None and takes.get(twin[0], 0) > takes[key]:
+        return max(cost[key] - twin[1], 1e-9)
+    return cost[key]
 
 
 # a unit's fixed cost before anything is timed, as a share of its plan's mean tokens

@@ -43,6 +43,24 @@ def test_allocation_follows_size_times_spread():
     assert grow_allocation({}, {("s", 0): 1}, {("s", 0): 1.0}, {"s": 1.0}, 5) == {("s", 0): 1}
 
 
+def test_a_paired_unit_whose_twin_is_timed_costs_only_its_own_time():
+    """A paired change's units are a prefix of the baseline's: where the baseline already has
+    the unit a pair needs, the pair costs its own time, not its twin's too (run18: the widest
+    change, checkpointing on 4 pairs, got none of the 12 units after round 1, the baseline 7)."""
+    sizes = {("base", 0): 100, ("pair", 0): 100}
+    spread = {("base", 0): 1.0, ("pair", 0): 1.0}
+    weight = {"base": 1.0, "pair": 1.0}
+    cost = {("base", 0): 1.0, ("pair", 0): 2.0}  # its own second and its twin's
+    done = {("base", 0): 8, ("pair", 0): 2}
+    twins = {("pair", 0): (("base", 0), 1.0)}
+    priced_whole = grow_allocation(done, sizes, spread, weight, 6, cost)
+    with_twins_timed = grow_allocation(done, sizes, spread, weight, 6, cost, twins)
+    assert with_twins_timed[("pair", 0)] > priced_whole[("pair", 0)]
+    # past the baseline, each new pair brings its twin (not counted in the round's units)
+    ahead = grow_allocation({("base", 0): 2, ("pair", 0): 2}, sizes, spread, weight, 4, cost, twins)
+    assert ahead[("base", 0)] >= ahead[("pair", 0)]
+
+
 def test_new_units_interleave_strategies_and_never_repeat(plans):
     design = build_design(plans, 3, seed=0)
     takes = {key: min(size, 2) for key, size in design.sizes.items()}
