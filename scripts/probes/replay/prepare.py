@@ -200,7 +200,7 @@ def stage_settings(
         instrument_repeats=int(cfg.instrument_repeats),
         reference_every=int(cfg.reference_every),
         step_changes=bool(cfg.step_changes),
-        compile=bool(getattr(cfg, "compile", False)),
+        compile=bool(cfg.compile),
         coverage=cfg.coverage,
         control=cfg.control,
         control_sampling=control_settings(cfg, grad_accum),
