@@ -263,6 +263,8 @@ class TrainerStep:
         return collate
 
     def describe(self) -> dict[str, Any]:
+        from probes.step.changes import checkpointing_field
+
         args = self.trainer.args
         return {
             **trainer_identity(self.trainer, self.collator, self.source),
@@ -270,7 +272,8 @@ class TrainerStep:
                 "per_device_train_batch_size": args.per_device_train_batch_size,
                 "gradient_accumulation_steps": args.gradient_accumulation_steps,
                 "max_length": getattr(args, "max_length", None),
-                "gradient_checkpointing": args.gradient_checkpointing,
+                # the installed name (transformers 5 deprecates gradient_checkpointing)
+                checkpointing_field(): getattr(args, checkpointing_field()),
                 "max_grad_norm": args.max_grad_norm,
                 "optim": str(
                     getattr(args.optim, "value", args.optim)

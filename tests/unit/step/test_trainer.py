@@ -15,6 +15,7 @@ from conftest import chat_rows, workflow_config, write_jsonl
 from probes.batching import plans as pl
 from probes.padding import trainer_rows as tr
 from probes.replay.timing import ReplayRunner
+from probes.step.changes import checkpointing_field
 from probes.step.runner import StepRunner
 from probes.step.timing import OK
 from probes.step.trainer import load_trainer_step, probe_settings
@@ -114,6 +115,10 @@ def test_a_step_trains_the_adapters_through_the_trainers_optimizer_and_scheduler
         settings = step.describe()["settings"]
         assert settings["optim"] == step.trainer.args.optim.value and "." not in settings["optim"]
         assert settings["per_device_train_batch_size"] == MICRO
+        # checkpointing under the installed name (the deprecated one is not what users write)
+        field = checkpointing_field()
+        assert settings[field] is False
+        assert field == "gradient_checkpointing" or "gradient_checkpointing" not in settings
         assert step.trainer.lr_scheduler.last_epoch == 1
         assert all(p.grad is None for p in trainable)  # the loop's zero_grad
 
