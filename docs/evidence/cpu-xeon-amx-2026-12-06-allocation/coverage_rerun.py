@@ -1,5 +1,7 @@
+"""A run's coverage control simulated again from its replay_plans.parquet and replay_control.json:
+`python coverage_rerun.py RUN_DIR STRATEGY[,...] [x]` (x: the whole control, 400 replications)."""
 import json, sys, numpy as np, pandas as pd
-sys.path.insert(0, '/work/main/scripts')
+sys.path.insert(0, 'scripts')  # run from the repository root; RUN_DIR holds replay_plans.parquet, replay_control.json
 from probes.replay import sequential as sq
 from probes.replay import coverage as cv_mod
 from probes.replay.coverage import SimulatedCost, KnownPlans, simulated_estimates, SPIKE_SHARE
