@@ -198,11 +198,9 @@ def verify_change(change: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def verify_document(document: dict[str, Any]) -> dict[str, Any]:
-    """Adds ``verification`` and ``verified`` to every applicable change not yet verified (in
-    place; returned): the report adds the step-level and combined changes after the batching
-    ones were verified."""
+    """Adds ``verification`` and ``verified`` to every applicable change (in place; returned)."""
     for change in document["changes"]:
-        if not change.get("applies") or "verification" in change:
+        if not change.get("applies"):
             continue
         results = verify_change(change)
         change["verification"] = results

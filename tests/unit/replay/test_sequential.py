@@ -424,22 +424,35 @@ class SlowerChangeRunner(KnownCostRunner):
         return result
 
 
+def paired_design(plans):
+    """The plans with a checkpointing change on the baseline's own micro-batches, 2 strata."""
+    change = plans[plans["strategy"] == pl.BASELINE].assign(strategy="gradient_checkpointing_on")
+    return build_design(pd.concat([plans, change], ignore_index=True), 2, seed=0)
+
+
+def timed_pairs(plans, design, takes, cv):
+    """`takes` timed at a known cost (checkpointing 1.3x) with unit noise `cv`: (steps,
+    estimates)."""
+    from probes.replay.estimate import greg_estimate_all
+    from probes.replay.sequential import strategy_designs
+    from probes.replay.timing import run_sample
+
+    runner = SlowerChangeRunner(SimulatedCost.scaled_to(plans), cv, [0.0])
+    units = new_units(design, takes, {}, np.random.default_rng(0))
+    settings = ReplaySettings(2, 3, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
+    steps, _ = run_sample(runner, units, settings)
+    return steps, greg_estimate_all(strategy_designs(design, steps), np.array([0.1]), cv, 4.0)[0]
+
+
 def test_an_open_paired_change_gets_the_next_round_with_its_twins(plans):
     """The default run's case: checkpointing (paired) the widest open change; the next round
     goes to its pairs, each unit priced with its twin's time and allocated by its pairs' own
     spread, not to baseline units it cannot use."""
-    from probes.replay.estimate import greg_estimate_all
-    from probes.replay.sequential import next_takes, strategy_designs, unit_costs
-    from probes.replay.timing import run_sample
+    from probes.replay.sequential import next_takes, unit_costs
 
-    change = plans[plans["strategy"] == pl.BASELINE].assign(strategy="gradient_checkpointing_on")
-    design = build_design(pd.concat([plans, change], ignore_index=True), 2, seed=0)
+    design = paired_design(plans)
     takes = {k: min(v, 3) for k, v in design.sizes.items()}
-    runner = SlowerChangeRunner(SimulatedCost.scaled_to(plans), 0.15, [0.0])
-    units = new_units(design, takes, {}, np.random.default_rng(0))
-    settings = ReplaySettings(2, 3, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
-    steps, _ = run_sample(runner, units, settings)
-    estimates, _ = greg_estimate_all(strategy_designs(design, steps), np.array([0.1]), 0.15, 4.0)
+    steps, estimates = timed_pairs(plans, design, takes, 0.15)
     pair = estimates["gradient_checkpointing_on"]
     assert pair.strata_residual_sd != estimates[pl.BASELINE].strata_residual_sd
     costs = unit_costs(design, steps)
@@ -456,19 +469,10 @@ def test_an_open_paired_change_gets_the_next_round_with_its_twins(plans):
 def test_a_paired_change_with_one_pair_is_allocated_by_the_baselines_spread(plans):
     """Under two pairs a paired change has no spread of its own: the design reads the
     baseline's, not the instrument's floor, so the change is not starved of units."""
-    from probes.replay.estimate import greg_estimate_all
-    from probes.replay.sequential import strategy_designs
-    from probes.replay.timing import run_sample
-
-    change = plans[plans["strategy"] == pl.BASELINE].assign(strategy="gradient_checkpointing_on")
-    design = build_design(pd.concat([plans, change], ignore_index=True), 2, seed=0)
+    design = paired_design(plans)
     takes = {k: (1 if k == ("gradient_checkpointing_on", 0) else 0)
              if k[0] == "gradient_checkpointing_on" else min(v, 3)
              for k, v in design.sizes.items()}  # fmt: skip
-    runner = SlowerChangeRunner(SimulatedCost.scaled_to(plans), 0.1, [0.0])
-    units = new_units(design, takes, {}, np.random.default_rng(0))
-    settings = ReplaySettings(2, 3, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
-    steps, _ = run_sample(runner, units, settings)
-    estimates, _ = greg_estimate_all(strategy_designs(design, steps), np.array([0.1]), 0.1, 4.0)
+    _, estimates = timed_pairs(plans, design, takes, 0.1)
     pair = estimates["gradient_checkpointing_on"]
     assert pair.strata_residual_sd == estimates[pl.BASELINE].strata_residual_sd != {}
