@@ -23,7 +23,9 @@ def test_the_cpu_run_reads_the_cpu_section_and_names_its_key():
         cpu.fit_repeats == cfg.replay.cpu.fit_repeats and gpu.fit_repeats == cfg.replay.fit.repeats
     )
     assert cpu.threads == cfg.replay.cpu.threads and gpu.threads is None
-    assert "max_seq_len 64" in cpu.fit_lengths_source or cpu.fit_lengths_source == "configured"
+    configured = bool(cfg.replay.fit.cpu_lengths)
+    assert (cpu.fit_lengths_source == "configured") == configured
+    assert configured or cpu.fit_lengths_source.endswith("up to max_seq_len 64")
     # the sampling settings resolve the same way (the control's own, from replay.control)
     assert settings_for(cfg.replay, 8, True).n_strata == cfg.replay.cpu.n_strata
     assert cpu.control_sampling.n_strata == cfg.replay.control.n_strata
