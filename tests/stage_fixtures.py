@@ -472,13 +472,13 @@ def fixture_plans() -> pd.DataFrame:
 
 def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     """probes.replay.stage's three tables, made by the stage's own functions: the plans of the
-    fixture lengths (probes.batching.plans), the stratified sample (probes.replay.timing.sample_all)
-    'timed' at a known synthetic cost (no clock), the per-strategy table (strategy_table) with the
-    fit as its diagnostic, and the fit with bootstrap intervals
-    (probes.step.fit.fit_with_intervals)."""
+    fixture lengths (probes.batching.plans), the race's first round
+    (probes.replay.sequential.first_round) 'timed' at a known synthetic cost (no clock), the
+    per-strategy table (strategy_table) with the fit as its diagnostic, and the fit with
+    bootstrap intervals (probes.step.fit.fit_with_intervals)."""
     from probes.replay.control import SyntheticCost
     from probes.replay.estimate import FitPricing, greg_estimate_all, strategy_table
-    from probes.replay.sequential import build_design, strategy_designs
+    from probes.replay.sequential import build_design, first_round, strategy_designs
     from probes.replay.timing import (
         FIT_POINT,
         MICRO_BATCH,
@@ -486,7 +486,6 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
         TIMER,
         ReplaySettings,
         batch_shape,
-        sample_all,
     )
     from probes.step import fit as ft
 
@@ -494,7 +493,8 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     cost = SyntheticCost.scaled_to(plans)
     settings = ReplaySettings(4, 3, 400, REPLAY_GRAD_ACCUM, seed=0)
     rng = np.random.default_rng(3)
-    steps = sample_all(plans, settings)
+    design = build_design(plans, settings.n_strata, settings.seed)
+    steps = first_round(design, settings.n_strata * settings.samples_per_stratum, settings.seed)
     exact = np.array([cost.micro_batch_s(*batch_shape(r)) for r in steps.itertuples()])
     steps["time_s"] = exact * rng.uniform(0.97, 1.03, len(steps))
     steps["times_s"] = [[t] for t in steps["time_s"]]
@@ -509,7 +509,7 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     fitted = ft.fit_with_intervals(fit_lengths, fit_times * rng.uniform(0.99, 1.01, 15), 200)
     pricing = FitPricing(fitted.fit, BATCH, fitted.low, fitted.high)
     greg, _ = greg_estimate_all(
-        strategy_designs(build_design(plans, settings.n_strata, settings.seed), steps),
+        strategy_designs(design, steps),
         optimizer,
         0.03,
         4.0,

@@ -20,7 +20,7 @@ from probes.replay.estimate import (
     greg_estimate_all,
     strategy_table,
 )
-from probes.replay.sequential import build_design, strategy_designs
+from probes.replay.sequential import build_design, first_round, strategy_designs
 from probes.replay.synthetic import SyntheticCost, exact_epoch_s, synthetic_runner
 from probes.replay.timing import (
     ReplayRunner,
@@ -28,7 +28,6 @@ from probes.replay.timing import (
     batch_shape,
     measure_fit,
     run_sample,
-    sample_all,
 )
 
 
@@ -107,7 +106,7 @@ def run_synthetic_control(
         "name": "replay_recovers_known_step_cost",
         "description": (
             "a synthetic harness spins c + b*rows*T + a*rows*T^2 s per micro-batch (and a fixed "
-            "optimizer step); the stratified replay of every strategy's real plan must recover "
+            "optimizer step); the replay's first round of every strategy's real plan must recover "
             "the exact epoch-time ratio to random (computed over the whole plan) and the "
             "scaling fit a, b, c"
         ),
@@ -132,18 +131,16 @@ def run_synthetic_control(
 def synthetic_estimate(
     runner: ReplayRunner, plans: pd.DataFrame, settings: ReplaySettings
 ) -> tuple[pd.DataFrame, np.ndarray, pd.DataFrame]:
-    """Every strategy's stratified sample timed through `runner` and priced by the same
-    model-assisted estimator as the real replay: the timed steps, the optimizer timings and the
-    per-strategy table indexed by strategy."""
-    sample = sample_all(plans, settings)
-    steps, optimizer_times = run_sample(runner, sample, settings)
-    # the busy-wait has no noise to add
-    greg, _ = greg_estimate_all(
-        strategy_designs(build_design(plans, settings.n_strata, settings.seed), steps),
-        optimizer_times,
-        0.0,
-        float("inf"),
+    """The race's first round of every strategy (n_strata × samples_per_stratum units each)
+    timed through `runner` and priced by the same model-assisted estimator as the real replay:
+    the timed steps, the optimizer timings and the per-strategy table indexed by strategy."""
+    design = build_design(plans, settings.n_strata, settings.seed)
+    per_strategy = settings.n_strata * settings.samples_per_stratum
+    steps, optimizer_times = run_sample(
+        runner, first_round(design, per_strategy, settings.seed), settings
     )
+    # the busy-wait has no noise to add
+    greg, _ = greg_estimate_all(strategy_designs(design, steps), optimizer_times, 0.0, float("inf"))
     table = strategy_table(plans, steps, optimizer_times, settings, greg=greg)
     return steps, optimizer_times, table.set_index("strategy")
 

@@ -211,6 +211,16 @@ def initial_takes(
     return with_twins(design, grow_allocation(takes, design.sizes, spread, weights, extra, cost))
 
 
+def first_round(design: Design, per_strategy: int, seed: int) -> pd.DataFrame:
+    """Round 1 alone (initial_takes, every strategy at least `per_strategy` units), in its run
+    order: the positive control's sample (probes.replay.control) is the race's first round."""
+    units = new_units(
+        design, initial_takes(design, design.strategies, 0, per_strategy), {},
+        np.random.default_rng(seed + 11),
+    )  # fmt: skip
+    return units.assign(run_order=np.arange(len(units)))
+
+
 def unit_costs(design: Design, steps: pd.DataFrame) -> dict[Key, float]:
     """Seconds a unit of each stratum took to time (its mean; the overall mean where none); a
     paired change's unit with its baseline twin's, which it needs beside it unless the baseline

@@ -1,6 +1,9 @@
-"""Replay's sample: strata are log-spaced bands of the tokens a micro-batch computes over, so
-rare large micro-batches are sampled as often as common small ones (and weighted, by
-probes.replay.estimate, by how many there really are); within a stratum the sample is systematic.
+"""Replay's strata and allocation: strata are log-spaced bands of the tokens a micro-batch
+computes over, so rare large micro-batches are sampled as often as common small ones (and
+weighted, by probes.replay.estimate, by how many there really are); within a stratum a simple
+random sample (a random order's prefix), grown where it cuts the variance most per second
+(``grow_allocation``); which changes the budget can decide at all (``affordable_changes``) and
+which get the next round (``strategy_weights``, ``widest_first``).
 """
 
 from __future__ import annotations
@@ -34,68 +37,6 @@ def assign_strata(sizes: np.ndarray, n_strata: int) -> tuple[np.ndarray, np.ndar
     used, index = np.unique(raw, return_inverse=True)
     return index.astype(np.int64), np.stack([edges[used], edges[used + 1]], axis=1)
 
-
-def allocate(counts: np.ndarray, per_stratum: int, budget: int) -> np.ndarray:
-    """Samples per stratum: `per_stratum` each (all of a smaller stratum), then what is left of
-    the budget (n_strata × per_stratum) in proportion to stratum size, never above a size. A
-    plan whose micro-batches crowd into few strata (packing, pad-to-max) is then still sampled
-    with the full budget where its micro-batches are."""
-    counts = np.asarray(counts, dtype=np.int64)
-    alloc = np.minimum(counts, per_stratum)
-    left = budget - int(alloc.sum())
-    while left > 0 and (alloc < counts).any():
-        room = counts - alloc
-        weights = np.where(room > 0, counts, 0).astype(np.float64)
-        add = np.minimum(np.floor(left * weights / weights.sum()).astype(np.int64), room)
-        if add.sum() == 0:
-            add[int(np.argmax(weights))] = 1
-        alloc += add
-        left -= int(add.sum())
-    return alloc
-
-
-def systematic_sample(
-    members: np.ndarray, key: np.ndarray, take: int, rng: np.random.Generator
-) -> np.ndarray:
-    """`take` of `members`, evenly spaced along `key` (loss tokens) from a random start: each
-    member is drawn with the same probability take/N (the stratum mean stays unbiased), and the
-    sample spans the loss-token range, which a micro-batch's cost also depends on (the head and
-    cross-entropy run over the loss tokens). Conservative for the SRS bootstrap."""
-    n = members.size
-    if take >= n:
-        return members.copy()
-    order = members[np.argsort(key, kind="stable")]
-    step = n / take
-    positions = np.floor(rng.uniform(0, step) + step * np.arange(take)).astype(np.int64)
-    return order[np.minimum(positions, n - 1)]
-
-
-def stratified_sample(
-    plan: pd.DataFrame, n_strata: int, per_stratum: int, rng: np.random.Generator
-) -> pd.DataFrame:
-    """A strategy's sampled micro-batches (see `allocate`, `systematic_sample`), without
-    replacement, with each row's stratum, the stratum's size and bounds."""
-    sizes = plan["computed_tokens"].to_numpy(dtype=np.float64)
-    stratum, bounds = assign_strata(sizes, n_strata)
-    counts = np.bincount(stratum)
-    takes = allocate(counts, per_stratum, n_strata * per_stratum)
-    loss = plan["loss_tokens"].to_numpy(dtype=np.float64)
-    picked = []
-    for h in range(len(counts)):
-        members = np.flatnonzero(stratum == h)
-        picked.append(np.sort(systematic_sample(members, loss[members], int(takes[h]), rng)))
-    chosen = np.concatenate(picked)
-    sample = plan.iloc[chosen].copy()
-    sample["stratum"] = stratum[chosen]
-    sample["stratum_size"] = counts[stratum[chosen]]
-    sample["stratum_low_tokens"] = bounds[stratum[chosen], 0]
-    sample["stratum_high_tokens"] = bounds[stratum[chosen], 1]
-    return sample.reset_index(drop=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# The sequential design: simple random samples within strata, grown where the variance is
-# ---------------------------------------------------------------------------------------------
 
 MIN_PER_STRATUM = 2  # a stratum's residual spread needs two timed units
 

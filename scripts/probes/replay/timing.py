@@ -23,7 +23,6 @@ import torch
 from probes.batching import plans as pl
 from probes.config import schema_default
 from probes.replay.reference import Reference, in_reference_seconds
-from probes.replay.strata import stratified_sample
 from probes.step import batches as bt
 from probes.step import fit as ft
 from probes.step.threads import available_cores
@@ -237,19 +236,6 @@ class ReplaySettings:
         default_factory=lambda: float(schema_default("replay", "decide_within"))
     )
     max_width: float = field(default_factory=lambda: float(schema_default("replay", "max_width")))
-
-
-def sample_all(plans: pd.DataFrame, settings: ReplaySettings) -> pd.DataFrame:
-    """Every strategy's stratified sample, interleaved in one seeded run order (so drift of the
-    machine over the run spreads over all strategies instead of biasing one)."""
-    rng = np.random.default_rng(settings.seed)
-    parts = [
-        stratified_sample(group, settings.n_strata, settings.samples_per_stratum, rng)
-        for _, group in plans.groupby("strategy", sort=False)
-    ]
-    sample = pd.concat(parts, ignore_index=True)
-    sample["run_order"] = rng.permutation(len(sample))
-    return sample.sort_values("run_order").reset_index(drop=True)
 
 
 def run_sample(
