@@ -149,7 +149,7 @@ def promised_seconds(record: Mapping[str, Any]) -> str:
 
 def realized_seconds(diff: np.ndarray) -> str:
     """The realized extra seconds: mean of the paired differences with its t-interval."""
-    from probes.replay.estimate import t_quantile_975
+    from probes.replay.greg import t_quantile_975
 
     half = (
         t_quantile_975(diff.size - 1) * diff.std(ddof=1) / np.sqrt(diff.size)

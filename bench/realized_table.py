@@ -20,7 +20,7 @@ def realized_interval(times: np.ndarray, base_times: np.ndarray) -> tuple[float,
     """The realized saving's 95% interval from the rounds, each change's epoch paired with the
     baseline's of the same round (drift shared): the mean log time ratio ± t·se, as a saving
     (NaN with fewer than two rounds)."""
-    from probes.replay.estimate import t_quantile_975
+    from probes.replay.greg import t_quantile_975
 
     if len(times) < 2 or len(times) != len(base_times):
         return float("nan"), float("nan")

@@ -477,7 +477,8 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     per-strategy table (strategy_table) with the fit as its diagnostic, and the fit with
     bootstrap intervals (probes.step.fit.fit_with_intervals)."""
     from probes.replay.control import SyntheticCost
-    from probes.replay.estimate import FitPricing, greg_estimate_all, strategy_table
+    from probes.replay.estimate import FitPricing, strategy_table
+    from probes.replay.greg import greg_estimate_all
     from probes.replay.sequential import build_design, first_round, strategy_designs
     from probes.replay.timing import (
         FIT_POINT,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from probes.replay.estimate import auxiliaries, fit_working_model
+from probes.replay.greg import auxiliaries, fit_working_model
 from probes.replay.timing import MICRO_BATCH
 from probes.step.timing import OK
 

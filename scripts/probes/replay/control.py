@@ -16,10 +16,8 @@ import numpy as np
 import pandas as pd
 
 from probes.batching import plans as pl
-from probes.replay.estimate import (
-    greg_estimate_all,
-    strategy_table,
-)
+from probes.replay.estimate import strategy_table
+from probes.replay.greg import greg_estimate_all
 from probes.replay.sequential import build_design, first_round, strategy_designs
 from probes.replay.synthetic import SyntheticCost, exact_epoch_s, synthetic_runner
 from probes.replay.timing import (

@@ -17,15 +17,14 @@ import numpy as np
 import pandas as pd
 
 from probes.batching import plans as pl
-from probes.replay.estimate import (
-    OUTLIER_TIMINGS,
+from probes.replay.greg import (
     GregEstimate,
     StrategyDesign,
     auxiliaries,
     greg_estimate_all,
+    twin_pairs,
 )
-from probes.replay.greg import twin_pairs
-from probes.replay.outliers import flagged_units, robust_spread
+from probes.replay.outliers import OUTLIER_TIMINGS, flagged_units, robust_spread
 from probes.replay.sequential import Design
 
 

@@ -1,5 +1,5 @@
 """Replay's per-strategy table: each strategy's epoch time and saving from the model-assisted
-(GREG) estimator (``probes.replay.greg``, whose names are importable from here too), its rank
+(GREG) estimator (``probes.replay.greg``), its rank
 with ties, and the scaling fit's prediction beside it (a diagnostic, never outside its range).
 
 What is estimated: an epoch's time, Σ over every micro-batch of the plan of the working model's
@@ -19,29 +19,7 @@ import pandas as pd
 
 from probes.batching import plans as pl
 from probes.contracts import table_columns
-from probes.replay.greg import (  # noqa: F401  (re-exported: replay.estimate's public names)
-    FEATURES,
-    GregEstimate,
-    GregTotal,
-    StrategyDesign,
-    WorkingModel,
-    auxiliaries,
-    fit_working_model,
-    greg_estimate_all,
-    greg_total,
-    is_open,
-    log_interval,
-    open_strategies,
-    paired_ratio,
-    satterthwaite,
-    t_quantile_975,
-)
-from probes.replay.outliers import (  # noqa: F401  (re-exported)
-    OUTLIER_SPREADS,
-    OUTLIER_TIMINGS,
-    outlier_units,
-    unit_residuals,
-)
+from probes.replay.greg import GregEstimate
 from probes.replay.timing import MICRO_BATCH, ReplaySettings
 from probes.step import fit as ft
 from probes.step.timing import OK

@@ -17,7 +17,7 @@ Treating the model's misfit as noise too keeps a census interval open: conservat
 saving 1 − T_s/T_base is
 linearised with the optimizer mean shared by both; Student t with Satterthwaite's df.
 
-``probes.replay.estimate`` builds the per-strategy table from it (and re-exports its names).
+``probes.replay.estimate`` builds the per-strategy table from it.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import pandas as pd
 import torch
 
 from probes.batching import plans as pl
-from probes.replay.estimate import FitPricing, is_open, strategy_table
+from probes.replay.estimate import FitPricing, strategy_table
+from probes.replay.greg import is_open
 from probes.replay.prepare import CPU_NOTE, ReplayPlan
 from probes.replay.step_changes import StepChanges
 from probes.replay.timing import MICRO_BATCH, OPTIMIZER_STEP

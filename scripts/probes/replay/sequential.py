@@ -25,16 +25,14 @@ import numpy as np
 import pandas as pd
 
 from probes.batching import plans as pl
-from probes.replay.estimate import (
-    OUTLIER_SPREADS,
-    OUTLIER_TIMINGS,
+from probes.replay.greg import (
     GregEstimate,
     StrategyDesign,
     auxiliaries,
     greg_estimate_all,
     open_strategies,
 )
-from probes.replay.outliers import flagged_units, retime
+from probes.replay.outliers import OUTLIER_SPREADS, OUTLIER_TIMINGS, flagged_units, retime
 from probes.replay.strata import (
     MIN_PER_STRATUM,
     grow_allocation,

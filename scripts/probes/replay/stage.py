@@ -358,8 +358,7 @@ def unexplained_spread(design: Any, steps: pd.DataFrame, cv: float) -> dict[str,
     """Per strategy, the relative spread of its timed units the working model leaves beyond
     the instrument's CV (robust: 1.4826 × MAD of the centred residuals, in quadrature); for a
     paired change, its pairs' spread (coverage.paired_spread)."""
-    from probes.replay.estimate import unit_residuals
-    from probes.replay.outliers import robust_spread
+    from probes.replay.outliers import robust_spread, unit_residuals
     from probes.replay.sequential import strategy_designs
 
     designs = strategy_designs(design, steps)

@@ -13,7 +13,7 @@ from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.contracts import TRAINING_STATUSES
 from probes.replay.coverage import SimulatedCost, run_coverage_control
-from probes.replay.estimate import (
+from probes.replay.greg import (
     GregEstimate,
     StrategyDesign,
     auxiliaries,
@@ -247,7 +247,7 @@ def test_a_strategy_the_shared_model_misprices_is_not_retimed_for_it(design):
     no more often than the others', or it retimes only its slow draws and its estimate drops
     (without the per-strategy centring 89% of its units were flagged, 0.2% of the others'; with
     it 0.8% and 1.7%)."""
-    from probes.replay.estimate import outlier_units, unit_residuals
+    from probes.replay.outliers import outlier_units, unit_residuals
 
     cost = SimulatedCost.scaled_to(pd.concat(design.plans.values()))
     takes = initial_takes(design, list(design.plans), extra=30)

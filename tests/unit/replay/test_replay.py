@@ -20,13 +20,8 @@ from probes.io import read_json, write_json, write_parquet
 from probes.replay import prepare as rp
 from probes.replay import stage as rs
 from probes.replay.control import SyntheticCost, exact_epoch_s, run_synthetic_control
-from probes.replay.estimate import (
-    REPLAY_COLUMNS,
-    FitPricing,
-    greg_estimate_all,
-    rank_with_ties,
-    strategy_table,
-)
+from probes.replay.estimate import REPLAY_COLUMNS, FitPricing, rank_with_ties, strategy_table
+from probes.replay.greg import greg_estimate_all
 from probes.replay.sequential import build_design, first_round, strategy_designs
 from probes.replay.strata import assign_strata
 from probes.replay.timing import (
@@ -356,7 +351,7 @@ def assert_savings_recomputed_from_the_outputs(outputs, table):
     """Everything timed is written: replay_plans (every configuration's full plan as timed,
     with strata) and replay_steps (each timed unit's plan row) give back the table's savings,
     for a batching change, a paired step-level change and an unpaired one."""
-    from probes.replay.estimate import StrategyDesign, auxiliaries, greg_estimate_all
+    from probes.replay.greg import StrategyDesign, auxiliaries, greg_estimate_all
 
     plans = pd.read_parquet(outputs["plans"])
     steps = pd.read_parquet(outputs["steps"])

@@ -244,7 +244,7 @@ def test_a_preempted_unit_is_timed_again_and_priced_at_the_median(plans):
 
 
 def test_outlier_units_flags_only_a_far_residual_with_few_timings():
-    from probes.replay.estimate import outlier_units
+    from probes.replay.outliers import outlier_units
 
     relative = {"a": np.array([0.01, -0.02, 0.015, 0.0, -0.01, 0.02, -0.015, 0.005, 0.3])}
     once = {"a": np.ones(9)}
@@ -256,7 +256,7 @@ def test_outlier_units_flags_only_a_far_residual_with_few_timings():
 def test_a_strategy_noisy_throughout_is_judged_by_its_own_spread():
     """Units of a strategy 12% noisy among strategies at 1%: against the pooled spread a third
     of them would be timed again; against its own, only the one far outlier."""
-    from probes.replay.estimate import outlier_units
+    from probes.replay.outliers import outlier_units
 
     rng = np.random.default_rng(0)
     quiet = 0.01 * rng.standard_normal(80)
@@ -290,7 +290,7 @@ def test_the_power_record_prices_what_would_decide_each_undecided_change():
     baseline need none."""
     from types import SimpleNamespace
 
-    from probes.replay.estimate import GregEstimate
+    from probes.replay.greg import GregEstimate
     from probes.replay.outputs import decision_power
 
     def est(low, high):
@@ -433,7 +433,7 @@ def paired_design(plans):
 def timed_pairs(plans, design, takes, cv):
     """`takes` timed at a known cost (checkpointing 1.3x) with unit noise `cv`: (steps,
     estimates)."""
-    from probes.replay.estimate import greg_estimate_all
+    from probes.replay.greg import greg_estimate_all
     from probes.replay.sequential import strategy_designs
     from probes.replay.timing import run_sample
 
