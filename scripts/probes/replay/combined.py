@@ -19,8 +19,9 @@ import pandas as pd
 
 from probes.batching import plans as pl
 from probes.io import read_json, read_provenance
-from probes.replay.estimate import FitPricing, ranked, strategy_table
-from probes.replay.sequential import plans_table, run_sequential, sized_design
+from probes.replay.estimate import FitPricing, ranked
+from probes.replay.outputs import cpu_note, race_table
+from probes.replay.sequential import plans_table, race
 from probes.settings import TrainingConfig, WorkflowConfig
 from probes.step import combined as cb
 
@@ -86,11 +87,10 @@ def time_combined(
     cv: tuple[float, float],
     unit: tuple[float, float],
     progress: bool,
-    cpu_note: str | None = None,
     overrun_s: float = 0.0,
 ) -> CombinedResult:
-    """Choose, build, time and price the combined configuration (or say why not); `cpu_note`
-    is the CPU run's label every row of the table carries; `overrun_s`: how far the race ran
+    """Choose, build, time and price the combined configuration (or say why not); `overrun_s`:
+    how far the race ran
     past its share of the stage's budget, which comes out of this one's (a race that spent it
     all leaves none: on a slowing 2-core host the rule took 149 s of its 120 s with it)."""
     stage = plan.stage
@@ -115,25 +115,18 @@ def time_combined(
     pair = combination_plan(combination, chosen, plan, inputs, cfg.training)
     switch.configs[combination.name] = cb.merged_config(switch.base, chosen)
     settings = plan.settings
-    design, sizing = sized_design(pair, settings, unit, budget_s, settings.seed + 5)
     LOG.info("combined configuration %s: timing it beside the baseline", combination.name)
-    result = run_sequential(
-        runner, design, settings, [pl.BASELINE, combination.name], cv[0], cv[1],
-        budget_s, 0, stage.round_size, progress=progress,
-        per_strategy=sizing["strata"] * settings.samples_per_stratum,
+    design, result = race(
+        runner, pair, settings, [pl.BASELINE, combination.name], cv,
+        (unit, budget_s, stage.round_size, settings.seed + 5), progress,
     )  # fmt: skip
-    result.record["first_round"] = sizing
-    priced = strategy_table(
-        pair, result.steps, result.optimizer_times, settings, {}, pricing, plan.cpu_only,
-        plan.max_len, greg=result.estimates, stopped_by=result.record["stopped_by"],
-        instrument_cv=cv[0],
-    )  # fmt: skip
+    priced = race_table(plan, pair, result, {}, pricing, cv[0])
     row = priced[priced["strategy"] == combination.name].copy()
     note = (
         f"combined configuration ({', '.join((combination.batching, *combination.steps))}): "
         "timed as one beside the baseline in a second replay"
     )
-    row["note"] = "; ".join(n for n in (cpu_note, note) if n)
+    row["note"] = "; ".join(n for n in (cpu_note(plan, cfg.training.max_seq_len), note) if n)
     steps = result.steps[result.steps["strategy"] == combination.name]
     record = {
         "measured": True,

@@ -34,28 +34,44 @@ SUMMARY_COLUMNS = (
 )
 
 
+def race_table(
+    plan: ReplayPlan,
+    plans: pd.DataFrame,
+    race: Any,
+    invalid: Mapping[str, str],
+    pricing: FitPricing,
+    cv: float,
+) -> pd.DataFrame:
+    """The per-strategy table of a race (sequential.race's result) over `plans`."""
+    return strategy_table(
+        plans, race.steps, race.optimizer_times, plan.settings, invalid, pricing, plan.cpu_only,
+        plan.max_len, greg=race.estimates, stopped_by=race.record["stopped_by"], instrument_cv=cv,
+    )  # fmt: skip
+
+
+def cpu_note(plan: ReplayPlan, max_seq_len: int) -> str | None:
+    """The CPU rehearsal's label every row of the table carries (None on a GPU)."""
+    return CPU_NOTE.format(cap=plan.max_len, max_seq_len=max_seq_len) if plan.cpu_only else None
+
+
 def price(
     plan: ReplayPlan,
     sequential: Any,
     invalid: Mapping[str, str],
-    fit: Any,
+    pricing: FitPricing,
     cv: float,
     changes: StepChanges,
     max_seq_len: int,
 ) -> pd.DataFrame:
     """Each strategy's estimate with its interval, its notes (step-level change, CPU cap)."""
-    table = strategy_table(
-        plan.plans, sequential.steps, sequential.optimizer_times, plan.settings, invalid,
-        FitPricing(fit.fit, plan.micro, fit.low, fit.high), plan.cpu_only, plan.max_len,
-        greg=sequential.estimates, stopped_by=sequential.record["stopped_by"], instrument_cv=cv,
-    )  # fmt: skip
+    table = race_table(plan, plan.plans, sequential, invalid, pricing, cv)
     titles = {c.strategy: f"step-level change: {c.title}" for c in changes.changes}
     notes = [
         f"{titles[s]}; {n}" if s in titles and n else titles.get(s, n)
         for s, n in zip(table["strategy"], table["note"], strict=True)
     ]
-    if plan.cpu_only:
-        cpu = CPU_NOTE.format(cap=plan.max_len, max_seq_len=max_seq_len)
+    cpu = cpu_note(plan, max_seq_len)
+    if cpu:
         notes = [f"{cpu}; {n}" if n else cpu for n in notes]
     table["note"] = notes
     return table

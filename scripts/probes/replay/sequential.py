@@ -4,7 +4,7 @@ or the time budget is spent (``run_sequential``), and priced by the model-assist
 (``probes.replay.estimate.greg_estimate_all``).
 
 Round 1 times at least `per_strategy` units of every strategy (MIN_PER_STRATUM of every stratum,
-all of a smaller one, the rest by Neyman within the strategy) plus `initial_extra` more; each
+all of a smaller one, the rest by Neyman within the strategy); each
 later round adds `round_size` units by stratum size × the residual spread just measured.
 Later rounds time only the changes still undecided (greg.open_strategies: a race) and the
 baseline beside them. Strategies on the baseline's own micro-batches (step-level changes that
@@ -16,6 +16,7 @@ Stops: "decision" (every valid change decided), "budget" (another round would pa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from probes.replay.timing import MICRO_BATCH, ReplaySettings, run_sample
 from probes.step.timing import OK
 
 Key = tuple[str, int]
+LOG = logging.getLogger("probes.replay")
 
 
 @dataclass
@@ -349,7 +351,6 @@ def run_sequential(
     cv: float,
     cv_df: float,
     budget_s: float,
-    initial_extra: int,
     round_size: int,
     clock: Callable[[], float] = time.perf_counter,
     progress: bool = False,
@@ -358,7 +359,7 @@ def run_sequential(
     """Time rounds until decided, out of budget or census (module docstring)."""
     rng = np.random.default_rng(settings.seed + 11)
     started = clock()
-    takes = initial_takes(design, valid, initial_extra, per_strategy)
+    takes = initial_takes(design, valid, 0, per_strategy)
     done: dict[Key, int] = {}
     timed = TimedRounds()
     stopped_by = "census"
@@ -396,7 +397,6 @@ def run_sequential(
         "first_round_s": first_round_s,
         "budget_s": float(budget_s),
         "round_size": int(round_size),
-        "initial_extra": int(initial_extra),
         "initial_per_strategy": int(per_strategy),
         "retimed_micro_batches": len(set(timed.retimed)),
         "retimed_rule": RETIMED_RULE,
@@ -406,6 +406,34 @@ def run_sequential(
     return SequentialResult(
         steps, np.asarray(timed.optimizer, dtype=np.float64), estimates, record, done
     )
+
+
+def race(
+    runner: Any,
+    plans: pd.DataFrame,
+    settings: ReplaySettings,
+    valid: Sequence[str],
+    noise: tuple[float, float],
+    timing: tuple[tuple[float, float], float, int, int],
+    progress: bool = False,
+) -> tuple[Design, SequentialResult]:
+    """The design sized to the budget (sized_design) and raced (run_sequential): `noise` the
+    instrument's CV and its df, `timing` the measured unit (seconds, tokens), the budget in
+    seconds, the round size and the design's seed. The first round's sizing is in the record."""
+    unit, budget_s, round_size, seed = timing
+    design, sizing = sized_design(plans, settings, unit, budget_s, seed)
+    if sizing["strata"] < sizing["strata_configured"]:
+        LOG.info("first round: %d of %d strata per strategy (predicted %.0f s; budget %.0f s)",
+                 sizing["strata"], sizing["strata_configured"],
+                 sizing["first_round_predicted_s"], budget_s)  # fmt: skip
+    result = run_sequential(
+        runner, design, settings, valid, noise[0], noise[1], budget_s, round_size,
+        progress=progress, per_strategy=sizing["strata"] * settings.samples_per_stratum,
+    )  # fmt: skip
+    result.record["first_round"] = sizing
+    LOG.info("replayed %d micro-batches in %d round(s), stopped by %s", len(result.steps),
+             result.record["rounds"], result.record["stopped_by"])  # fmt: skip
+    return design, result
 
 
 RETIMED_RULE = (

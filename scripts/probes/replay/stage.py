@@ -41,7 +41,6 @@ from probes.replay.outputs import (
     steps_table,
 )
 from probes.replay.prepare import (
-    CPU_NOTE,
     ReplayError,
     ReplayPlan,
     invalid_strategies,
@@ -49,12 +48,7 @@ from probes.replay.prepare import (
     replay_dtype,
 )
 from probes.replay.reference import REFERENCE_RULE, Reference
-from probes.replay.sequential import (
-    MIN_SIZED_STRATA,
-    plans_table,
-    run_sequential,
-    sized_design,
-)
+from probes.replay.sequential import MIN_SIZED_STRATA, plans_table, race
 from probes.replay.step_changes import StepChanges, add_step_changes, priced_beside
 from probes.replay.strata import affordable_changes
 from probes.replay.timing import (
@@ -197,30 +191,21 @@ def time_plans(
     """The sequential design over the valid strategies the budget can decide (the others are
     added to `invalid`, each with what deciding it would take: strata.affordable_changes):
     (design, result); its strata as many as the budget affords the first round."""
-    settings, stage = plan.settings, plan.stage
+    stage = plan.stage
     # the budget is the stage's: what loading, the controls and the fit spent is gone, and the
     # combined configuration's own budget comes out of it
     budget_s = max(stage.budget_s - spent_s - stage.combined_budget_s, 0.0)
     plans = plans_to_time(plan, invalid, (unit, cv[0], budget_s), pricing, stage.plan_to_budget)
-    design, sizing = sized_design(plans, settings, unit, budget_s, settings.seed)
-    if sizing["strata"] < sizing["strata_configured"]:
-        LOG.info("first round: %d of %d strata per strategy (predicted %.0f s; budget_s %.0f s)",
-                 sizing["strata"], sizing["strata_configured"],
-                 sizing["first_round_predicted_s"], budget_s)  # fmt: skip
-    valid = [name for name in design.strategies if name not in invalid]
-    sequential = run_sequential(
-        runner, design, settings, valid, cv[0], cv[1], budget_s, 0,
-        stage.round_size, progress=progress,
-        per_strategy=sizing["strata"] * settings.samples_per_stratum,
-    )  # fmt: skip
-    sequential.record["first_round"] = sizing
-    LOG.info(
-        "replayed %d micro-batches in %d round(s), stopped by %s",
-        len(sequential.steps),
-        sequential.record["rounds"],
-        sequential.record["stopped_by"],
+    valid = [name for name in dict.fromkeys(plans["strategy"]) if name not in invalid]
+    return race(
+        runner,
+        plans,
+        plan.settings,
+        valid,
+        cv,
+        (unit, budget_s, stage.round_size, plan.settings.seed),
+        progress,
     )
-    return design, sequential
 
 
 def run_replay(
@@ -257,12 +242,9 @@ def run_replay(
         runner, plan, invalid, (cv, cv_df), unit, pricing, progress,
         time.perf_counter() - started,
     )  # fmt: skip
-    table = price(plan, sequential, invalid, fit, cv, changes, cfg.training.max_seq_len)
+    table = price(plan, sequential, invalid, pricing, cv, changes, cfg.training.max_seq_len)
     combined = time_combined(
         runner, plan, table, changes.changes, inputs, cfg, pricing, (cv, cv_df), unit, progress,
-        CPU_NOTE.format(cap=plan.max_len, max_seq_len=cfg.training.max_seq_len)
-        if plan.cpu_only
-        else None,
         sequential.record["elapsed_s"] - sequential.record["budget_s"],
     )  # fmt: skip
     table = with_combined(table, combined)

@@ -170,7 +170,6 @@ def _run(plans, cv, budget_s):
         cv,
         4.0,
         budget_s,
-        0,
         12,
         clock=lambda: clock[0],
     )
@@ -224,7 +223,7 @@ def run_with_one_spiked_unit(plans, runner_class, budget_s):
     runner = runner_class(cost, clock, [spiked])
     settings = ReplaySettings(3, 2, 100, ACCUM, seed=0, warmup=0, busy_samples_per_stratum=0)
     result = run_sequential(
-        runner, design, settings, list(design.strategies), 0.01, 4.0, budget_s, 0, 12,
+        runner, design, settings, list(design.strategies), 0.01, 4.0, budget_s, 12,
         clock=lambda: clock[0],
     )  # fmt: skip
     return result, spiked, cost
