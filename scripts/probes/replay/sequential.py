@@ -35,11 +35,10 @@ from probes.replay.greg import (
 )
 from probes.replay.outliers import OUTLIER_SPREADS, OUTLIER_TIMINGS, flagged_units, retime
 from probes.replay.strata import (
-    MIN_PER_STRATUM,
     grow_allocation,
     proxy_cost,
-    proxy_fixed,
     proxy_spread,
+    sized_strata,
     strategy_weights,
     stratum_orders,
     widest_first,
@@ -127,65 +126,6 @@ def with_twins(design: Design, takes: Mapping[Key, int]) -> dict[Key, int]:
             if n == name:
                 out[(pl.BASELINE, h)] = max(out.get((pl.BASELINE, h), 0), v)
     return out
-
-
-# sizing never goes below two strata: one stratum of 2 units per strategy (the trainer default on
-# CPU) failed the replay's coverage control (0.868 of simulated runs covered, 0.9 needed)
-MIN_SIZED_STRATA = 2
-
-
-def first_round_seconds(
-    plans: pd.DataFrame, n_strata: int, per_stratum: int, unit: tuple[float, float]
-) -> float:
-    """What round 1 with `n_strata` strata is predicted to take: `per_stratum` units (at least
-    MIN_PER_STRATUM) of every stratum of every strategy (all of a smaller plan), as
-    initial_takes grows it, each a new shape (timed once, warmed once: `unit` = seconds and
-    computed + loss tokens of the instrument's micro-batch, a baseline one), scaled by the
-    strategy's proxy cost (strata.proxy_cost) over the instrument's, both with the baseline
-    plan's fixed share."""
-    unit_s, unit_tokens = unit
-    baseline = plans[plans["strategy"] == pl.BASELINE]
-    instrument_cost = float(unit_tokens) + proxy_fixed(baseline if len(baseline) else plans)
-    total = 0.0
-    for _, plan in plans.groupby("strategy", sort=False):
-        units = min(len(plan), max(per_stratum, MIN_PER_STRATUM) * n_strata)
-        mean_cost = proxy_cost(plan, np.zeros(len(plan), dtype=np.int64))[0]
-        total += units * unit_s * mean_cost / instrument_cost
-    return total
-
-
-def sized_design(
-    plans: pd.DataFrame,
-    settings: ReplaySettings,
-    unit: tuple[float, float],
-    budget_s: float,
-    seed: int,
-) -> tuple[Design, dict[str, Any]]:
-    """The design with the most strata (at most ``settings.n_strata``, at least MIN_SIZED_STRATA
-    unless fewer are configured) whose first round the budget affords (first_round_seconds;
-    `unit`: seconds and tokens of a measured micro-batch with its warm-up). The first round
-    always runs, so without this a slow step (a trainer's on CPU) spends several budgets before
-    the first stop; with it: fewer strata, the same estimator, wider intervals. Returns the design
-    and what was sized, and why."""
-    unit_s, unit_tokens = unit
-    per_stratum = int(settings.samples_per_stratum)
-    configured = int(settings.n_strata)
-    strata = configured
-    predicted = first_round_seconds(plans, strata, per_stratum, unit)
-    while strata > MIN_SIZED_STRATA and predicted > budget_s:
-        strata -= 1
-        predicted = first_round_seconds(plans, strata, per_stratum, unit)
-    record = {
-        "strata": strata,
-        "strata_configured": configured,
-        "first_round_predicted_s": predicted,
-        "unit_s": float(unit_s),
-        "unit_tokens": float(unit_tokens),
-        "rule": "the most strata (<= configured, >= 2) whose first round (samples_per_stratum "
-        "per stratum of every strategy, each micro-batch warmed once, priced by its tokens from "
-        "a measured one) fits budget_s",
-    }
-    return build_design(plans, strata, seed), record
 
 
 def initial_takes(
@@ -371,7 +311,7 @@ def run_sequential(
             stopped_by = "census"
             break
         time_round(runner, design, units, settings, timed, cv, progress)
-        if timed.rounds == 1:  # what the sizing predicted (sized_design), measured
+        if timed.rounds == 1:  # what the sizing predicted (strata.sized_strata), measured
             first_round_s = float(clock() - started)
         done = dict(takes)
         estimates, _ = greg_estimate_all(
@@ -417,11 +357,12 @@ def race(
     timing: tuple[tuple[float, float], float, int, int],
     progress: bool = False,
 ) -> tuple[Design, SequentialResult]:
-    """The design sized to the budget (sized_design) and raced (run_sequential): `noise` the
+    """The design sized to the budget (strata.sized_strata) and raced (run_sequential): `noise` the
     instrument's CV and its df, `timing` the measured unit (seconds, tokens), the budget in
     seconds, the round size and the design's seed. The first round's sizing is in the record."""
     unit, budget_s, round_size, seed = timing
-    design, sizing = sized_design(plans, settings, unit, budget_s, seed)
+    sizing = sized_strata(plans, settings.n_strata, settings.samples_per_stratum, unit, budget_s)
+    design = build_design(plans, sizing["strata"], seed)
     if sizing["strata"] < sizing["strata_configured"]:
         LOG.info("first round: %d of %d strata per strategy (predicted %.0f s; budget %.0f s)",
                  sizing["strata"], sizing["strata_configured"],

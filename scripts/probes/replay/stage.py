@@ -48,9 +48,9 @@ from probes.replay.prepare import (
     replay_dtype,
 )
 from probes.replay.reference import REFERENCE_RULE, Reference
-from probes.replay.sequential import MIN_SIZED_STRATA, plans_table, race
+from probes.replay.sequential import plans_table, race
 from probes.replay.step_changes import StepChanges, add_step_changes, priced_beside
-from probes.replay.strata import affordable_changes
+from probes.replay.strata import MIN_SIZED_STRATA, affordable_changes
 from probes.replay.timing import (
     ReplayRunner,
     instrument_unit,

@@ -10,14 +10,8 @@ from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.contracts import TRAINING_STATUSES
 from probes.replay.coverage import SimulatedCost
-from probes.replay.sequential import (
-    build_design,
-    first_round_seconds,
-    new_units,
-    run_sequential,
-    sized_design,
-)
-from probes.replay.strata import grow_allocation
+from probes.replay.sequential import build_design, new_units, run_sequential
+from probes.replay.strata import first_round_seconds, grow_allocation, sized_strata
 from probes.replay.timing import ReplaySettings, instrument_unit
 
 MICRO, ACCUM, MAX_LEN = 2, 4, 64
@@ -93,7 +87,6 @@ def test_a_paired_change_whose_baseline_twins_ran_earlier_is_still_timed(plans):
 
 
 def test_the_first_round_gets_the_most_strata_its_budget_affords(plans):
-    settings = ReplaySettings(3, 2, 100, ACCUM, seed=0)
     strategies = plans["strategy"].nunique()
     tokens = plans["computed_tokens"] + plans["loss_tokens"]
     mean = float(tokens.mean())
@@ -103,21 +96,17 @@ def test_the_first_round_gets_the_most_strata_its_budget_affords(plans):
     assert first_round_seconds(plans, 3, 4, (1.0, mean)) == pytest.approx(
         2 * first_round_seconds(plans, 3, 2, (1.0, mean)), rel=0.05
     )
-    roomy, record = sized_design(plans, settings, (0.5, mean), budget_s=1e6, seed=0)
-    assert record["strata"] == 3 and roomy.sizes.keys() == build_design(plans, 3, 0).sizes.keys()
+    assert sized_strata(plans, 3, 2, (0.5, mean), budget_s=1e6)["strata"] == 3
     # two strata fit a budget that three do not; the record says what was predicted
     tight = first_round_seconds(plans, 2, 2, (0.5, mean)) * 1.01
     assert first_round_seconds(plans, 3, 2, (0.5, mean)) > tight
-    design, record = sized_design(plans, settings, (0.5, mean), budget_s=tight, seed=0)
+    record = sized_strata(plans, 3, 2, (0.5, mean), budget_s=tight)
     assert record["strata"] == 2 and record["strata_configured"] == 3
     assert record["first_round_predicted_s"] <= tight
-    assert {h for _, h in design.sizes} == {0, 1}
     # never fewer than two (one failed the coverage control): the first round always runs
-    _, record = sized_design(plans, settings, (100.0, mean), budget_s=1.0, seed=0)
-    assert record["strata"] == 2
+    assert sized_strata(plans, 3, 2, (100.0, mean), budget_s=1.0)["strata"] == 2
     # an instrument that did not time sizes nothing
-    _, record = sized_design(plans, settings, (0.0, 1.0), budget_s=1.0, seed=0)
-    assert record["strata"] == 3
+    assert sized_strata(plans, 3, 2, (0.0, 1.0), budget_s=1.0)["strata"] == 3
 
 
 def test_the_instrument_prices_a_new_shape_with_its_warm_up():

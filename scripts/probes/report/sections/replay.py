@@ -384,7 +384,7 @@ FIRST_ROUND_AGREES = (0.8, 1.25)
 
 
 def first_round_view(stopping: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The first round as sized (probes.replay.sequential.sized_design) and as measured: its
+    """The first round as sized (probes.replay.strata.sized_strata) and as measured: its
     strata, whether sizing cut them (and to the floor, still predicted past the budget), and
     whether the sizing model's predicted seconds and the round's measured ones disagree."""
     sizing = stopping.get("first_round")
