@@ -168,7 +168,7 @@ def test_stops_on_the_budget_when_undecided(plans):
     result = _run(plans, cv=0.3, budget_s=40.0)
     assert result.record["stopped_by"] == "budget"
     assert result.record["rounds"] >= 2 and result.record["elapsed_s"] <= 40.0 + 10
-    # the first round's own wall time, beside what sized_design predicted for it (the report)
+    # the first round's own wall time, beside what strata.sized_strata predicted for it (the report)
     assert 0 < result.record["first_round_s"] < result.record["elapsed_s"]
     assert len(result.steps) == result.record["timed_micro_batches"] == sum(result.takes.values())
 
