@@ -1,12 +1,15 @@
 """The replay's coverage control: is the model-assisted estimator's 95% interval honest?
 Timings simulated from a known cost (``SimulatedCost``, with terms the working model lacks)
 through the replay's own outlier rule and estimator, with the real run's allocation; the share
-of intervals covering the exact saving, per strategy, at the width the run reported.
+of intervals covering the exact saving, per strategy, at the width the run reported
+(``coverage_control``: with the real run's design, allocation, CV and unexplained spreads; it
+raises where the control fails).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -17,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from probes.batching import plans as pl
+from probes.errors import ControlFailedError
 from probes.replay.greg import (
     GregEstimate,
     StrategyDesign,
@@ -24,8 +28,11 @@ from probes.replay.greg import (
     greg_estimate_all,
     twin_pairs,
 )
-from probes.replay.outliers import OUTLIER_TIMINGS, flagged_units, robust_spread
-from probes.replay.sequential import Design
+from probes.replay.outliers import OUTLIER_TIMINGS, flagged_units, robust_spread, unit_residuals
+from probes.replay.prepare import ReplayPlan
+from probes.replay.sequential import Design, strategy_designs
+
+LOG = logging.getLogger("probes.replay")
 
 
 @dataclass(frozen=True)
@@ -377,3 +384,67 @@ def simulated_designs(
 def covers(estimate: GregEstimate, saving: float) -> bool:
     """Whether the estimate's saving interval holds `saving` (to rounding)."""
     return estimate.saving_low - 1e-12 <= saving <= estimate.saving_high + 1e-12
+
+
+def coverage_control(
+    design: Design, sequential: Any, cv: float, plan: ReplayPlan
+) -> dict[str, Any]:
+    """The same design and estimator on simulated timings of known cost at the measured CV;
+    raises when fewer than `replay.coverage.threshold` of the 95% intervals cover."""
+    coverage_cfg = plan.stage.coverage
+    coverage = run_coverage_control(
+        design,
+        sequential.takes,
+        max(cv, float(coverage_cfg.min_cv)),
+        len(sequential.optimizer_times),
+        int(coverage_cfg.replications),
+        plan.settings.seed + 3,
+        float(coverage_cfg.threshold),
+        max_width=plan.settings.max_width,
+        factors=paired_factors(sequential.estimates, design.paired),
+        unit_noise=unexplained_spread(design, sequential.steps, cv),
+    )
+    verdict = coverage.get("verdict", "passed" if coverage["passed"] else "failed")
+    LOG.info("coverage control %s: min coverage %.3f, widest mean interval %s pp", verdict,
+             coverage["observed"]["min_coverage"],
+             max(coverage["observed"].get("mean_width_pp", {}).values(), default=None))  # fmt: skip
+    if verdict == "failed":
+        raise ControlFailedError(
+            f"replay: coverage control failed (95% intervals cover the exact saving in fewer "
+            f"than {coverage_cfg.threshold} of simulated runs): "
+            f"{coverage['observed']['coverage']}, no output written"
+        )
+    return coverage
+
+
+def unexplained_spread(design: Design, steps: pd.DataFrame, cv: float) -> dict[str, float]:
+    """Per strategy, the relative spread of its timed units the working model leaves beyond
+    the instrument's CV (robust: 1.4826 × MAD of the centred residuals, in quadrature); for a
+    paired change, its pairs' spread (coverage.paired_spread)."""
+    from probes.replay.outliers import robust_spread
+
+    designs = strategy_designs(design, steps)
+    if not designs:
+        return {}
+    out = {}
+    for name, residual in unit_residuals(designs).items():
+        if name in design.paired and pl.BASELINE in designs:  # priced by its pairs
+            spread = paired_spread(designs[name], designs[pl.BASELINE], cv)
+            if spread is not None:
+                out[name] = spread
+        elif residual.size >= 3:
+            out[name] = math.sqrt(max(robust_spread(residual) ** 2 - cv**2, 0.0))
+    return out
+
+
+def paired_factors(estimates: Mapping[str, Any], paired: Any) -> dict[str, float]:
+    """Each paired change's measured micro-batch cost over the baseline's (the coverage
+    control simulates it at that ratio)."""
+    base = estimates.get(pl.BASELINE)
+    out = {}
+    for name in paired:
+        est = estimates.get(name)
+        if est is not None and base is not None and base.model_s > 0:
+            ratio = est.model_s / base.model_s
+            out[name] = ratio if math.isfinite(ratio) and ratio > 0 else 1.0
+    return out

@@ -30,7 +30,7 @@ from probes.contracts import STAGE_OUTPUTS
 from probes.errors import ControlFailedError
 from probes.replay.combined import all_steps, time_combined, with_combined
 from probes.replay.control import run_synthetic_control
-from probes.replay.coverage import paired_spread, run_coverage_control
+from probes.replay.coverage import coverage_control
 from probes.replay.estimate import FitPricing, fit_priced_time
 from probes.replay.outputs import (
     completed_control,
@@ -123,6 +123,19 @@ def measure_model(
         runner.reference = Reference(reference, float(instrument["mean_s"]), stage.reference_every)
         instrument["reference"] = REFERENCE_RULE.format(every=stage.reference_every)
     return fit, fit_points, loss_share, instrument
+
+
+def instrument_noise(
+    instrument: Mapping[str, Any], runner: ReplayRunner
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The instrument's CV (0 where it could not time) with its degrees of freedom, and the
+    unit the planning prices (timing.instrument_unit) with its share of the reference timings
+    beside it where units are priced against one."""
+    cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
+    unit = instrument_unit(instrument)
+    if runner.reference is not None:
+        unit = (unit[0] + runner.reference.mean_s / runner.reference.every, unit[1])
+    return (cv, max(instrument["repeats"] - 1.0, 1.0)), unit
 
 
 def plans_to_time(
@@ -231,13 +244,9 @@ def run_replay(
     runner, changes, dtype, described = load_replay_step(plan, cfg, inputs, model_path)
     invalid = {**invalid, **changes.invalid}  # padding-free where documents would mix
     fit, fit_points, loss_share, instrument = measure_model(runner, plan, cfg)
-    cv = instrument["cv"] if math.isfinite(instrument["cv"]) else 0.0
-    cv_df = max(instrument["repeats"] - 1.0, 1.0)
-    unit = instrument_unit(instrument)
-    if runner.reference is not None:  # each unit's share of the reference timings beside it
-        unit = (unit[0] + runner.reference.mean_s / runner.reference.every, unit[1])
-    invalid = dict(invalid)  # time_plans adds the changes the budget cannot decide
+    (cv, cv_df), unit = instrument_noise(instrument, runner)
     pricing = FitPricing(fit.fit, plan.micro, fit.low, fit.high)
+    # time_plans adds to `invalid` the changes the budget cannot decide
     design, sequential = time_plans(
         runner, plan, invalid, (cv, cv_df), unit, pricing, progress,
         time.perf_counter() - started,
@@ -305,66 +314,3 @@ def passed_or_raise(result: dict[str, Any], line: str, failure: str) -> dict[str
     if not result["passed"]:
         raise ControlFailedError(f"replay: {failure}, no output written")
     return result
-
-
-def coverage_control(design: Any, sequential: Any, cv: float, plan: ReplayPlan) -> dict[str, Any]:
-    """The same design and estimator on simulated timings of known cost at the measured CV;
-    raises when fewer than `replay.coverage.threshold` of the 95% intervals cover."""
-    coverage_cfg = plan.stage.coverage
-    coverage = run_coverage_control(
-        design,
-        sequential.takes,
-        max(cv, float(coverage_cfg.min_cv)),
-        len(sequential.optimizer_times),
-        int(coverage_cfg.replications),
-        plan.settings.seed + 3,
-        float(coverage_cfg.threshold),
-        max_width=plan.settings.max_width,
-        factors=paired_factors(sequential.estimates, design.paired),
-        unit_noise=unexplained_spread(design, sequential.steps, cv),
-    )
-    verdict = coverage.get("verdict", "passed" if coverage["passed"] else "failed")
-    LOG.info("coverage control %s: min coverage %.3f, widest mean interval %s pp", verdict,
-             coverage["observed"]["min_coverage"],
-             max(coverage["observed"].get("mean_width_pp", {}).values(), default=None))  # fmt: skip
-    if verdict == "failed":
-        raise ControlFailedError(
-            f"replay: coverage control failed (95% intervals cover the exact saving in fewer "
-            f"than {coverage_cfg.threshold} of simulated runs): "
-            f"{coverage['observed']['coverage']}, no output written"
-        )
-    return coverage
-
-
-def unexplained_spread(design: Any, steps: pd.DataFrame, cv: float) -> dict[str, float]:
-    """Per strategy, the relative spread of its timed units the working model leaves beyond
-    the instrument's CV (robust: 1.4826 × MAD of the centred residuals, in quadrature); for a
-    paired change, its pairs' spread (coverage.paired_spread)."""
-    from probes.replay.outliers import robust_spread, unit_residuals
-    from probes.replay.sequential import strategy_designs
-
-    designs = strategy_designs(design, steps)
-    if not designs:
-        return {}
-    out = {}
-    for name, residual in unit_residuals(designs).items():
-        if name in design.paired and pl.BASELINE in designs:  # priced by its pairs
-            spread = paired_spread(designs[name], designs[pl.BASELINE], cv)
-            if spread is not None:
-                out[name] = spread
-        elif residual.size >= 3:
-            out[name] = math.sqrt(max(robust_spread(residual) ** 2 - cv**2, 0.0))
-    return out
-
-
-def paired_factors(estimates: Mapping[str, Any], paired: Any) -> dict[str, float]:
-    """Each paired change's measured micro-batch cost over the baseline's (the coverage
-    control simulates it at that ratio)."""
-    base = estimates.get(pl.BASELINE)
-    out = {}
-    for name in paired:
-        est = estimates.get(name)
-        if est is not None and base is not None and base.model_s > 0:
-            ratio = est.model_s / base.model_s
-            out[name] = ratio if math.isfinite(ratio) and ratio > 0 else 1.0
-    return out

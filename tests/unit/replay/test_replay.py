@@ -17,6 +17,7 @@ from probes.config import fill_defaults, schema
 from probes.contracts import TRAINING_STATUSES
 from probes.errors import ControlFailedError
 from probes.io import read_json, write_json, write_parquet
+from probes.replay import coverage
 from probes.replay import prepare as rp
 from probes.replay import stage as rs
 from probes.replay.control import SyntheticCost, exact_epoch_s, run_synthetic_control
@@ -442,7 +443,7 @@ def test_failed_coverage_control_writes_nothing(tmp_path, tiny_model_dir, monkey
         "passed": False,
         "observed": {"min_coverage": 0.5, "coverage": {pl.GLOBAL_SORT: 0.5}},
     }
-    monkeypatch.setattr(rs, "run_coverage_control", lambda *a, **k: failed)
+    monkeypatch.setattr(coverage, "run_coverage_control", lambda *a, **k: failed)
     with pytest.raises(ControlFailedError, match="coverage control failed"):
         rs.run_replay(
             inputs, outputs, typed_config(_config(tiny_model_dir)), tiny_model_dir, progress=False
