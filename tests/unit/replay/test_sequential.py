@@ -10,7 +10,7 @@ from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.contracts import TRAINING_STATUSES
 from probes.replay.coverage import SimulatedCost
-from probes.replay.sequential import build_design, new_units, run_sequential
+from probes.replay.sequential import affordable_round, build_design, new_units, run_sequential
 from probes.replay.strata import first_round_seconds, grow_allocation, sized_strata
 from probes.replay.timing import ReplaySettings, instrument_unit
 
@@ -171,6 +171,14 @@ def test_stops_on_the_budget_when_undecided(plans):
     # the first round's own wall time, beside what strata.sized_strata predicted for it (the report)
     assert 0 < result.record["first_round_s"] < result.record["elapsed_s"]
     assert len(result.steps) == result.record["timed_micro_batches"] == sum(result.takes.values())
+
+
+def test_the_last_round_is_as_large_as_the_budget_still_affords():
+    # 40 micro-batches in 40 s: 1 s each, warm-ups and overhead included
+    assert affordable_round(40.0, 40, budget_s=100.0, round_size=12) == 12
+    assert affordable_round(40.0, 40, budget_s=47.5, round_size=12) == 7
+    assert affordable_round(40.0, 40, budget_s=41.9, round_size=12) == 0  # not even a pair
+    assert affordable_round(40.0, 40, budget_s=30.0, round_size=12) == 0
 
 
 def test_stops_on_the_decision_when_the_timings_are_exact(plans):
