@@ -966,7 +966,7 @@ def test_the_report_says_when_the_sizing_model_and_the_first_round_disagree(tmp_
 
 def test_the_first_screen_states_the_power_line_once(tmp_path):
     """Undecided changes: one line on the first screen with the timing that would decide them
-    at the target width and the key that buys it; none when everything was decided."""
+    at the target width and the key that buys it; when everything was decided, that it was."""
     paths = write_results(tmp_path / "results")
     control = read_json(paths["replay_control"])
     power = {
@@ -989,7 +989,12 @@ def test_the_first_screen_states_the_power_line_once(tmp_path):
     write_json({**control, "stopping": {**FIRST_ROUND, "power": {**power, "undecided": []}}},
                paths["replay_control"])  # fmt: skip
     run_report(paths, out)
-    assert "**Power:**" not in out.read_text()
+    summary = " ".join(section(out.read_text(), "Summary").split())
+    assert summary.count("**Power:**") == 1
+    assert (
+        "every change timed is decided at this budget (an interval that excludes 0, or lies "
+        "within ±5 pp): `replay.cpu.budget_s`, 2 min." in summary
+    )
 
 
 def test_more_budget_is_named_only_when_the_budget_stopped_the_timing():

@@ -314,13 +314,14 @@ def busy_view(control: Any) -> dict[str, Any] | None:
 
 def power_view(control: Any) -> dict[str, Any] | None:
     """The first screen's one power line (replay_control.json's stopping.power): how many
-    changes are undecided, the timing that would decide them at ±decide_within, and the key."""
+    changes are undecided (0: the budget decided every one), the timing that would decide them
+    at ±decide_within, and the key."""
     stopping = control.get("stopping") if isinstance(control, Mapping) else None
     power = stopping.get("power") if isinstance(stopping, Mapping) else None
-    if not isinstance(power, Mapping) or not power.get("undecided"):
+    if not isinstance(power, Mapping):
         return None
     return {
-        "undecided": len(power["undecided"]),
+        "undecided": len(power.get("undecided") or []),
         "seconds": finite(power.get("seconds_to_decide")),
         "target_pp": 100 * float(power.get("target_half_width") or 0.05),
         "key": power.get("key"),
