@@ -90,9 +90,9 @@ def time_combined(
     overrun_s: float = 0.0,
 ) -> CombinedResult:
     """Choose, build, time and price the combined configuration (or say why not); `overrun_s`:
-    how far the race ran
-    past its share of the stage's budget, which comes out of this one's (a race that spent it
-    all leaves none: on a slowing 2-core host the rule took 149 s of its 120 s with it)."""
+    how far the race ran past its share of the stage's budget, which comes out of this one's (a
+    race that spent it all leaves none: on a slowing 2-core host the rule took 149 s of its
+    120 s with it)."""
     stage = plan.stage
     if not stage.combined:
         return not_run("replay.combined is false")

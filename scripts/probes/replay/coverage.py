@@ -420,9 +420,7 @@ def coverage_control(
 def unexplained_spread(design: Design, steps: pd.DataFrame, cv: float) -> dict[str, float]:
     """Per strategy, the relative spread of its timed units the working model leaves beyond
     the instrument's CV (robust: 1.4826 × MAD of the centred residuals, in quadrature); for a
-    paired change, its pairs' spread (coverage.paired_spread)."""
-    from probes.replay.outliers import robust_spread
-
+    paired change, its pairs' spread (paired_spread)."""
     designs = strategy_designs(design, steps)
     if not designs:
         return {}

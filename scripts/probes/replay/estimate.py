@@ -1,6 +1,6 @@
 """Replay's per-strategy table: each strategy's epoch time and saving from the model-assisted
-(GREG) estimator (``probes.replay.greg``), its rank
-with ties, and the scaling fit's prediction beside it (a diagnostic, never outside its range).
+(GREG) estimator (``probes.replay.greg``), its rank with ties, and the scaling fit's prediction
+beside it (a diagnostic, never outside its range).
 
 What is estimated: an epoch's time, Σ over every micro-batch of the plan of the working model's
 prediction, corrected by the strategy's own residuals per stratum (strata are log-spaced bands of

@@ -1,11 +1,11 @@
 """Replay's sequential design: simple random samples within each strategy's strata, timed in
 rounds that interleave the strategies, grown where the variance is, until the decision is made
 or the time budget is spent (``run_sequential``), and priced by the model-assisted estimator
-(``probes.replay.estimate.greg_estimate_all``).
+(``probes.replay.greg.greg_estimate_all``).
 
 Round 1 times at least `per_strategy` units of every strategy (MIN_PER_STRATUM of every stratum,
-all of a smaller one, the rest by Neyman within the strategy); each
-later round adds `round_size` units by stratum size × the residual spread just measured.
+all of a smaller one, the rest by Neyman within the strategy); each later round adds
+`round_size` units by stratum size × the residual spread just measured.
 Later rounds time only the changes still undecided (greg.open_strategies: a race) and the
 baseline beside them. Strategies on the baseline's own micro-batches (step-level changes that
 keep them) are paired: the same micro-batches, timed back to back with the baseline's.
