@@ -1,6 +1,6 @@
 """Benchmark: the replay on a harness of exactly known cost, C + K·rows·T per micro-batch.
 
-The busy-wait harness of probes.replay.synthetic spins the known cost of each micro-batch's shape
+The busy-wait harness of probes.step.synthetic spins the known cost of each micro-batch's shape
 (rows × T; a packed micro-batch is one flattened row), here with its quadratic term off
 (a = 0), through the replay's own sampling, timing path and model-assisted estimator on the
 default run's plans (rebuilt as the stage rebuilds them, capped on CPU). For every strategy it
@@ -24,8 +24,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from probes.config import load_config  # noqa: E402
 from probes.replay import prepare as replay_prepare  # noqa: E402
-from probes.replay.control import SyntheticCost, run_synthetic_control  # noqa: E402
+from probes.replay.control import run_synthetic_control  # noqa: E402
 from probes.settings import WorkflowConfig  # noqa: E402
+from probes.step.synthetic import SyntheticCost  # noqa: E402
 
 
 def main() -> None:

@@ -476,19 +476,13 @@ def replay_tables(cpu_only: bool = False) -> dict[str, pd.DataFrame]:
     (probes.replay.sequential.first_round) 'timed' at a known synthetic cost (no clock), the
     per-strategy table (strategy_table) with the fit as its diagnostic, and the fit with
     bootstrap intervals (probes.step.fit.fit_with_intervals)."""
-    from probes.replay.control import SyntheticCost
+    from probes.batching.plans import batch_shape
     from probes.replay.estimate import FitPricing, strategy_table
     from probes.replay.greg import greg_estimate_all
     from probes.replay.sequential import build_design, first_round, strategy_designs
-    from probes.replay.timing import (
-        FIT_POINT,
-        MICRO_BATCH,
-        OPTIMIZER_STEP,
-        TIMER,
-        ReplaySettings,
-        batch_shape,
-    )
+    from probes.replay.timing import FIT_POINT, MICRO_BATCH, OPTIMIZER_STEP, TIMER, ReplaySettings
     from probes.step import fit as ft
+    from probes.step.synthetic import SyntheticCost
 
     plans = fixture_plans()
     cost = SyntheticCost.scaled_to(plans)
@@ -556,12 +550,12 @@ def realize_tables(
     steps 'timed' at the replay fixture's known cost (no clock) with 1% noise, scaled to what the
     replay measured; `disagree` makes the realized optimizer step 10× slower, so the change is not
     confirmed."""
+    from probes.batching.plans import batch_shape
     from probes.realize.estimate import realized_table
     from probes.realize.sample import sample_steps
     from probes.realize.stage import select_changes
     from probes.realize.timing import step_rows
-    from probes.replay.control import SyntheticCost, exact_epoch_s
-    from probes.replay.timing import batch_shape
+    from probes.step.synthetic import SyntheticCost, exact_epoch_s
 
     plans = fixture_plans()
     cost = SyntheticCost.scaled_to(plans)

@@ -393,3 +393,10 @@ def rehearsal_examples(examples: PlanExamples, cap: int, max_seq_len: int) -> Pl
     scaled = np.round(loss * lengths / full).astype(np.int64)
     loss = np.where(loss > 0, np.clip(scaled, 1, lengths), 0)
     return dataclasses.replace(examples, lengths=lengths, loss_tokens=loss)
+
+
+def batch_shape(row: Any) -> tuple[int, int]:
+    """(rows, length) of the tensor the model sees: rows × padded length, or one flattened row."""
+    if row.layout == PACKED:
+        return 1, int(row.computed_tokens)
+    return int(row.rows), int(row.padded_length)

@@ -1,5 +1,5 @@
 """Realize's positive control (``run_control``): the stage's own step sampling, step timing and
-estimator on a synthetic harness of known cost (probes.replay.synthetic.SyntheticCost) whose
+estimator on a synthetic harness of known cost (probes.step.synthetic.SyntheticCost) whose
 compute_loss and optimizer step advance a virtual clock by that cost, so every step's time, and
 the epoch's, is known exactly. Each checked strategy's estimated epoch time must be within
 `tolerance` of the exact one, and so must its optimizer phase (the phase clock's attribution).
@@ -25,12 +25,13 @@ import numpy as np
 import pandas as pd
 import torch
 
+from probes.batching.plans import batch_shape
 from probes.realize.estimate import epoch_estimates, step_auxiliaries
 from probes.realize.promise import step_promises
 from probes.realize.steps import StepTimer
 from probes.realize.timing import measure
-from probes.replay.synthetic import SyntheticCost, exact_epoch_s
-from probes.replay.timing import MICRO_BATCH, batch_shape
+from probes.replay.timing import MICRO_BATCH
+from probes.step.synthetic import SyntheticCost, exact_epoch_s
 from probes.step.timing import OK
 
 CONTROL_NAME = "realize_recovers_known_step_cost"

@@ -1,6 +1,6 @@
 """Replay's positive control, ``run_synthetic_control``: the same sampling, timing and estimator
 code on a synthetic harness whose step cost is a known function of the batch shape
-(``probes.replay.synthetic``); the estimate must recover the exact savings and the scaling fit
+(``probes.step.synthetic``); the estimate must recover the exact savings and the scaling fit
 the known coefficients. Its coverage control (the 95% intervals must cover the exact saving,
 timings simulated from a known cost) is ``probes.replay.coverage``.
 """
@@ -19,14 +19,8 @@ from probes.batching import plans as pl
 from probes.replay.estimate import strategy_table
 from probes.replay.greg import greg_estimate_all
 from probes.replay.sequential import build_design, first_round, strategy_designs
-from probes.replay.synthetic import SyntheticCost, exact_epoch_s, synthetic_runner
-from probes.replay.timing import (
-    ReplayRunner,
-    ReplaySettings,
-    batch_shape,
-    measure_fit,
-    run_sample,
-)
+from probes.replay.timing import ReplayRunner, ReplaySettings, measure_fit, run_sample
+from probes.step.synthetic import SyntheticCost, exact_epoch_s, synthetic_runner
 
 
 def fit_relative_errors(
@@ -50,7 +44,7 @@ def timing_overhead(
     the timed micro-batches, and over the optimizer steps. The busy-wait's true cost is the known
     one plus this constant (Python calls, the timer); on the default CPU run 13-35 µs per
     micro-batch, which moves packing's exact saving (fewer micro-batches) by ~0.2 pp."""
-    known = np.array([cost.micro_batch_s(*batch_shape(r)) for r in steps.itertuples()])
+    known = np.array([cost.micro_batch_s(*pl.batch_shape(r)) for r in steps.itertuples()])
     timed = steps["time_s"].to_numpy(dtype=np.float64)
     optimizer = np.asarray(optimizer_times, dtype=np.float64)
     return {

@@ -20,7 +20,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from probes.batching import plans as pl
 from probes.config import schema_default
 from probes.replay.reference import Reference, in_reference_seconds
 from probes.step import batches as bt
@@ -43,13 +42,6 @@ TIMER = "host wall between device synchronisations (probes.step.timing.wall_time
 # ---------------------------------------------------------------------------------------------
 # Shapes, batches and the runner
 # ---------------------------------------------------------------------------------------------
-
-
-def batch_shape(row: Any) -> tuple[int, int]:
-    """(rows, length) of the tensor the model sees: rows × padded length, or one flattened row."""
-    if row.layout == pl.PACKED:
-        return 1, int(row.computed_tokens)
-    return int(row.rows), int(row.padded_length)
 
 
 build_batch = bt.plan_batch  # the harness path's micro-batch of a plan row

@@ -18,8 +18,8 @@ from probes.realize import sample as sm
 from probes.realize import stage as rz
 from probes.realize.control import VirtualClock, run_control, virtual_runner
 from probes.realize.verdict import AGREES, DISAGREES
-from probes.replay.control import SyntheticCost, batch_shape, exact_epoch_s, synthetic_runner
 from probes.replay.timing import MICRO_BATCH, OPTIMIZER_STEP
+from probes.step.synthetic import SyntheticCost, exact_epoch_s, synthetic_runner
 
 MICRO, ACCUM, MAX_LEN, SAMPLE, WIDTH = 2, 2, 512, 12, 0.05
 
@@ -81,7 +81,7 @@ def replay_units(
         kind=MICRO_BATCH,
         status="OK",
         time_s=[
-            cost.micro_batch_s(*batch_shape(r)) * (1 + noise * z)
+            cost.micro_batch_s(*pl.batch_shape(r)) * (1 + noise * z)
             for r, z in zip(
                 picked.itertuples(),
                 np.random.default_rng(1).standard_normal(len(picked)),

@@ -12,8 +12,7 @@ import pytest
 from probes.batching import plans as pl
 from probes.io import read_provenance
 from probes.replay import stage as rs
-from probes.replay.control import SyntheticCost, exact_epoch_s
-from probes.replay.timing import batch_shape
+from probes.step.synthetic import SyntheticCost, exact_epoch_s
 from unit.replay.test_replay import ACCUM, _config, _stage_inputs, typed_config
 
 HEAD_S = 0.006  # the stock loss's extra cost at the largest padded micro-batch
@@ -47,7 +46,7 @@ def compute_loss(model, batch):
 
 def _head_per_token(plans: pd.DataFrame) -> float:
     padded = plans[plans["layout"] == pl.PADDED]
-    return HEAD_S / max(rows * length for rows, length in map(batch_shape, padded.itertuples()))
+    return HEAD_S / max(rows * length for rows, length in map(pl.batch_shape, padded.itertuples()))
 
 
 @pytest.mark.slow
@@ -69,7 +68,7 @@ def test_a_harness_whose_loss_kernel_has_a_known_cost_has_its_saving_inside_its_
     # the harness's step costs the known cost; the optimizer (LoRA's AdamW) is real and small
     exact = exact_epoch_s(plans, SyntheticCost(cost.a, cost.b, cost.c, 0.0), ACCUM)
     base = plans[plans["strategy"] == pl.BASELINE]
-    tokens = sum(rows * length for rows, length in map(batch_shape, base.itertuples()))
+    tokens = sum(rows * length for rows, length in map(pl.batch_shape, base.itertuples()))
     exact["loss_stock"] = exact[pl.BASELINE] + head * tokens
     saving = 1.0 - exact / exact[pl.BASELINE]
     assert saving["loss_stock"] < -0.1  # the stock loss really costs more
@@ -83,7 +82,7 @@ def test_a_harness_whose_loss_kernel_has_a_known_cost_has_its_saving_inside_its_
     stock = steps[(steps["strategy"] == "loss_stock") & (steps["status"] == "OK")]
     assert len(stock) >= 2
     for row in stock.itertuples():
-        rows, length = batch_shape(row)
+        rows, length = pl.batch_shape(row)
         floor = cost.micro_batch_s(rows, length) + head * rows * length
         assert min(row.times_s) >= floor, (rows, length)
     provenance = read_provenance(outputs["estimates"])

@@ -20,7 +20,7 @@ from probes.io import read_json, write_json, write_parquet
 from probes.replay import coverage
 from probes.replay import prepare as rp
 from probes.replay import stage as rs
-from probes.replay.control import SyntheticCost, exact_epoch_s, run_synthetic_control
+from probes.replay.control import run_synthetic_control
 from probes.replay.estimate import REPLAY_COLUMNS, FitPricing, rank_with_ties, strategy_table
 from probes.replay.greg import greg_estimate_all
 from probes.replay.sequential import build_design, first_round, strategy_designs
@@ -31,13 +31,13 @@ from probes.replay.timing import (
     OPTIMIZER_STEP,
     ReplayRunner,
     ReplaySettings,
-    batch_shape,
     build_batch,
     gpu_busy_share,
 )
 from probes.settings import WorkflowConfig
 from probes.step import fit
 from probes.step.load import load_step
+from probes.step.synthetic import SyntheticCost, exact_epoch_s
 
 MICRO, ACCUM, MAX_LEN = 2, 4, 512
 
@@ -61,7 +61,7 @@ def _first_round(plans, settings) -> pd.DataFrame:
 def _deterministic_steps(plans, settings, cost: SyntheticCost) -> pd.DataFrame:
     """The replay's sample with each micro-batch 'measured' at its exact known cost (no clock)."""
     sample = _first_round(plans, settings)
-    sample["time_s"] = [cost.micro_batch_s(*batch_shape(r)) for r in sample.itertuples()]
+    sample["time_s"] = [cost.micro_batch_s(*pl.batch_shape(r)) for r in sample.itertuples()]
     sample["status"] = "OK"
     sample["kind"] = MICRO_BATCH
     sample["gpu_busy_share"] = np.nan
@@ -297,7 +297,7 @@ def test_real_harness_runs_padded_and_packed_micro_batches(tiny_model_dir):
     )
     for row in (padded, packed):
         batch = build_batch(row, vocab, torch.Generator().manual_seed(0))
-        assert batch["input_ids"].shape == batch_shape(row)
+        assert batch["input_ids"].shape == pl.batch_shape(row)
         result = replay.time_micro_batch(row)
         assert result["status"] == "OK" and result["time_s"] > 0
     assert "position_ids" in build_batch(packed, vocab, torch.Generator().manual_seed(0))

@@ -19,11 +19,11 @@ from probes.batching import plans as pl
 from probes.bucket import control as bucket_controls
 from probes.io import write_json, write_parquet
 from probes.replay import stage as rs
-from probes.replay.control import SyntheticCost, exact_epoch_s
 from probes.replay.prepare import replay_dtype
-from probes.replay.timing import ReplayRunner, ReplaySettings, batch_shape, run_sample
+from probes.replay.timing import ReplayRunner, ReplaySettings, run_sample
 from probes.settings import TrainingConfig
 from probes.step.load import load_step
+from probes.step.synthetic import SyntheticCost, exact_epoch_s
 from unit.replay.test_replay import ACCUM, MICRO, _config, typed_config
 
 OVERHEAD_S = 0.004  # per micro-batch, inside the trainer's compute_loss
@@ -37,7 +37,7 @@ import datasets
 import torch
 import transformers
 
-from probes.replay.synthetic import busy_wait
+from probes.step.synthetic import busy_wait
 from probes.trainer import apply_settings
 
 LENGTHS = json.loads({lengths!r})
@@ -159,7 +159,7 @@ def trainer_own_cost(config, model_dir, plans: pd.DataFrame, cost: SyntheticCost
     sample = plans.sample(OWN_COST_SAMPLE, random_state=0).assign(stratum=0)
     settings = ReplaySettings(1, OWN_COST_SAMPLE, 0, ACCUM, warmup=0)
     steps, optimizer_times = run_sample(runner, sample, settings)
-    known = [cost.micro_batch_s(*batch_shape(row)) + OVERHEAD_S for row in steps.itertuples()]
+    known = [cost.micro_batch_s(*pl.batch_shape(row)) + OVERHEAD_S for row in steps.itertuples()]
     micro_batch_s = float(np.median(steps["time_s"].to_numpy() - np.asarray(known)))
     return SyntheticCost(0.0, 0.0, micro_batch_s, float(np.median(optimizer_times)))
 

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 
 from probes.batching import plans as pl
-from probes.replay.synthetic import busy_wait
 from probes.step import cold
 from probes.step import compile as cp
+from probes.step.synthetic import busy_wait
 
 COMPILE_S, EAGER_S, COMPILED_S = 0.2, 0.02, 0.01  # known: per new shape, per micro-batch
 GRAD_ACCUM = 4

@@ -1,4 +1,4 @@
-"""The replay's synthetic harness of known cost: a StepRunner whose compute_loss and optimizer
+"""A synthetic harness of known cost: a StepRunner whose compute_loss and optimizer
 step wait out a known function of the batch shape (``SyntheticCost``), and the analytic epoch
 time of a plan at that cost (``exact_epoch_s``). The replay's positive control
 (``probes.replay.control``) and the realize control time through it.
@@ -16,7 +16,6 @@ import pandas as pd
 import torch
 
 from probes.batching import plans as pl
-from probes.replay.timing import batch_shape
 
 SPIN_TAIL_S = 0.0003
 
@@ -65,7 +64,7 @@ class SyntheticCost:
         timer noise would test nothing); flattened packed rows may cost more."""
         padded = plans[plans["layout"] == pl.PADDED]
         shapes = np.array(
-            [batch_shape(r) for r in (padded if len(padded) else plans).itertuples()],
+            [pl.batch_shape(r) for r in (padded if len(padded) else plans).itertuples()],
             dtype=np.float64,
         )
         linear = float(np.max(shapes[:, 0] * shapes[:, 1]))
@@ -77,7 +76,7 @@ def exact_epoch_s(plans: pd.DataFrame, cost: SyntheticCost, grad_accum: int) -> 
     """The analytic epoch time of every strategy over its whole plan."""
     totals = {}
     for name, plan in plans.groupby("strategy", sort=False):
-        micro = sum(cost.micro_batch_s(*batch_shape(r)) for r in plan.itertuples())
+        micro = sum(cost.micro_batch_s(*pl.batch_shape(r)) for r in plan.itertuples())
         # a plan's own optimizer steps where it numbers them (a micro-batch-size change keeps
         # tokens per update with its own gradient accumulation), else grad_accum micro-batches each
         if "optimizer_step_index" in plan:
@@ -132,7 +131,7 @@ def synthetic_runner(cost: SyntheticCost) -> Any:
         return _SyntheticLoss(start + cost.micro_batch_s(int(rows), int(length)))
 
     harness = Harness(
-        spec="probes.replay.synthetic:synthetic",
+        spec="probes.step.synthetic:synthetic",
         module=sys.modules[__name__],
         source_file=__file__,
         discover_target_modules=lambda model: ["weight"],
