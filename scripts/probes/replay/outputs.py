@@ -5,7 +5,7 @@ control's rows for the report (``control_checks``), the provenance and the log's
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,25 @@ def cpu_note(plan: ReplayPlan, max_seq_len: int) -> str | None:
     return CPU_NOTE.format(cap=plan.max_len, max_seq_len=max_seq_len) if plan.cpu_only else None
 
 
+STEP_NOT_FITTED = (
+    "a step-level change: the scaling fit times the base step, so it cannot price a change to "
+    "the step itself"
+)
+
+
+def without_fit_price(table: pd.DataFrame, names: Collection[str]) -> pd.DataFrame:
+    """`table` with the scaling fit's prediction taken off the rows of `names` (changes to the
+    step, which the base step's fit would price as no saving at all and then call the
+    measurement wrong)."""
+    rows = table["strategy"].isin(list(names))
+    table = table.copy()
+    table.loc[rows, ["fit_predicted_saving", "fit_predicted_time_s"]] = float("nan")
+    table["fit_agrees"] = table["fit_agrees"].astype(object)
+    table.loc[rows, "fit_agrees"] = None
+    table.loc[rows, "fit_reason"] = STEP_NOT_FITTED
+    return table
+
+
 def price(
     plan: ReplayPlan,
     sequential: Any,
@@ -65,6 +84,7 @@ def price(
 ) -> pd.DataFrame:
     """Each strategy's estimate with its interval, its notes (step-level change, CPU cap)."""
     table = race_table(plan, plan.plans, sequential, invalid, pricing, cv)
+    table = without_fit_price(table, [c.strategy for c in changes.changes])
     titles = {c.strategy: f"step-level change: {c.title}" for c in changes.changes}
     notes = [
         f"{titles[s]}; {n}" if s in titles and n else titles.get(s, n)

@@ -150,6 +150,27 @@ def test_fit_never_prices_outside_its_measured_range(plans):
     assert "never extrapolated" in narrow.loc[pl.RANDOM, "fit_reason"]
 
 
+def test_the_fit_does_not_price_a_change_to_the_step(plans):
+    """The scaling fit times the base step: a step-level change on the baseline's micro-batches
+    would be priced at no saving and the measurement called wrong (the default run's report said
+    so of checkpointing and eager attention). Its row says why there is no fit price instead."""
+    from probes.replay.outputs import STEP_NOT_FITTED, without_fit_price
+
+    cost = SyntheticCost.scaled_to(plans)
+    truth = fit.fit_step_time(
+        [16, 64, 128, 256, MAX_LEN], [cost.micro_batch_s(2, t) for t in (16, 64, 128, 256, MAX_LEN)]
+    )
+    table = _table(plans, pricing=FitPricing(truth, MICRO, 1, MAX_LEN)).reset_index()
+    assert table.set_index("strategy").loc[pl.GLOBAL_SORT, "fit_agrees"] is not None
+    out = without_fit_price(table, [pl.GLOBAL_SORT]).set_index("strategy")
+    assert np.isnan(out.loc[pl.GLOBAL_SORT, "fit_predicted_saving"])
+    assert out.loc[pl.GLOBAL_SORT, "fit_agrees"] is None
+    assert out.loc[pl.GLOBAL_SORT, "fit_reason"] == STEP_NOT_FITTED
+    assert out.loc[pl.LENGTH_GROUPED, "fit_predicted_saving"] == pytest.approx(
+        table.set_index("strategy").loc[pl.LENGTH_GROUPED, "fit_predicted_saving"]
+    )
+
+
 def test_fit_with_intervals_recovers_known_coefficients():
     lengths = np.repeat([32, 64, 128, 256, 512], 4)
     rng = np.random.default_rng(0)
