@@ -1,10 +1,12 @@
-"""The replay stage: measured epoch time of every batching strategy, with intervals.
+"""The replay stage: measured epoch time of every change (batching and step-level), with
+intervals.
 
-Order of work: the device, plans and settings (probes.replay.prepare) -> positive control
-(synthetic harness, cheap, fails fast) -> idle-card check -> load weights -> the user's harness
--> scaling fit over the data's own lengths -> the stratified replay of every strategy's plan ->
-the combined configuration -> coverage control -> outputs (probes.replay.outputs; written
-all-or-nothing).
+Order of work (``run_replay``): the device, plans and settings (probes.replay.prepare) ->
+positive control (the step of known cost, cheap, fails fast) -> idle-card check -> the user's
+step with its step-level changes -> scaling fit over the data's own lengths and the instrument's
+CV -> the changes the budget can decide, raced (probes.replay.sequential.race) -> the combined
+configuration, raced beside the baseline (probes.replay.combined) -> coverage control
+(probes.replay.coverage) -> outputs (probes.replay.outputs; written all-or-nothing).
 
 On CPU (no GPU, profile.allow_cpu) the plans are rebuilt with every length scaled by
 ``replay.cpu.max_seq_len`` / ``training.max_seq_len`` (a rehearsal of the data's shape), so the
