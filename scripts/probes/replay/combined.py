@@ -20,7 +20,7 @@ import pandas as pd
 from probes.batching import plans as pl
 from probes.io import read_json, read_provenance
 from probes.replay.estimate import FitPricing, ranked
-from probes.replay.outputs import cpu_note, race_table, without_fit_price
+from probes.replay.outputs import cpu_note, race_table
 from probes.replay.sequential import plans_table, race
 from probes.settings import TrainingConfig, WorkflowConfig
 from probes.step import combined as cb
@@ -120,9 +120,8 @@ def time_combined(
         runner, pair, settings, [pl.BASELINE, combination.name], cv,
         (unit, budget_s, stage.round_size, settings.seed + 5), progress,
     )  # fmt: skip
-    priced = race_table(plan, pair, result, {}, pricing, cv[0])
-    if combination.steps:
-        priced = without_fit_price(priced, [combination.name])
+    step_level = [combination.name] if combination.steps else []
+    priced = race_table(plan, pair, result, {}, pricing, cv[0], step_level)
     row = priced[priced["strategy"] == combination.name].copy()
     note = (
         f"combined configuration ({', '.join((combination.batching, *combination.steps))}): "

@@ -11,7 +11,7 @@ the tokens a micro-batch computes over), + optimizer steps × the mean optimizer
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -107,10 +107,11 @@ def strategy_table(
     greg: Mapping[str, GregEstimate],
     stopped_by: str | None = None,
     instrument_cv: float | None = None,
+    step_level: Collection[str] = (),
 ) -> pd.DataFrame:
-    """One row per strategy (REPLAY_COLUMNS): estimate, interval, saving, rank, fit prediction;
-    the estimates and intervals are `greg`'s (greg_estimate_all), for the strategies whose
-    every sampled micro-batch timed."""
+    """One row per strategy (REPLAY_COLUMNS): estimate, interval, saving, rank, fit prediction
+    (none for the `step_level` strategies: STEP_NOT_FITTED); the estimates and intervals are
+    `greg`'s (greg_estimate_all), for the strategies whose every sampled micro-batch timed."""
     summary = pl.plan_summary(plans).set_index("strategy")
     ok_steps = steps[steps["kind"] == MICRO_BATCH]
     invalid = _with_failed_samples(invalid, ok_steps)
@@ -138,6 +139,7 @@ def strategy_table(
             "stopped_by": stopped_by,
             "instrument_cv": float("nan") if instrument_cv is None else float(instrument_cv),
         },
+        step_level=frozenset(step_level),
     )
     rows = [_strategy_row(name, estimates.get(name), context) for name in summary.index]
     return ranked(pd.DataFrame(rows))
@@ -157,6 +159,7 @@ class _TableContext:
     base: GregEstimate | None
     invalid: Mapping[str, str]
     extra: Mapping[str, object]  # columns with one value for the whole table
+    step_level: Collection[str] = ()  # changes to the step: the base step's fit cannot price them
 
 
 def _with_failed_samples(invalid: Mapping[str, str] | None, ok_steps: pd.DataFrame) -> dict:
@@ -186,8 +189,23 @@ def _fit_baseline(
     return time_s
 
 
+STEP_NOT_FITTED = (
+    "a step-level change: the scaling fit times the base step, so it cannot price a change to "
+    "the step itself"
+)
+
+
 def _fit_columns(name: str, info: pd.Series, context: _TableContext, saving: tuple) -> dict:
-    """The scaling fit's prediction (a diagnostic) and whether it lies in the interval."""
+    """The scaling fit's prediction (a diagnostic) and whether it lies in the interval; none for
+    a change to the step (the base step's fit would price it at no saving and then call the
+    measurement wrong)."""
+    if name in context.step_level:
+        return {
+            "fit_predicted_saving": float("nan"),
+            "fit_predicted_time_s": float("nan"),
+            "fit_agrees": None,
+            "fit_reason": STEP_NOT_FITTED,
+        }
     fit_time, fit_reason = fit_priced_time(
         context.plans[context.plans["strategy"] == name],
         context.pricing,

@@ -41,36 +41,20 @@ def race_table(
     invalid: Mapping[str, str],
     pricing: FitPricing,
     cv: float,
+    step_level: Collection[str] = (),
 ) -> pd.DataFrame:
-    """The per-strategy table of a race (sequential.race's result) over `plans`."""
+    """The per-strategy table of a race (sequential.race's result) over `plans`; `step_level`:
+    the strategies that change the step (no scaling-fit price)."""
     return strategy_table(
         plans, race.steps, race.optimizer_times, plan.settings, invalid, pricing, plan.cpu_only,
         plan.max_len, greg=race.estimates, stopped_by=race.record["stopped_by"], instrument_cv=cv,
+        step_level=step_level,
     )  # fmt: skip
 
 
 def cpu_note(plan: ReplayPlan, max_seq_len: int) -> str | None:
     """The CPU rehearsal's label every row of the table carries (None on a GPU)."""
     return CPU_NOTE.format(cap=plan.max_len, max_seq_len=max_seq_len) if plan.cpu_only else None
-
-
-STEP_NOT_FITTED = (
-    "a step-level change: the scaling fit times the base step, so it cannot price a change to "
-    "the step itself"
-)
-
-
-def without_fit_price(table: pd.DataFrame, names: Collection[str]) -> pd.DataFrame:
-    """`table` with the scaling fit's prediction taken off the rows of `names` (changes to the
-    step, which the base step's fit would price as no saving at all and then call the
-    measurement wrong)."""
-    rows = table["strategy"].isin(list(names))
-    table = table.copy()
-    table.loc[rows, ["fit_predicted_saving", "fit_predicted_time_s"]] = float("nan")
-    table["fit_agrees"] = table["fit_agrees"].astype(object)
-    table.loc[rows, "fit_agrees"] = None
-    table.loc[rows, "fit_reason"] = STEP_NOT_FITTED
-    return table
 
 
 def price(
@@ -83,8 +67,8 @@ def price(
     max_seq_len: int,
 ) -> pd.DataFrame:
     """Each strategy's estimate with its interval, its notes (step-level change, CPU cap)."""
-    table = race_table(plan, plan.plans, sequential, invalid, pricing, cv)
-    table = without_fit_price(table, [c.strategy for c in changes.changes])
+    step_level = [c.strategy for c in changes.changes]
+    table = race_table(plan, plan.plans, sequential, invalid, pricing, cv, step_level)
     titles = {c.strategy: f"step-level change: {c.title}" for c in changes.changes}
     notes = [
         f"{titles[s]}; {n}" if s in titles and n else titles.get(s, n)

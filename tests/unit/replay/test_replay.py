@@ -106,7 +106,7 @@ def test_ranking_reports_overlapping_intervals_as_ties():
 # --- the table: validity, tokens per update, the fit as a diagnostic --------------------------
 
 
-def _table(plans, invalid=None, pricing=None):
+def _table(plans, invalid=None, pricing=None, step_level=()):
     cost = SyntheticCost.scaled_to(plans)
     settings = ReplaySettings(6, 4, 500, ACCUM, seed=0)
     steps = _deterministic_steps(plans, settings, cost)
@@ -114,8 +114,9 @@ def _table(plans, invalid=None, pricing=None):
     designs = strategy_designs(build_design(plans, settings.n_strata, settings.seed), steps)
     greg, _ = greg_estimate_all(designs, optimizer, 0.0, float("inf"))
     return strategy_table(
-        plans, steps, optimizer, settings, invalid, pricing, True, MAX_LEN, greg=greg
-    ).set_index("strategy")
+        plans, steps, optimizer, settings, invalid, pricing, True, MAX_LEN, greg=greg,
+        step_level=step_level,
+    ).set_index("strategy")  # fmt: skip
 
 
 def test_table_columns_validity_and_same_tokens_per_update(plans):
@@ -154,20 +155,21 @@ def test_the_fit_does_not_price_a_change_to_the_step(plans):
     """The scaling fit times the base step: a step-level change on the baseline's micro-batches
     would be priced at no saving and the measurement called wrong (the default run's report said
     so of checkpointing and eager attention). Its row says why there is no fit price instead."""
-    from probes.replay.outputs import STEP_NOT_FITTED, without_fit_price
+    from probes.replay.estimate import STEP_NOT_FITTED
 
     cost = SyntheticCost.scaled_to(plans)
     truth = fit.fit_step_time(
         [16, 64, 128, 256, MAX_LEN], [cost.micro_batch_s(2, t) for t in (16, 64, 128, 256, MAX_LEN)]
     )
-    table = _table(plans, pricing=FitPricing(truth, MICRO, 1, MAX_LEN)).reset_index()
-    assert table.set_index("strategy").loc[pl.GLOBAL_SORT, "fit_agrees"] is not None
-    out = without_fit_price(table, [pl.GLOBAL_SORT]).set_index("strategy")
-    assert np.isnan(out.loc[pl.GLOBAL_SORT, "fit_predicted_saving"])
-    assert out.loc[pl.GLOBAL_SORT, "fit_agrees"] is None
-    assert out.loc[pl.GLOBAL_SORT, "fit_reason"] == STEP_NOT_FITTED
-    assert out.loc[pl.LENGTH_GROUPED, "fit_predicted_saving"] == pytest.approx(
-        table.set_index("strategy").loc[pl.LENGTH_GROUPED, "fit_predicted_saving"]
+    pricing = FitPricing(truth, MICRO, 1, MAX_LEN)
+    priced = _table(plans, pricing=pricing)
+    assert priced.loc[pl.GLOBAL_SORT, "fit_agrees"] is not None  # a padded plan it can price
+    table = _table(plans, pricing=pricing, step_level=[pl.GLOBAL_SORT])
+    assert np.isnan(table.loc[pl.GLOBAL_SORT, "fit_predicted_saving"])
+    assert table.loc[pl.GLOBAL_SORT, "fit_agrees"] is None
+    assert table.loc[pl.GLOBAL_SORT, "fit_reason"] == STEP_NOT_FITTED
+    assert table.loc[pl.LENGTH_GROUPED, "fit_predicted_saving"] == pytest.approx(
+        priced.loc[pl.LENGTH_GROUPED, "fit_predicted_saving"]
     )
 
 

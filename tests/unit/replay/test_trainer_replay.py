@@ -204,6 +204,11 @@ def test_a_trainers_known_cost_saving_lies_inside_every_interval(tmp_path, tiny_
         row = table.loc[name]
         assert row["saving_ci_low"] - 0.02 <= saving[name] <= row["saving_ci_high"] + 0.02, name
     assert saving.drop(pl.BASELINE).abs().max() > 0.1  # the strategies really differ
+    # the base step's scaling fit prices no change to the step (the stage passes them on)
+    from probes.replay.estimate import STEP_NOT_FITTED
+
+    for name in ("gradient_checkpointing_on", "attention_eager"):
+        assert table.loc[name, "fit_reason"] == STEP_NOT_FITTED, name
     print(f"trainer's own cost: {run.own.c * 1e3:.2f} ms per micro-batch, "
           f"{run.own.optimizer_s * 1e3:.2f} ms per optimizer step")  # fmt: skip
     shown = pd.DataFrame(
