@@ -16,7 +16,6 @@ missed its exact epoch by 5 to 15% with 16 to 64 sampled steps.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +30,7 @@ from probes.realize.promise import step_promises
 from probes.realize.steps import StepTimer
 from probes.realize.timing import measure
 from probes.replay.timing import MICRO_BATCH
-from probes.step.synthetic import SyntheticCost, exact_epoch_s
+from probes.step.synthetic import SyntheticCost, exact_epoch_s, known_cost_runner
 from probes.step.timing import OK
 
 CONTROL_NAME = "realize_recovers_known_step_cost"
@@ -68,9 +67,6 @@ def virtual_runner(
     """A StepRunner whose compute_loss advances `clock` by the micro-batch's known cost (times
     1 + `noise`·z, z standard normal: a timing's relative noise) and whose optimizer step by
     the optimizer's."""
-    from probes.step.harness import Harness
-    from probes.step.runner import StepRunner
-
     rng = np.random.default_rng(seed)
 
     def compute_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> _NoLoss:
@@ -79,16 +75,11 @@ def virtual_runner(
         clock.now += cost.micro_batch_s(int(rows), int(length)) * factor
         return _NoLoss()
 
-    harness = Harness(
-        spec="probes.realize.control:virtual",
-        module=sys.modules[__name__],
-        source_file=__file__,
-        discover_target_modules=lambda model: ["weight"],
-        compute_loss=compute_loss,
-    )
     model = torch.nn.Linear(1, 1)
     optimizer = _VirtualOptimizer(model.parameters(), clock, cost.optimizer_s)
-    return StepRunner(model, harness, optimizer, torch.device("cpu"))
+    return known_cost_runner(
+        compute_loss, optimizer, model, "probes.realize.control:virtual", __name__
+    )
 
 
 def control_promises(

@@ -119,24 +119,36 @@ class _BusyOptimizer(torch.optim.SGD):
         wait_until(getattr(self, "deadline", 0.0))  # step + zero_grad end at the known cost
 
 
+def known_cost_runner(
+    compute_loss: Any, optimizer: Any, model: torch.nn.Module, spec: str, module: str
+) -> Any:
+    """A StepRunner on CPU over a harness of one `compute_loss` (the known cost's), its
+    `optimizer` over `model`: the steps of known cost the controls time (`spec` and `module`:
+    the harness's name and the module that defines it)."""
+    from probes.step.harness import Harness
+    from probes.step.runner import StepRunner
+
+    harness = Harness(
+        spec=spec,
+        module=sys.modules[module],
+        source_file=sys.modules[module].__file__,
+        discover_target_modules=lambda model: ["weight"],
+        compute_loss=compute_loss,
+    )
+    return StepRunner(model, harness, optimizer, torch.device("cpu"))
+
+
 def synthetic_runner(cost: SyntheticCost) -> Any:
     """A StepRunner over a synthetic harness: compute_loss spins for the known cost of the batch
     shape it is given, the optimizer step for the known optimizer cost."""
-    from probes.step.harness import Harness
-    from probes.step.runner import StepRunner
 
     def compute_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> _SyntheticLoss:
         start = time.perf_counter()
         rows, length = batch["input_ids"].shape
         return _SyntheticLoss(start + cost.micro_batch_s(int(rows), int(length)))
 
-    harness = Harness(
-        spec="probes.step.synthetic:synthetic",
-        module=sys.modules[__name__],
-        source_file=__file__,
-        discover_target_modules=lambda model: ["weight"],
-        compute_loss=compute_loss,
-    )
     model = _SyntheticModel()
     optimizer = _BusyOptimizer(model.parameters(), cost.optimizer_s)
-    return StepRunner(model, harness, optimizer, torch.device("cpu"))
+    return known_cost_runner(
+        compute_loss, optimizer, model, "probes.step.synthetic:synthetic", __name__
+    )
