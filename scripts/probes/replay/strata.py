@@ -164,11 +164,11 @@ def sized_strata(
     plans: pd.DataFrame, n_strata: int, per_stratum: int, unit: tuple[float, float], budget_s: float
 ) -> dict[str, Any]:
     """The most strata (at most `n_strata`, at least MIN_SIZED_STRATA unless fewer are
-    configured) whose first round the budget affords (first_round_seconds;
-    `unit`: seconds and tokens of a measured micro-batch with its warm-up). The first round
-    always runs, so without this a slow step (a trainer's on CPU) spends several budgets before
-    the first stop; with it: fewer strata, the same estimator, wider intervals. Returns what was
-    sized ("strata"), and why."""
+    configured) whose first round the budget affords (first_round_seconds; `unit`: seconds and
+    tokens of a measured micro-batch with its warm-up). The first round always runs, so without
+    this a slow step (a trainer's on CPU) spends several budgets before the first stop; with it:
+    fewer strata, the same estimator, wider intervals. Returns what was sized ("strata"), and
+    why."""
     unit_s, unit_tokens = unit
     configured = int(n_strata)
     strata = configured
